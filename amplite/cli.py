@@ -1,0 +1,211 @@
+"""The ``amplite`` command line: parses options, calls the library once, prints the result.
+
+Exit codes: 0 success (and verification passed), 1 converted but verification failed (or, for
+``migrate --check``, files would change), 2 bad input or usage, 3 internal error.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from amplite.errors import AmpliteError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Ahead-of-time mixed precision for PyTorch models, with a verification report.",
+)
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+ModelArg = Annotated[Path, typer.Argument(help="Model file: .pt2, TorchScript, state dict or pickled module.")]
+Precision = Annotated[str, typer.Option("--precision", "-p", help="fp16 or bf16.")]
+LevelOpt = Annotated[
+    Optional[str], typer.Option("--level", "-l", help="O0-O3 (default: $AMPLITE_LEVEL, else O1).")
+]
+InputOpt = Annotated[
+    list[str], typer.Option("--input", help="NAME:SHAPE:DTYPE[lo,hi), e.g. ids:2x128:int64[0,30522). Repeatable.")
+]
+InputsFile = Annotated[Optional[Path], typer.Option("--inputs", help="Inputs file (torch.save, .npz, .safetensors).")]
+KeepOpt = Annotated[list[str], typer.Option("--keep-fp32", help="Keep FP32: op:, module:, node: or any glob.")]
+LowOpt = Annotated[list[str], typer.Option("--force-low", help="Force low precision (same patterns).")]
+TrustOpt = Annotated[bool, typer.Option("--trust-pickle", help="Allow unpickling (runs code from the file).")]
+FactoryOpt = Annotated[Optional[str], typer.Option("--model-factory", help="module:callable for a state dict.")]
+DynOpt = Annotated[bool, typer.Option("--dynamic-batch", help="Make dim 0 of every input dynamic.")]
+IoOpt = Annotated[bool, typer.Option("--low-precision-io", help="Inputs and outputs in the low dtype too.")]
+FuseOpt = Annotated[bool, typer.Option("--fuse-contractions", help="Fuse matmul chains into amplite::contract.")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
+
+
+def _run(debug: bool, body: Callable[[], int]) -> None:
+    """Run a command body; turn errors into one line and an exit code."""
+    try:
+        code = body()
+    except AmpliteError as exc:
+        if debug:
+            traceback.print_exc()
+        err.print(f"[bold red]error:[/] {exc.one_line()}", soft_wrap=True)
+        raise typer.Exit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        raise typer.Exit(130) from None
+    except Exception as exc:
+        if debug:
+            traceback.print_exc()
+        err.print(
+            f"[bold red]internal error:[/] {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            " — fix: re-run with --debug and report it",
+            soft_wrap=True,
+        )
+        raise typer.Exit(3) from None
+    raise typer.Exit(code)
+
+
+def _inputs(specs: list[str], inputs_file: Path | None) -> Any:
+    """Example inputs from ``--inputs FILE`` and/or ``--input`` specs (specs add keyword inputs)."""
+    from amplite.converter.inputs import inputs_from_specs, load_inputs_file
+
+    inputs = load_inputs_file(inputs_file) if inputs_file is not None else None
+    if specs:
+        _, named = inputs_from_specs(specs)
+        inputs = ((), named) if inputs is None else (inputs[0], {**inputs[1], **named})
+    return inputs
+
+
+@app.command()
+def convert(
+    model: ModelArg,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output .pt2 path.")] = None,
+    precision: Precision = "fp16",
+    level: LevelOpt = None,
+    input: InputOpt = [],  # noqa: A002, B006
+    inputs: InputsFile = None,
+    keep_fp32: KeepOpt = [],  # noqa: B006
+    force_low: LowOpt = [],  # noqa: B006
+    report: Annotated[Optional[Path], typer.Option("--report", help="Report JSON path.")] = None,
+    trust_pickle: TrustOpt = False,
+    model_factory: FactoryOpt = None,
+    dynamic_batch: DynOpt = False,
+    low_precision_io: IoOpt = False,
+    fuse_contractions: FuseOpt = False,
+    no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip numeric verification.")] = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Convert MODEL to mixed precision, verify it and write the .pt2 and a JSON report."""
+
+    def body() -> int:
+        from amplite.converter import emit
+        from amplite.converter.api import convert as convert_model
+        from amplite.policy import resolve_level
+
+        lvl = resolve_level(level)
+        dest = output or model.with_name(f"{model.name.split('.')[0]}.{precision}.{lvl.value}.pt2")
+        emit.format_for(dest)
+        emit.check_writable(dest)
+        report_path = report or dest.with_name(dest.name.removesuffix(dest.suffix) + ".report.json")
+        emit.check_writable(report_path)
+        result = convert_model(
+            model, _inputs(input, inputs), precision=precision, level=lvl, keep_fp32=keep_fp32, force_low=force_low, trust_pickle=trust_pickle,
+            model_factory=model_factory, dynamic_batch=dynamic_batch, low_precision_io=low_precision_io,
+            fuse_contractions=fuse_contractions, verify=not no_verify,
+        )  # fmt: skip
+        result.save(dest)
+        result.report.save(report_path)
+        print_summary(result.report.data, dest, report_path)
+        return 0 if result.passed is not False else 1
+
+    _run(debug, body)
+
+
+@app.command()
+def inspect(
+    model: ModelArg,
+    precision: Precision = "fp16",
+    level: LevelOpt = None,
+    input: InputOpt = [],  # noqa: A002, B006
+    inputs: InputsFile = None,
+    keep_fp32: KeepOpt = [],  # noqa: B006
+    force_low: LowOpt = [],  # noqa: B006
+    trust_pickle: TrustOpt = False,
+    model_factory: FactoryOpt = None,
+    only: Annotated[Optional[str], typer.Option("--only", help="Show only low, fp32 or follow nodes.")] = None,
+    debug: DebugOpt = False,
+) -> None:
+    """Print the precision plan (node, op, dtype, reason) without writing any file."""
+
+    def body() -> int:
+        from amplite.converter.api import convert as convert_model
+
+        result = convert_model(
+            model, _inputs(input, inputs), precision=precision, level=level, keep_fp32=keep_fp32, force_low=force_low, trust_pickle=trust_pickle,
+            model_factory=model_factory, verify=False,
+        )  # fmt: skip
+        print_plan(result.report.data, only)
+        return 0
+
+    _run(debug, body)
+
+
+def print_plan(data: dict[str, Any], only: str | None) -> None:
+    """The plan table of ``inspect``."""
+    table = Table(title=f"precision plan ({data['config']['precision']}, {data['config']['level']})")
+    for col in ("node", "op", "module", "dtype", "reason"):
+        table.add_column(col, overflow="fold")
+    for row in data["plan"]:
+        if only and row["mode"] != only:
+            continue
+        table.add_row(row["node"], row["op"], row["module"], row["dtype"] or "-", row["reason"])
+    out.print(table)
+    after = data["graph"]["after"]
+    out.print(f"nodes by dtype: {after['nodes_by_dtype']}  casts: {after['casts']}")
+
+
+def print_summary(data: dict[str, Any], dest: Path, report_path: Path) -> None:
+    """The short summary ``convert`` prints."""
+    cfg, graph, weights = data["config"], data["graph"]["after"], data["weights"]
+    table = Table(title=f"amplite {cfg['precision']} {cfg['level']}: {data['source']['path'] or 'module'}")
+    table.add_column("what")
+    table.add_column("value", overflow="fold")
+    table.add_row("nodes by dtype", ", ".join(f"{k} {v}" for k, v in graph["nodes_by_dtype"].items()))
+    table.add_row("casts in graph", str(graph["casts"]))
+    table.add_row("low-precision FLOP share", f"{graph['low_precision_flop_share']:.1%}")
+    table.add_row("FP32 islands", str(len(data["fp32_nodes"])))
+    table.add_row(
+        "weights", f"{weights['bytes_before'] / 1e6:.2f} MB → {weights['bytes_after'] / 1e6:.2f} MB "
+        f"({weights['ratio']:.2f}×)"
+    )
+    t = data["timings"]
+    table.add_row("time (s)", ", ".join(f"{k} {v:.2f}" for k, v in t.items()))
+    out.print(table)
+    verification = data.get("verification")
+    if verification:
+        vt = Table(title="verification against FP32 (example inputs)")
+        for col in ("output", "max abs", "max rel", "cosine", "SQNR dB", "result"):
+            vt.add_column(col)
+        for o in verification["outputs"]:
+            sqnr = o["sqnr_db"] if isinstance(o["sqnr_db"], str) else f"{o['sqnr_db']:.1f}"
+            verdict = "[green]pass[/]" if o["passed"] else "[red]FAIL[/] " + "; ".join(o["notes"])
+            vt.add_row(o["name"], f"{o['max_abs']:.3g}", f"{o['max_rel']:.3g}", f"{o['cosine']:.6f}", sqnr, verdict)
+        out.print(vt)
+    for w in data.get("warnings", []):
+        out.print(f"[yellow]warning:[/] {w}")
+    out.print(f"wrote {dest}\nreport {report_path}")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app(prog_name="amplite")
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

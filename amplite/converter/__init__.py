@@ -1,0 +1,1 @@
+"""Loading, tracing, the conversion pipeline, emitters, verification and the public API."""

@@ -1,0 +1,217 @@
+"""The library API: ``amplite.convert`` and its result. The CLI only calls this."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import torch
+from torch import nn
+from torch.export import ExportedProgram
+
+from amplite.converter import emit
+from amplite.converter.graph_stats import graph_stats, weight_bytes
+from amplite.converter.inputs import bind_inputs
+from amplite.converter.loading import LoadedModel, load_model, torchscript_to_program
+from amplite.converter.pipeline import PipelineOutput, lower_inputs, run_pipeline
+from amplite.converter.report import Report, build_report
+from amplite.converter.tracing import Inputs, summarize_exception
+from amplite.converter.verify import DEFAULT_TOLERANCES, Tolerance, compare, run_model
+from amplite.errors import InputSpecError
+from amplite.policy import LEVEL_ENV, Level, PrecisionPolicy, make_overrides, resolve_level
+
+
+@dataclass
+class ConversionResult:
+    """A converted model with its report.
+
+    Attributes:
+        program: The converted ExportedProgram.
+        report: The conversion report.
+        original: The FP32 ExportedProgram it was made from.
+        inputs: The example inputs used for tracing and verification.
+    """
+
+    program: ExportedProgram
+    report: Report
+    original: ExportedProgram
+    inputs: Inputs
+    pipeline: PipelineOutput | None = field(default=None, repr=False)
+
+    def module(self) -> nn.Module:
+        """The converted model as a callable module."""
+        return self.program.module()
+
+    @property
+    def passed(self) -> bool | None:
+        """Whether verification passed (None if it did not run)."""
+        return self.report.passed
+
+    def save(self, path: str | Path, *, format: str | None = None) -> Path:
+        """Save the converted model; the format comes from the suffix (``.pt2``) unless given.
+
+        Raises:
+            ConfigError: Unknown format. EmitError: The path cannot be written (nothing is left behind).
+        """
+        emit.format_for(path, format)
+        start = perf_counter()
+        out = emit.save_program(self.program, path)
+        self.report.data["timings"]["save"] = round(perf_counter() - start, 4)
+        self.report.data["output"] = {"path": str(out), "bytes": out.stat().st_size}
+        return out
+
+
+def normalize_inputs(example_inputs: Any) -> Inputs | None:
+    """Accept a tensor, a tuple/list (positional), a dict (keyword) or an explicit ``(args, kwargs)``."""
+    if example_inputs is None:
+        return None
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if (
+        isinstance(example_inputs, tuple)
+        and len(example_inputs) == 2
+        and isinstance(example_inputs[0], (tuple, list))
+        and isinstance(example_inputs[1], dict)
+    ):
+        return tuple(example_inputs[0]), dict(example_inputs[1])
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise InputSpecError(
+        f"example_inputs of type {type(example_inputs).__name__} are not supported",
+        "pass a tensor, a tuple of tensors, a dict of name -> tensor, or (args, kwargs)",
+    )
+
+
+def convert(
+    model: nn.Module | ExportedProgram | str | Path,
+    example_inputs: Any = None,
+    *,
+    precision: str = "fp16",
+    level: str | Level | None = None,
+    keep_fp32: Sequence[str] = (),
+    force_low: Sequence[str] = (),
+    low_precision_io: bool = False,
+    dynamic_batch: bool = False,
+    fuse_contractions: bool = False,
+    trust_pickle: bool = False,
+    model_factory: str | None = None,
+    verify: bool = True,
+    tolerance: Tolerance | None = None,
+) -> ConversionResult:
+    """Convert a model to mixed precision ahead of time and verify it.
+
+    Args:
+        model: An ``nn.Module``, an ``ExportedProgram``, or a path to a model file.
+        example_inputs: Tensor, tuple (positional), dict (keyword, e.g. for ``transformers`` models) or
+            ``(args, kwargs)``. Optional for a ``.pt2`` that stores its example inputs.
+        precision: ``fp16`` or ``bf16``.
+        level: ``O0``-``O3``; None reads ``AMPLITE_LEVEL``, else O1.
+        keep_fp32: Patterns to keep in FP32 (``op:``, ``module:``, ``node:`` or unprefixed).
+        force_low: Patterns to force into low precision.
+        low_precision_io: Graph inputs and outputs in the low dtype too.
+        dynamic_batch: Make dim 0 of every input dynamic.
+        fuse_contractions: Fuse matmul chains into ``amplite::contract`` after the precision passes.
+        trust_pickle: Allow unpickling a whole pickled module (runs code from the file).
+        model_factory: ``module:callable`` building the model for a state-dict file.
+        verify: Compare the converted model with the FP32 one on the example inputs.
+        tolerance: Verification thresholds (default: by precision, see ``amplite.converter.verify``).
+
+    Returns:
+        The converted program, its report and the inputs used. The user's model is not modified.
+
+    Raises:
+        AmpliteError: For every problem with the inputs, the file or the options (one-line message).
+    """
+    timings: dict[str, float] = {}
+    lvl = resolve_level(level)
+    policy = PrecisionPolicy(precision, lvl, make_overrides(keep_fp32, force_low), low_precision_io)
+    start = perf_counter()
+    loaded = _load(model, trust_pickle, model_factory)
+    inputs = normalize_inputs(example_inputs) or loaded.example_inputs
+    if inputs is None:
+        raise InputSpecError(
+            "no example inputs: the model needs them to be traced",
+            "pass --input NAME:SHAPE:DTYPE (repeatable) or --inputs FILE",
+        )
+    if loaded.scripted is not None:
+        reference: Any = loaded.scripted
+        subject: nn.Module | ExportedProgram = torchscript_to_program(loaded.scripted, inputs)
+        inputs = (inputs[0] + tuple(inputs[1].values()), {})
+    elif loaded.program is not None:
+        subject, reference = loaded.program, loaded.program.module()
+    else:
+        subject = reference = loaded.module
+        bind_inputs(loaded.module, inputs)
+    timings["load"] = perf_counter() - start
+
+    try:
+        ref_out = run_model(reference, inputs)
+    except Exception as exc:
+        raise InputSpecError(
+            f"the example inputs do not fit the model: {summarize_exception(exc)}",
+            "give inputs with the shapes and dtypes forward() expects (--input NAME:SHAPE:DTYPE)",
+        ) from exc
+
+    out = run_pipeline(subject, inputs, policy, dynamic_batch=dynamic_batch, fuse_contractions=fuse_contractions)
+    timings.update(out.timings)
+
+    metrics = None
+    tol = tolerance or DEFAULT_TOLERANCES[precision]
+    if verify:
+        start = perf_counter()
+        run_inputs = lower_inputs(inputs, policy.low_dtype) if low_precision_io else inputs
+        metrics = compare(ref_out, run_model(out.converted.module(), run_inputs), tol)
+        timings["verify"] = perf_counter() - start
+
+    warnings = []
+    if lvl is Level.O3:
+        warnings.append("O3 runs everything in low precision, norms and softmax included: a speed baseline, "
+                        "not an accuracy-preserving setting")
+    config = {
+        "precision": precision,
+        "level": lvl.value,
+        "level_source": "argument" if level is not None else (LEVEL_ENV if _env_level() else "default"),
+        "keep_fp32": list(keep_fp32),
+        "force_low": list(force_low),
+        "low_precision_io": low_precision_io,
+        "dynamic_batch": dynamic_batch,
+        "fuse_contractions": fuse_contractions,
+    }
+    report = build_report(
+        source={"path": loaded.path, "format": loaded.kind},
+        config=config,
+        records=out.records,
+        plan=out.plan,
+        stats_before=graph_stats(out.original.graph, policy.low_dtype),
+        stats_after=graph_stats(out.converted.graph, policy.low_dtype),
+        weights=(weight_bytes(out.original), weight_bytes(out.converted)),
+        metrics=metrics,
+        tolerance=tol if verify else None,
+        timings=timings,
+        warnings=warnings,
+    )
+    return ConversionResult(out.converted, report, out.original, inputs, out)
+
+
+def _env_level() -> bool:
+    import os
+
+    return bool(os.environ.get(LEVEL_ENV))
+
+
+def _load(model: Any, trust_pickle: bool, model_factory: str | None) -> LoadedModel:
+    if isinstance(model, ExportedProgram):
+        stored = getattr(model, "example_inputs", None)
+        return LoadedModel("pt2", program=model, example_inputs=normalize_inputs(stored) if stored else None)
+    if isinstance(model, nn.Module):
+        return LoadedModel("module", module=model)
+    if isinstance(model, (str, Path)):
+        return load_model(model, trust_pickle=trust_pickle, model_factory=model_factory)
+    raise InputSpecError(
+        f"cannot convert a {type(model).__name__}", "pass an nn.Module, an ExportedProgram or a file path"
+    )

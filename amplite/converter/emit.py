@@ -1,0 +1,83 @@
+"""Writing outputs atomically: a temp file in the destination directory, then ``os.replace``.
+
+Nothing partial is ever left at the destination: on any error the temp file is removed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.export import ExportedProgram
+
+from amplite.errors import ConfigError, EmitError
+
+FORMATS = ("pt2",)
+
+
+def format_for(path: str | Path, fmt: str | None = None) -> str:
+    """The output format: ``fmt`` if given, else from the suffix.
+
+    Raises:
+        ConfigError: For unknown suffixes or formats.
+    """
+    chosen = (fmt or Path(path).suffix.lstrip(".")).lower()
+    if chosen == "onnx":
+        raise ConfigError(
+            f"ONNX output is not available in this version ({path})", "save as .pt2 for now"
+        )
+    if chosen not in FORMATS:
+        raise ConfigError(
+            f"cannot tell the output format of {str(path)!r}", "use a .pt2 suffix (or pass the format)"
+        )
+    return chosen
+
+
+def check_writable(path: str | Path) -> Path:
+    """Fail early, before any conversion work, if ``path`` cannot be written.
+
+    Raises:
+        EmitError: If the directory is missing, the path is a directory, or it is not writable.
+    """
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise EmitError(f"output path {str(p)!r} is a directory", "give a file name, e.g. -o model.fp16.pt2")
+    if not parent.is_dir():
+        raise EmitError(f"output directory {str(parent)!r} does not exist", "create it or choose another -o")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise EmitError(f"output directory {str(parent)!r} is not writable", "choose a writable -o path")
+    return p
+
+
+def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
+    """Call ``write(tmp_path)`` and move the result to ``path`` only if it succeeded.
+
+    Raises:
+        EmitError: If writing fails (disk full, permissions); no file is left behind.
+    """
+    p = check_writable(path)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp" + p.suffix)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, p)
+    except BaseException as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise EmitError(f"writing {str(p)!r} failed: {type(exc).__name__}: {exc}", "check disk space and permissions") from exc
+    return p
+
+
+def save_program(program: ExportedProgram, path: str | Path) -> Path:
+    """Write an ExportedProgram as a .pt2 archive, atomically."""
+    return atomic_write(path, lambda tmp: torch.export.save(program, tmp))
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Write a text file atomically."""
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))

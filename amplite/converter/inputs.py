@@ -1,0 +1,156 @@
+"""Example inputs: ``--input NAME:SHAPE:DTYPE[lo,hi)`` specs and ``--inputs FILE`` files."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from amplite.errors import InputSpecError
+
+Inputs = tuple[tuple[Any, ...], dict[str, Any]]
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float64": torch.float64, "double": torch.float64,
+    "int64": torch.int64, "long": torch.int64, "int32": torch.int32, "int": torch.int32,
+    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}  # fmt: skip
+
+#: Default value range of integer inputs without an explicit ``[lo,hi)``.
+DEFAULT_INT_RANGE = (0, 10)
+
+_SPEC = re.compile(
+    r"^(?P<name>[A-Za-z_][\w.]*):(?P<shape>[0-9x]*):(?P<dtype>[a-z0-9]+)"
+    r"(?:\[(?P<lo>-?[\d.eE+-]+),(?P<hi>-?[\d.eE+-]+)(?P<close>[)\]]))?$"
+)
+
+_SPEC_FIX = "write NAME:SHAPE:DTYPE, e.g. x:1x3x224x224:float32 or ids:2x128:int64[0,30522)"
+
+
+def parse_input_spec(spec: str, generator: torch.Generator) -> tuple[str, torch.Tensor]:
+    """Turn one ``--input`` spec into a named, seeded random tensor.
+
+    Floats are standard normal unless a range is given (then uniform); integers are uniform in
+    ``[lo, hi)`` (default ``[0, 10)``); bools are fair coin flips.
+
+    Raises:
+        InputSpecError: If the spec does not parse or names an unknown dtype.
+    """
+    m = _SPEC.match(spec.strip())
+    if not m:
+        raise InputSpecError(f"cannot parse --input {spec!r}", _SPEC_FIX)
+    dtype_name = m["dtype"]
+    if dtype_name not in DTYPES:
+        raise InputSpecError(
+            f"unknown dtype {dtype_name!r} in --input {spec!r}", f"use one of {', '.join(sorted(DTYPES))}"
+        )
+    dtype = DTYPES[dtype_name]
+    shape = [int(s) for s in m["shape"].split("x")] if m["shape"] else []
+    if any(s <= 0 for s in shape):
+        raise InputSpecError(f"every dimension must be positive in --input {spec!r}", _SPEC_FIX)
+    lo = float(m["lo"]) if m["lo"] is not None else None
+    hi = float(m["hi"]) if m["hi"] is not None else None
+    if lo is not None and hi is not None and hi <= lo:
+        raise InputSpecError(f"empty value range in --input {spec!r}", "make the upper bound larger")
+    if dtype.is_floating_point:
+        if lo is None:
+            t = torch.randn(shape, generator=generator)
+        else:
+            t = torch.rand(shape, generator=generator) * (hi - lo) + lo
+        return m["name"], t.to(dtype)
+    if dtype == torch.bool:
+        return m["name"], torch.rand(shape, generator=generator) < 0.5
+    low, high = (int(lo), int(hi) + (1 if m["close"] == "]" else 0)) if lo is not None else DEFAULT_INT_RANGE
+    return m["name"], torch.randint(low, high, shape, generator=generator, dtype=dtype)
+
+
+def inputs_from_specs(specs: list[str] | tuple[str, ...], seed: int = 0) -> Inputs:
+    """Keyword inputs from ``--input`` specs (names are forward()'s parameter names)."""
+    generator = torch.Generator().manual_seed(seed)
+    kwargs: dict[str, Any] = {}
+    for spec in specs:
+        name, tensor = parse_input_spec(spec, generator)
+        if name in kwargs:
+            raise InputSpecError(f"input {name!r} is given twice", "pass each --input name once")
+        kwargs[name] = tensor
+    return (), kwargs
+
+
+def load_inputs_file(path: str | Path) -> Inputs:
+    """Read example inputs from a file (torch.save with weights_only, .npz or .safetensors).
+
+    A single tensor or a tuple/list becomes positional inputs; a dict becomes keyword inputs, except
+    that numpy's positional names (``arr_0``, ``arr_1`` …) become positional.
+
+    Raises:
+        InputSpecError: Missing or unreadable file, or content that is not tensors.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise InputSpecError(f"inputs file {str(p)!r} does not exist", "pass an existing file to --inputs")
+    head = p.read_bytes()[:8]
+    try:
+        if p.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            data: Any = load_file(str(p))
+        elif p.suffix == ".npz" or (head.startswith(b"PK") and _is_npz(p)):
+            with np.load(p, allow_pickle=False) as npz:
+                data = {k: torch.from_numpy(npz[k].copy()) for k in npz.files}
+        else:
+            data = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise InputSpecError(
+            f"cannot read inputs file {str(p)!r}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
+            "save inputs with torch.save (tensors, tuples, dicts), numpy.savez or safetensors",
+        ) from exc
+    if isinstance(data, torch.Tensor):
+        return (data,), {}
+    if isinstance(data, (tuple, list)):
+        return tuple(data), {}
+    if isinstance(data, dict):
+        if data and all(re.fullmatch(r"arr_\d+", k) for k in data):
+            return tuple(data[f"arr_{i}"] for i in range(len(data))), {}
+        return (), dict(data)
+    raise InputSpecError(
+        f"inputs file {str(p)!r} holds a {type(data).__name__}, not tensors",
+        "save a tensor, a tuple/list of tensors or a dict of name -> tensor",
+    )
+
+
+def _is_npz(p: Path) -> bool:
+    try:
+        with zipfile.ZipFile(p) as z:
+            return all(n.endswith(".npy") for n in z.namelist())
+    except zipfile.BadZipFile:
+        return False
+
+
+def bind_inputs(model: torch.nn.Module, inputs: Inputs) -> Inputs:
+    """Check the inputs against ``model.forward``'s signature.
+
+    Raises:
+        InputSpecError: Naming forward()'s parameters when the inputs do not bind.
+    """
+    args, kwargs = inputs
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return inputs
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        given = ", ".join([f"#{i}" for i in range(len(args))] + list(kwargs)) or "none"
+        raise InputSpecError(
+            f"the inputs do not fit forward{sig}: {exc} (given: {given})",
+            "name each --input after a parameter of forward(), or pass a matching --inputs file",
+        ) from None
+    return inputs

@@ -1,0 +1,147 @@
+"""The conversion pipeline: export → precision passes → re-export.
+
+Passes edit ``ep.module()``, a GraphModule whose weights share storage with the user's model; passes
+never write into those tensors (they assign new ones), so the user's model stays bit-identical.
+The rewritten module is exported again so the result is a valid ExportedProgram with fresh metadata that
+``torch.export.save``/``load`` round-trip.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any
+
+import torch
+import torch.fx
+from torch.export import ExportedProgram
+from torch.utils import _pytree as pytree
+
+from amplite import op_tables
+from amplite.converter.tracing import Inputs, export_model
+from amplite.passes.annotate_precision import AnnotatePrecision
+from amplite.passes.base import Pass, PassManager, PassRecord
+from amplite.passes.cleanup_casts import CleanupCasts
+from amplite.passes.graph_utils import module_path, source_line
+from amplite.passes.insert_casts import InsertCasts, retype
+from amplite.passes.store_low_params import StoreLowPrecisionParams
+from amplite.policy import Level, PrecisionPolicy
+
+_EXPORT_CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
+
+
+@dataclass
+class PipelineOutput:
+    """Everything the pipeline produced.
+
+    Attributes:
+        original: The FP32 ExportedProgram of the user's model.
+        converted: The rewritten, re-exported program.
+        records: One record per pass (counters and time).
+        plan: One entry per planned node: name, op, module, source, mode, dtype, reason.
+        timings: Seconds spent in ``export``, ``passes`` and ``reexport``.
+    """
+
+    original: ExportedProgram
+    converted: ExportedProgram
+    records: list[PassRecord] = field(default_factory=list)
+    plan: list[dict[str, Any]] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def build_passes(policy: PrecisionPolicy, *, fuse_contractions: bool = False) -> list[Pass]:
+    """The pass list for a policy, in order."""
+    passes: list[Pass] = [
+        AnnotatePrecision(policy),
+        InsertCasts(low_precision_io=policy.low_precision_io),
+        CleanupCasts(),
+    ]
+    if policy.level in (Level.O2, Level.O3):
+        passes.append(StoreLowPrecisionParams())
+    if fuse_contractions:
+        from amplite.passes.fuse_contractions import FuseContractions
+
+        passes.append(FuseContractions())
+    return passes
+
+
+def strip_export_checks(gm: torch.fx.GraphModule) -> None:
+    """Remove the input guards and dtype asserts export recorded; re-export recreates valid ones."""
+    for node in list(gm.graph.nodes):
+        if (node.op == "call_module" and node.target == "_guards_fn") or (
+            node.op == "call_function" and node.target in _EXPORT_CHECKS
+        ):
+            gm.graph.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    gm.recompile()
+
+
+def lower_inputs(inputs: Inputs, dtype: torch.dtype) -> Inputs:
+    """The example inputs with every FP32 tensor cast to ``dtype`` (for low-precision I/O)."""
+
+    def low(x: Any) -> Any:
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x
+
+    return pytree.tree_map(low, inputs)
+
+
+def run_pipeline(
+    model: torch.nn.Module | ExportedProgram,
+    inputs: Inputs,
+    policy: PrecisionPolicy,
+    *,
+    dynamic_batch: bool = False,
+    fuse_contractions: bool = False,
+) -> PipelineOutput:
+    """Export ``model`` (unless it already is a program) and rewrite it under ``policy``."""
+    timings: dict[str, float] = {}
+    start = perf_counter()
+    if isinstance(model, ExportedProgram):
+        original = model
+    else:
+        original = export_model(model, inputs, dynamic_batch=dynamic_batch)
+    timings["export"] = perf_counter() - start
+    if policy.level is Level.O0:
+        return PipelineOutput(original, original, timings=timings | {"passes": 0.0, "reexport": 0.0})
+
+    start = perf_counter()
+    gm = original.module()
+    strip_export_checks(gm)
+    if policy.low_precision_io:
+        for node in gm.graph.nodes:
+            if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor):
+                if node.meta["val"].dtype == torch.float32:
+                    node.meta["val"] = retype(node.meta["val"], policy.low_dtype)
+    gm, records = PassManager(build_passes(policy, fuse_contractions=fuse_contractions))(gm)
+    plan = collect_plan(gm)
+    timings["passes"] = perf_counter() - start
+
+    start = perf_counter()
+    export_inputs = lower_inputs(inputs, policy.low_dtype) if policy.low_precision_io else inputs
+    converted = export_model(gm, export_inputs, dynamic_batch=dynamic_batch, what="the converted model")
+    timings["reexport"] = perf_counter() - start
+    return PipelineOutput(original, converted, records, plan, timings)
+
+
+def collect_plan(gm: torch.fx.GraphModule) -> list[dict[str, Any]]:
+    """The precision decision of every planned node, in graph order."""
+    plan = []
+    for node in gm.graph.nodes:
+        decision = node.meta.get("amplite_precision")
+        if decision is None or node.target is operator.getitem:
+            continue
+        dtype = decision["dtype"]
+        plan.append(
+            {
+                "node": node.name,
+                "op": op_tables.op_name(node.target) or str(node.target),
+                "module": module_path(node),
+                "source": source_line(node),
+                "mode": decision["mode"],
+                "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
+                "reason": decision["reason"],
+            }
+        )
+    return plan

@@ -1,0 +1,51 @@
+"""User-facing errors.
+
+Every error a user can cause (bad file, bad option, a model torch.export cannot trace) is raised as an
+:class:`AmpliteError`. The CLI prints it as one line, ``error: <problem> — fix: <fix>``, and exits 2
+without a traceback (unless ``--debug``). Library callers can catch it like any exception.
+"""
+
+from __future__ import annotations
+
+
+class AmpliteError(Exception):
+    """A problem with the user's input, with the fix to apply.
+
+    Args:
+        problem: What is wrong, naming the offending file, option or operation.
+        fix: What the user should do about it.
+    """
+
+    exit_code = 2
+
+    def __init__(self, problem: str, fix: str = "") -> None:
+        self.problem = problem.rstrip(".")
+        self.fix = fix.rstrip(".")
+        super().__init__(self.one_line())
+
+    def one_line(self) -> str:
+        """The message as a single line, problem first and then the fix."""
+        text = " ".join(self.problem.split())
+        if self.fix:
+            text += " — fix: " + " ".join(self.fix.split())
+        return text
+
+
+class LoadError(AmpliteError):
+    """The model file cannot be read or is of an unsupported or unsafe kind."""
+
+
+class InputSpecError(AmpliteError):
+    """Example inputs are malformed or do not fit the model."""
+
+
+class ExportError(AmpliteError):
+    """torch.export could not trace the model (or the converted model)."""
+
+
+class ConfigError(AmpliteError):
+    """An option has an invalid value (unknown level, precision, pattern...)."""
+
+
+class EmitError(AmpliteError):
+    """The output could not be written."""

@@ -1,0 +1,162 @@
+"""Pass 1: decide each node's compute dtype (analysis only).
+
+Guarantees afterwards: every ``call_function`` node that reads or produces a floating-point tensor has
+``meta['amplite_precision']`` = ``{"mode", "dtype", "reason"}`` (``dtype`` the dtype its float operands
+will have, or None when it has none), and every node has ``meta['amplite_out_dtype']``: the dtype (or a
+tuple of dtypes for multi-output ops) its result will have once ``insert_casts`` has run. The graph itself
+is not changed.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from amplite import op_tables
+from amplite.passes.base import PassResult
+from amplite.passes.graph_utils import cast_dtype, dtypes_of, fake_value, module_path
+from amplite.policy import Decision, Level, PrecisionPolicy
+
+_NORMALISERS = frozenset(op_tables.NORMALISER_OPS)
+
+
+def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [a for a in leaves if isinstance(a, torch.fx.Node) and isinstance(fake_value(a), torch.Tensor)]
+
+
+def _has_dtype_argument(node: torch.fx.Node) -> bool:
+    return any(isinstance(a, torch.dtype) for a in pytree.tree_leaves((node.args, node.kwargs)))
+
+
+def _widest(dtypes: list[torch.dtype]) -> torch.dtype:
+    out = dtypes[0]
+    for dt in dtypes[1:]:
+        out = torch.promote_types(out, dt)
+    return out
+
+
+class AnnotatePrecision:
+    """Write the precision plan of a policy into node metadata.
+
+    Args:
+        policy: The precision policy to apply.
+    """
+
+    name = "annotate_precision"
+
+    def __init__(self, policy: PrecisionPolicy) -> None:
+        self.policy = policy
+
+    def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+        counters: Counter[str] = Counter()
+        out_dtype: dict[torch.fx.Node, Any] = {}
+        decisions = self._decisions(gm)
+        for node in gm.graph.nodes:
+            val = fake_value(node)
+            if node.op != "call_function":
+                out_dtype[node] = dtypes_of(val)
+            elif (dt := cast_dtype(node)) is not None:
+                out_dtype[node] = dt
+            elif node.target is operator.getitem:
+                parent = out_dtype.get(node.args[0])
+                idx = node.args[1]
+                out_dtype[node] = parent[idx] if isinstance(parent, tuple) and isinstance(idx, int) else (
+                    dtypes_of(val)
+                )
+            else:
+                out_dtype[node] = self._plan_node(node, decisions.get(node), out_dtype, counters)
+            node.meta["amplite_out_dtype"] = out_dtype[node]
+        return PassResult(gm, False, counters)
+
+    def _decisions(self, gm: torch.fx.GraphModule) -> dict[torch.fx.Node, Decision]:
+        """Policy decisions for every float-touching node, before dtype propagation."""
+        decisions: dict[torch.fx.Node, Decision] = {}
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or cast_dtype(node) is not None or node.target is operator.getitem:
+                continue
+            op = op_tables.op_name(node.target) or getattr(node.target, "__name__", str(node.target))
+            decisions[node] = self.policy.decide(op, module_path(node), node.name)
+        if self.policy.level in (Level.O1, Level.O2):
+            for node, dec in list(decisions.items()):
+                op = op_tables.op_name(node.target)
+                if op in _NORMALISERS and not dec.reason.startswith("user:") and self._feeds_fp32(
+                    node, decisions
+                ):
+                    decisions[node] = Decision("fp32", "fp32-list:normaliser-feeds-fp32")
+        return decisions
+
+    @staticmethod
+    def _feeds_fp32(node: torch.fx.Node, decisions: dict[torch.fx.Node, Decision]) -> bool:
+        """Whether ``node`` reaches an FP32-pinned op directly or through one op (``x - x.amax()``)."""
+        frontier = list(node.users)
+        for user in list(frontier):
+            frontier.extend(user.users)
+        return any(decisions.get(u, Decision("follow", "")).mode == "fp32" for u in frontier)
+
+    def _plan_node(
+        self,
+        node: torch.fx.Node,
+        decision: Decision | None,
+        out_dtype: dict[torch.fx.Node, Any],
+        counters: Counter[str],
+    ) -> Any:
+        val = fake_value(node)
+        inputs = [a for a in _tensor_inputs(node) if isinstance(out_dtype.get(a), torch.dtype)]
+        float_in = [out_dtype[a] for a in inputs if out_dtype[a].is_floating_point]
+        produces_float = any(
+            isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in pytree.tree_leaves(val)
+        )
+        if decision is None or (not float_in and not produces_float):
+            return dtypes_of(val)
+        mode, reason = decision.mode, decision.reason
+        if torch.float64 in float_in or any(
+            isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in pytree.tree_leaves(val)
+        ):
+            mode, reason = "follow", "float64-kept"
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and schema.is_mutable and inputs:
+            # An in-place op cannot change its destination's dtype: compute in it.
+            compute = out_dtype[inputs[0]] if out_dtype[inputs[0]].is_floating_point else None
+            mode, reason = "follow", "in-place"
+        elif mode == "low":
+            compute = self.policy.low_dtype
+        elif mode == "fp32":
+            compute = torch.float32
+        else:
+            dimensioned = [out_dtype[a] for a in inputs if out_dtype[a].is_floating_point and fake_value(a).dim()]
+            pool = dimensioned or float_in
+            compute = _widest(pool) if pool else None
+        node.meta["amplite_precision"] = {"mode": mode, "dtype": compute, "reason": reason}
+        counters[f"nodes:{mode}"] += 1
+        if compute is not None:
+            counters[f"compute:{str(compute).removeprefix('torch.')}"] += 1
+        return _predict_out(node, val, compute)
+
+
+def _predict_out(node: torch.fx.Node, val: Any, compute: torch.dtype | None) -> Any:
+    """Output dtype(s) once the node computes in ``compute``.
+
+    A float output that had the op's original input dtype takes the compute dtype; outputs of another
+    dtype (integer results, an explicit ``dtype=`` argument) keep theirs.
+    """
+    if compute is None or _has_dtype_argument(node):
+        return dtypes_of(val)
+    originals = [fake_value(a).dtype for a in _tensor_inputs(node) if fake_value(a).dtype.is_floating_point]
+    original_in = _widest(originals) if originals else None
+
+    def one(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            if v.dtype.is_floating_point and (original_in is None or v.dtype == original_in):
+                return compute
+            return v.dtype
+        if isinstance(v, (tuple, list)):
+            return tuple(one(x) for x in v)
+        return None
+
+    return one(val)

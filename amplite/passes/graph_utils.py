@@ -1,0 +1,146 @@
+"""Small helpers shared by the passes: recognising casts, reading value dtypes, making cast nodes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+aten = torch.ops.aten
+
+#: Ops that only change a value's dtype (and copy). ``_to_copy`` is what amplite inserts; the others
+#: are what torch.export records for a user's ``x.to(dtype)`` / ``x.half()``.
+CAST_TARGETS = {
+    aten._to_copy.default,
+    aten.to.dtype,
+    aten.to.dtype_layout,
+    torch.ops.prims.convert_element_type.default,
+}
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+#: Conversions that are exact: every value of the source is representable in the destination.
+_EXACT = {
+    (torch.float16, torch.float32),
+    (torch.float16, torch.float64),
+    (torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.float64),
+    (torch.float32, torch.float64),
+}
+
+
+def is_exact_conversion(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether converting ``src`` to ``dst`` never changes a value."""
+    return src == dst or (src, dst) in _EXACT
+
+
+def fake_value(node: Any) -> Any:
+    """The example value torch.export recorded for a node (``meta['val']``), or None."""
+    if isinstance(node, torch.fx.Node):
+        return node.meta.get("val")
+    return None
+
+
+def value_dtype(node: Any) -> torch.dtype | None:
+    """The dtype of a tensor-valued node, or None for non-tensors and unknowns."""
+    val = fake_value(node)
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def is_float_tensor(node: Any) -> bool:
+    """Whether ``node`` produces a floating-point tensor."""
+    dt = value_dtype(node)
+    return dt is not None and dt.is_floating_point
+
+
+def cast_dtype(node: torch.fx.Node) -> torch.dtype | None:
+    """If ``node`` is a pure dtype cast, the dtype it casts to; otherwise None.
+
+    Casts that also move devices, change memory format or layout are not pure and return None.
+    """
+    if node.op != "call_function" or node.target not in CAST_TARGETS:
+        return None
+    if node.target is aten.to.dtype:
+        dtype = node.args[1] if len(node.args) > 1 else node.kwargs.get("dtype")
+    elif node.target is torch.ops.prims.convert_element_type.default:
+        dtype = node.args[1]
+    else:
+        extra = set(node.kwargs) - {"dtype", "layout", "device", "pin_memory", "non_blocking", "copy"}
+        device = node.kwargs.get("device")
+        src = fake_value(node.args[0])
+        if extra or (device is not None and isinstance(src, torch.Tensor) and device != src.device):
+            return None
+        dtype = node.kwargs.get("dtype")
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def dtypes_of(val: Any) -> Any:
+    """The dtype of a fake value, a tuple of dtypes for a tuple of values, or None."""
+    if isinstance(val, torch.Tensor):
+        return val.dtype
+    if isinstance(val, (tuple, list)):
+        return tuple(dtypes_of(v) for v in val)
+    return None
+
+
+def numel(node: Any) -> int | None:
+    """Static element count of a tensor-valued node, or None when unknown or symbolic."""
+    val = fake_value(node)
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return int(val.numel())
+    except (TypeError, RuntimeError):  # symbolic sizes
+        return None
+
+
+def make_cast(graph: torch.fx.Graph, value: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
+    """Create ``aten._to_copy(value, dtype=dtype)`` at the graph's current insertion point.
+
+    The new node's ``meta['val']`` is derived from the input's, so later passes can read its dtype,
+    and it inherits the producer's module stack so the report can place it.
+    """
+    node = graph.call_function(aten._to_copy.default, (value,), {"dtype": dtype})
+    src = fake_value(value)
+    if isinstance(src, torch.Tensor):
+        node.meta["val"] = src.to(dtype)
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in value.meta:
+            node.meta[key] = value.meta[key]
+    node.meta["amplite_cast"] = True
+    return node
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """Dotted path of the innermost module that produced ``node`` ('' for the root)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path, _cls = list(stack.values())[-1]
+    return _clean_path(path)
+
+
+def _clean_path(path: str) -> str:
+    # Non-strict export writes paths like "encoder.layers.0.attn"; strict/dynamo ones may carry
+    # "L['self'].encoder" style prefixes.
+    for prefix in ("L['self'].", "L__self__."):
+        if path.startswith(prefix):
+            path = path[len(prefix) :]
+    return path
+
+
+def source_line(node: torch.fx.Node) -> str:
+    """The user-code location ('file:line') that produced ``node``, skipping torch's own frames."""
+    trace = node.meta.get("stack_trace") or ""
+    best = ""
+    for line in trace.splitlines():
+        line = line.strip()
+        if line.startswith('File "') and "/torch/" not in line and "site-packages" not in line:
+            try:
+                fname = line.split('"')[1]
+                lineno = line.split("line ")[1].split(",")[0]
+            except IndexError:
+                continue
+            best = f"{fname}:{lineno}"
+    return best

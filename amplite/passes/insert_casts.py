@@ -1,0 +1,104 @@
+"""Pass 2: make the plan real by inserting casts.
+
+Guarantees afterwards: every node planned by ``annotate_precision`` receives its floating-point operands
+in its compute dtype (zero-dim operands of ``follow`` nodes excepted: torch's promotion already ignores
+them); there is at most ONE cast per (value, dtype), shared by all consumers and placed before the first
+of them; graph outputs keep their original dtype unless ``low_precision_io`` is set; every node's
+``meta['val']`` carries its new dtype. FP64 values are never touched.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from amplite.passes.base import PassResult
+from amplite.passes.graph_utils import dtypes_of, fake_value, make_cast
+
+
+def retype(val: Any, dtypes: Any) -> Any:
+    """A fake value (or tuple of them) with its dtype(s) replaced."""
+    if isinstance(val, torch.Tensor) and isinstance(dtypes, torch.dtype) and val.dtype != dtypes:
+        return val.to(dtypes)
+    if isinstance(val, (tuple, list)) and isinstance(dtypes, tuple) and len(val) == len(dtypes):
+        return type(val)(retype(v, d) for v, d in zip(val, dtypes))
+    return val
+
+
+class InsertCasts:
+    """Insert the casts that the precision plan needs, and no more.
+
+    Args:
+        low_precision_io: Leave graph outputs in the dtype they were computed in instead of casting
+            them back to their original dtype.
+    """
+
+    name = "insert_casts"
+
+    def __init__(self, low_precision_io: bool = False) -> None:
+        self.low_precision_io = low_precision_io
+
+    def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+        graph = gm.graph
+        counters: Counter[str] = Counter()
+        casts: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
+        new_dtype: dict[torch.fx.Node, Any] = {}
+        original: dict[torch.fx.Node, Any] = {}
+
+        def cast_of(value: torch.fx.Node, dtype: torch.dtype, before: torch.fx.Node) -> torch.fx.Node:
+            key = (value, dtype)
+            if key not in casts:
+                with graph.inserting_before(before):
+                    casts[key] = make_cast(graph, value, dtype)
+                new_dtype[casts[key]] = dtype
+                counters["casts_inserted"] += 1
+            else:
+                counters["casts_shared"] += 1
+            return casts[key]
+
+        for node in list(graph.nodes):
+            if node.op == "output":
+                self._cast_outputs(node, new_dtype, original, cast_of)
+                continue
+            original[node] = dtypes_of(fake_value(node))
+            new_dtype[node] = node.meta.get("amplite_out_dtype", original[node])
+            plan = node.meta.get("amplite_precision")
+            if node.op == "call_function" and plan and plan["dtype"] is not None:
+                compute, follow = plan["dtype"], plan["mode"] == "follow"
+
+                def fix(arg: Any, compute: torch.dtype = compute, follow: bool = follow,
+                        node: torch.fx.Node = node) -> Any:
+                    if not isinstance(arg, torch.fx.Node):
+                        return arg
+                    dt = new_dtype.get(arg)
+                    val = fake_value(arg)
+                    if not isinstance(dt, torch.dtype) or not dt.is_floating_point or dt == compute:
+                        return arg
+                    if dt == torch.float64 or (follow and isinstance(val, torch.Tensor) and val.dim() == 0):
+                        return arg
+                    return cast_of(arg, compute, node)
+
+                node.args = pytree.tree_map(fix, node.args)
+                node.kwargs = pytree.tree_map(fix, node.kwargs)
+            if node.op in ("call_function", "placeholder", "get_attr"):
+                node.meta["val"] = retype(node.meta.get("val"), new_dtype[node])
+        return PassResult(gm, counters["casts_inserted"] > 0, counters)
+
+    def _cast_outputs(self, out: torch.fx.Node, new_dtype: dict, original: dict, cast_of: Any) -> None:
+        if self.low_precision_io:
+            return
+
+        def back(arg: Any) -> Any:
+            if not isinstance(arg, torch.fx.Node):
+                return arg
+            want, have = original.get(arg), new_dtype.get(arg)
+            if isinstance(want, torch.dtype) and isinstance(have, torch.dtype) and want != have:
+                return cast_of(arg, want, out)
+            return arg
+
+        out.args = pytree.tree_map(back, out.args)
+
