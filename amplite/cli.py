@@ -6,11 +6,13 @@ Exit codes: 0 success (and verification passed), 1 converted but verification fa
 
 from __future__ import annotations
 
+import logging
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -29,27 +31,46 @@ err = Console(stderr=True, highlight=False)
 
 ModelArg = Annotated[Path, typer.Argument(help="Model file: .pt2, TorchScript, state dict or pickled module.")]
 Precision = Annotated[str, typer.Option("--precision", "-p", help="fp16 or bf16.")]
-LevelOpt = Annotated[
-    Optional[str], typer.Option("--level", "-l", help="O0-O3 (default: $AMPLITE_LEVEL, else O1).")
-]
+LevelOpt = Annotated[str | None, typer.Option("--level", "-l", help="O0-O3 (default: $AMPLITE_LEVEL, else O1).")]
 InputOpt = Annotated[
     list[str], typer.Option("--input", help="NAME:SHAPE:DTYPE[lo,hi), e.g. ids:2x128:int64[0,30522). Repeatable.")
 ]
-InputsFile = Annotated[Optional[Path], typer.Option("--inputs", help="Inputs file (torch.save, .npz, .safetensors).")]
+InputsFile = Annotated[Path | None, typer.Option("--inputs", help="Inputs file (torch.save, .npz, .safetensors).")]
 KeepOpt = Annotated[list[str], typer.Option("--keep-fp32", help="Keep FP32: op:, module:, node: or any glob.")]
 LowOpt = Annotated[list[str], typer.Option("--force-low", help="Force low precision (same patterns).")]
 TrustOpt = Annotated[bool, typer.Option("--trust-pickle", help="Allow unpickling (runs code from the file).")]
-FactoryOpt = Annotated[Optional[str], typer.Option("--model-factory", help="module:callable for a state dict.")]
+FactoryOpt = Annotated[str | None, typer.Option("--model-factory", help="module:callable for a state dict.")]
 DynOpt = Annotated[bool, typer.Option("--dynamic-batch", help="Make dim 0 of every input dynamic.")]
 IoOpt = Annotated[bool, typer.Option("--low-precision-io", help="Inputs and outputs in the low dtype too.")]
 FuseOpt = Annotated[bool, typer.Option("--fuse-contractions", help="Fuse matmul chains into amplite::contract.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
 
 
+@contextmanager
+def _logging(debug: bool) -> Iterator[None]:
+    """Quiet torch's internal warnings unless --debug; with --debug, show amplite's debug log."""
+    torch_log, amp_log = logging.getLogger("torch"), logging.getLogger("amplite")
+    saved = torch_log.level, amp_log.level
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    if debug:
+        amp_log.setLevel(logging.DEBUG)
+        amp_log.addHandler(handler)
+    else:
+        torch_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        torch_log.setLevel(saved[0])
+        amp_log.setLevel(saved[1])
+        amp_log.removeHandler(handler)
+
+
 def _run(debug: bool, body: Callable[[], int]) -> None:
     """Run a command body; turn errors into one line and an exit code."""
     try:
-        code = body()
+        with _logging(debug):
+            code = body()
     except AmpliteError as exc:
         if debug:
             traceback.print_exc()
@@ -84,14 +105,14 @@ def _inputs(specs: list[str], inputs_file: Path | None) -> Any:
 @app.command()
 def convert(
     model: ModelArg,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output .pt2 path.")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Output .pt2 path.")] = None,
     precision: Precision = "fp16",
     level: LevelOpt = None,
-    input: InputOpt = [],  # noqa: A002, B006
+    input: InputOpt = [],  # noqa: B006
     inputs: InputsFile = None,
     keep_fp32: KeepOpt = [],  # noqa: B006
     force_low: LowOpt = [],  # noqa: B006
-    report: Annotated[Optional[Path], typer.Option("--report", help="Report JSON path.")] = None,
+    report: Annotated[Path | None, typer.Option("--report", help="Report JSON path.")] = None,
     trust_pickle: TrustOpt = False,
     model_factory: FactoryOpt = None,
     dynamic_batch: DynOpt = False,
@@ -109,13 +130,14 @@ def convert(
 
         lvl = resolve_level(level)
         dest = output or model.with_name(f"{model.name.split('.')[0]}.{precision}.{lvl.value}.pt2")
-        emit.format_for(dest)
         emit.check_writable(dest)
+        emit.format_for(dest)
         report_path = report or dest.with_name(dest.name.removesuffix(dest.suffix) + ".report.json")
         emit.check_writable(report_path)
         result = convert_model(
-            model, _inputs(input, inputs), precision=precision, level=lvl, keep_fp32=keep_fp32, force_low=force_low, trust_pickle=trust_pickle,
-            model_factory=model_factory, dynamic_batch=dynamic_batch, low_precision_io=low_precision_io,
+            model, _inputs(input, inputs), precision=precision, level=lvl, keep_fp32=keep_fp32,
+            force_low=force_low, trust_pickle=trust_pickle, model_factory=model_factory,
+            dynamic_batch=dynamic_batch, low_precision_io=low_precision_io,
             fuse_contractions=fuse_contractions, verify=not no_verify,
         )  # fmt: skip
         result.save(dest)
@@ -131,13 +153,13 @@ def inspect(
     model: ModelArg,
     precision: Precision = "fp16",
     level: LevelOpt = None,
-    input: InputOpt = [],  # noqa: A002, B006
+    input: InputOpt = [],  # noqa: B006
     inputs: InputsFile = None,
     keep_fp32: KeepOpt = [],  # noqa: B006
     force_low: LowOpt = [],  # noqa: B006
     trust_pickle: TrustOpt = False,
     model_factory: FactoryOpt = None,
-    only: Annotated[Optional[str], typer.Option("--only", help="Show only low, fp32 or follow nodes.")] = None,
+    only: Annotated[str | None, typer.Option("--only", help="Show only low, fp32 or follow nodes.")] = None,
     debug: DebugOpt = False,
 ) -> None:
     """Print the precision plan (node, op, dtype, reason) without writing any file."""
@@ -146,8 +168,8 @@ def inspect(
         from amplite.converter.api import convert as convert_model
 
         result = convert_model(
-            model, _inputs(input, inputs), precision=precision, level=level, keep_fp32=keep_fp32, force_low=force_low, trust_pickle=trust_pickle,
-            model_factory=model_factory, verify=False,
+            model, _inputs(input, inputs), precision=precision, level=level, keep_fp32=keep_fp32,
+            force_low=force_low, trust_pickle=trust_pickle, model_factory=model_factory, verify=False,
         )  # fmt: skip
         print_plan(result.report.data, only)
         return 0
@@ -156,17 +178,23 @@ def inspect(
 
 
 def print_plan(data: dict[str, Any], only: str | None) -> None:
-    """The plan table of ``inspect``."""
+    """The plan table of ``inspect`` (tab-separated lines when stdout is not a terminal, for grep/cut)."""
+    rows = [r for r in data["plan"] if not only or r["mode"] == only]
+    after = data["graph"]["after"]
+    footer = f"nodes by dtype: {after['nodes_by_dtype']}  casts: {after['casts']}"
+    if not out.is_terminal:
+        print("node\top\tmodule\tdtype\treason")
+        for r in rows:
+            print(f"{r['node']}\t{r['op']}\t{r['module']}\t{r['dtype'] or '-'}\t{r['reason']}")
+        print(footer)
+        return
     table = Table(title=f"precision plan ({data['config']['precision']}, {data['config']['level']})")
     for col in ("node", "op", "module", "dtype", "reason"):
         table.add_column(col, overflow="fold")
-    for row in data["plan"]:
-        if only and row["mode"] != only:
-            continue
-        table.add_row(row["node"], row["op"], row["module"], row["dtype"] or "-", row["reason"])
+    for r in rows:
+        table.add_row(r["node"], r["op"], r["module"], r["dtype"] or "-", r["reason"])
     out.print(table)
-    after = data["graph"]["after"]
-    out.print(f"nodes by dtype: {after['nodes_by_dtype']}  casts: {after['casts']}")
+    out.print(footer)
 
 
 def print_summary(data: dict[str, Any], dest: Path, report_path: Path) -> None:
@@ -180,8 +208,8 @@ def print_summary(data: dict[str, Any], dest: Path, report_path: Path) -> None:
     table.add_row("low-precision FLOP share", f"{graph['low_precision_flop_share']:.1%}")
     table.add_row("FP32 islands", str(len(data["fp32_nodes"])))
     table.add_row(
-        "weights", f"{weights['bytes_before'] / 1e6:.2f} MB → {weights['bytes_after'] / 1e6:.2f} MB "
-        f"({weights['ratio']:.2f}×)"
+        "weights",
+        f"{weights['bytes_before'] / 1e6:.2f} MB → {weights['bytes_after'] / 1e6:.2f} MB ({weights['ratio']:.2f}×)",
     )
     t = data["timings"]
     table.add_row("time (s)", ", ".join(f"{k} {v:.2f}" for k, v in t.items()))

@@ -88,13 +88,9 @@ class Override:
         """Whether this rule applies to an op named ``op`` in ``module``, at node ``node``."""
         g = self.glob
         op_hit = fnmatchcase(op, g) or fnmatchcase(op.split(".")[0], g)
-        mod_hit = bool(module) and (
-            fnmatchcase(module, g) or (g.endswith(".*") and module == g[:-2])
-        )
+        mod_hit = bool(module) and (fnmatchcase(module, g) or (g.endswith(".*") and module == g[:-2]))
         node_hit = fnmatchcase(node, g)
-        return {"op": op_hit, "module": mod_hit, "node": node_hit}.get(
-            self.kind, op_hit or mod_hit or node_hit
-        )
+        return {"op": op_hit, "module": mod_hit, "node": node_hit}.get(self.kind, op_hit or mod_hit or node_hit)
 
 
 _RANK = {"node": 0, "module": 1, "op": 2, "any": 3}
@@ -118,9 +114,7 @@ class PrecisionPolicy:
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
-            raise ConfigError(
-                f"unknown precision {self.precision!r}", f"use one of: {', '.join(PRECISIONS)}"
-            )
+            raise ConfigError(f"unknown precision {self.precision!r}", f"use one of: {', '.join(PRECISIONS)}")
 
     @property
     def low_dtype(self) -> torch.dtype:
@@ -182,13 +176,12 @@ def resolve_level(level: str | Level | None) -> Level:
     try:
         return Level(text)
     except ValueError:
-        raise ConfigError(
-            f"unknown level {level!r} (from {source})", "use one of O0, O1, O2, O3"
-        ) from None
+        raise ConfigError(f"unknown level {level!r} (from {source})", "use one of O0, O1, O2, O3") from None
 
 
-def make_overrides(keep_fp32: tuple[str, ...] | list[str] = (), force_low: tuple[str, ...] | list[str] = ()
-                   ) -> tuple[Override, ...]:
+def make_overrides(
+    keep_fp32: tuple[str, ...] | list[str] = (), force_low: tuple[str, ...] | list[str] = ()
+) -> tuple[Override, ...]:
     """Build override rules from the ``--keep-fp32`` / ``--force-low`` pattern lists."""
     rules = [Override("keep_fp32", p) for p in keep_fp32] + [Override("force_low", p) for p in force_low]
     for rule in rules:

@@ -170,8 +170,10 @@ def convert(
 
     warnings = []
     if lvl is Level.O3:
-        warnings.append("O3 runs everything in low precision, norms and softmax included: a speed baseline, "
-                        "not an accuracy-preserving setting")
+        warnings.append(
+            "O3 runs everything in low precision, norms and softmax included: a speed baseline, "
+            "not an accuracy-preserving setting"
+        )
     config = {
         "precision": precision,
         "level": lvl.value,

@@ -6,6 +6,7 @@ Nothing partial is ever left at the destination: on any error the temp file is r
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -26,13 +27,9 @@ def format_for(path: str | Path, fmt: str | None = None) -> str:
     """
     chosen = (fmt or Path(path).suffix.lstrip(".")).lower()
     if chosen == "onnx":
-        raise ConfigError(
-            f"ONNX output is not available in this version ({path})", "save as .pt2 for now"
-        )
+        raise ConfigError(f"ONNX output is not available in this version ({path})", "save as .pt2 for now")
     if chosen not in FORMATS:
-        raise ConfigError(
-            f"cannot tell the output format of {str(path)!r}", "use a .pt2 suffix (or pass the format)"
-        )
+        raise ConfigError(f"cannot tell the output format of {str(path)!r}", "use a .pt2 suffix (or pass the format)")
     return chosen
 
 
@@ -56,26 +53,45 @@ def check_writable(path: str | Path) -> Path:
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     """Call ``write(tmp_path)`` and move the result to ``path`` only if it succeeded.
 
+    The temporary file has the destination's name inside a hidden temporary directory next to it, so
+    formats that embed the file name (a .pt2 archive's root folder) see the final name.
+
     Raises:
         EmitError: If writing fails (disk full, permissions); no file is left behind.
     """
     p = check_writable(path)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp" + p.suffix)
-    os.close(fd)
+    tmp_dir = Path(tempfile.mkdtemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp"))
+    tmp = tmp_dir / p.name
     try:
-        write(tmp)
+        write(str(tmp))
         os.replace(tmp, p)
     except BaseException as exc:
-        Path(tmp).unlink(missing_ok=True)
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        raise EmitError(f"writing {str(p)!r} failed: {type(exc).__name__}: {exc}", "check disk space and permissions") from exc
+        raise EmitError(
+            f"writing {str(p)!r} failed: {type(exc).__name__}: {exc}", "check disk space and permissions"
+        ) from exc
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
     return p
 
 
 def save_program(program: ExportedProgram, path: str | Path) -> Path:
-    """Write an ExportedProgram as a .pt2 archive, atomically."""
-    return atomic_write(path, lambda tmp: torch.export.save(program, tmp))
+    """Write an ExportedProgram as a .pt2 archive, atomically.
+
+    Re-export records each node's provenance (``from_node``) from the graph amplite rewrote; it serves
+    the in-memory analysis, but in the file it would grow the graph JSON by about a quarter, so it is
+    left out of the saved copy (the program in memory keeps it).
+    """
+    saved = {}
+    for node in program.graph.nodes:
+        if "from_node" in node.meta:
+            saved[node] = node.meta.pop("from_node")
+    try:
+        return atomic_write(path, lambda tmp: torch.export.save(program, tmp))
+    finally:
+        for node, value in saved.items():
+            node.meta["from_node"] = value
 
 
 def write_text(path: str | Path, text: str) -> Path:

@@ -19,6 +19,11 @@ _MATMUL_LIKE = frozenset(
     ("mm.default", "bmm.default", "addmm.default", "baddbmm.default", "matmul.default", "linear.default")
 )
 _CONV_LIKE = frozenset(op for op in op_tables.LOW_PRECISION_OPS if "conv" in op)
+#: Ops that move or gather data without arithmetic: they count zero FLOPs.
+_NO_ARITHMETIC = frozenset(op_tables.DATA_MOVEMENT_OPS) | {
+    "embedding.default", "index.Tensor", "gather.default", "index_select.default", "cat.default",
+    "stack.default", "split.Tensor", "split_with_sizes.default", "chunk.default", "unbind.int",
+}  # fmt: skip
 
 
 def short(dtype: torch.dtype | None) -> str:
@@ -52,6 +57,8 @@ def estimate_flops(node: torch.fx.Node) -> float:
     except (TypeError, RuntimeError):
         return 0.0
     op = op_tables.op_name(node.target)
+    if op in _NO_ARITHMETIC:
+        return 0.0
     try:
         if op in _MATMUL_LIKE:
             a = fake_value(node.args[1] if op in ("addmm.default", "baddbmm.default") else node.args[0])

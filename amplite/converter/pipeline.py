@@ -98,10 +98,7 @@ def run_pipeline(
     """Export ``model`` (unless it already is a program) and rewrite it under ``policy``."""
     timings: dict[str, float] = {}
     start = perf_counter()
-    if isinstance(model, ExportedProgram):
-        original = model
-    else:
-        original = export_model(model, inputs, dynamic_batch=dynamic_batch)
+    original = model if isinstance(model, ExportedProgram) else export_model(model, inputs, dynamic_batch=dynamic_batch)
     timings["export"] = perf_counter() - start
     if policy.level is Level.O0:
         return PipelineOutput(original, original, timings=timings | {"passes": 0.0, "reexport": 0.0})
@@ -111,9 +108,9 @@ def run_pipeline(
     strip_export_checks(gm)
     if policy.low_precision_io:
         for node in gm.graph.nodes:
-            if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor):
-                if node.meta["val"].dtype == torch.float32:
-                    node.meta["val"] = retype(node.meta["val"], policy.low_dtype)
+            val = node.meta.get("val")
+            if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dtype == torch.float32:
+                node.meta["val"] = retype(val, policy.low_dtype)
     gm, records = PassManager(build_passes(policy, fuse_contractions=fuse_contractions))(gm)
     plan = collect_plan(gm)
     timings["passes"] = perf_counter() - start

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
 import traceback
 from typing import Any
 
@@ -13,6 +16,7 @@ from torch.utils import _pytree as pytree
 from amplite.errors import ExportError
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
+log = logging.getLogger("amplite")
 
 
 def batch_dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -39,14 +43,22 @@ def export_model(
     """
     args, kwargs = inputs
     dynamic = batch_dynamic_shapes(model, args, kwargs) if dynamic_batch else None
+    # torch.export prints partial graphs and internal warnings to stderr; keep them for --debug
+    # (the amplite logger at DEBUG level) instead of burying the one-line error under them.
+    chatter = io.StringIO()
     try:
-        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+        with contextlib.redirect_stderr(chatter):
+            program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as exc:
+        log.debug("torch.export output:\n%s", chatter.getvalue())
         raise ExportError(
             f"torch.export could not trace {what}: {summarize_exception(exc)}",
             "make that line traceable (no data-dependent Python control flow: use torch.cond or "
             "tensor ops; no unsupported Python objects), or run with --debug for the full trace",
         ) from exc
+    if chatter.getvalue():
+        log.debug("torch.export output:\n%s", chatter.getvalue())
+    return program
 
 
 def summarize_exception(exc: BaseException) -> str:

@@ -88,7 +88,7 @@ def compare(reference: Any, converted: Any, tolerance: Tolerance) -> list[Output
             "report this as an amplite bug with --debug output",
         )
     results = []
-    for name, ref, out in zip(output_names(reference), ref_leaves, out_leaves):
+    for name, ref, out in zip(output_names(reference), ref_leaves, out_leaves, strict=True):
         if isinstance(ref, torch.Tensor) and isinstance(out, torch.Tensor):
             results.append(tensor_metrics(name, ref, out, tolerance))
     return results

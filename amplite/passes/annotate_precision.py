@@ -66,8 +66,8 @@ class AnnotatePrecision:
             elif node.target is operator.getitem:
                 parent = out_dtype.get(node.args[0])
                 idx = node.args[1]
-                out_dtype[node] = parent[idx] if isinstance(parent, tuple) and isinstance(idx, int) else (
-                    dtypes_of(val)
+                out_dtype[node] = (
+                    parent[idx] if isinstance(parent, tuple) and isinstance(idx, int) else (dtypes_of(val))
                 )
             else:
                 out_dtype[node] = self._plan_node(node, decisions.get(node), out_dtype, counters)
@@ -85,9 +85,7 @@ class AnnotatePrecision:
         if self.policy.level in (Level.O1, Level.O2):
             for node, dec in list(decisions.items()):
                 op = op_tables.op_name(node.target)
-                if op in _NORMALISERS and not dec.reason.startswith("user:") and self._feeds_fp32(
-                    node, decisions
-                ):
+                if op in _NORMALISERS and not dec.reason.startswith("user:") and self._feeds_fp32(node, decisions):
                     decisions[node] = Decision("fp32", "fp32-list:normaliser-feeds-fp32")
         return decisions
 
@@ -109,9 +107,7 @@ class AnnotatePrecision:
         val = fake_value(node)
         inputs = [a for a in _tensor_inputs(node) if isinstance(out_dtype.get(a), torch.dtype)]
         float_in = [out_dtype[a] for a in inputs if out_dtype[a].is_floating_point]
-        produces_float = any(
-            isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in pytree.tree_leaves(val)
-        )
+        produces_float = any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in pytree.tree_leaves(val))
         if decision is None or (not float_in and not produces_float):
             return dtypes_of(val)
         mode, reason = decision.mode, decision.reason

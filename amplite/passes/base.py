@@ -73,9 +73,7 @@ class PassManager:
                 if self.lint:
                     gm.graph.lint()
                 gm.recompile()
-            records.append(
-                PassRecord(p.name, result.modified, dict(result.counters), perf_counter() - start)
-            )
+            records.append(PassRecord(p.name, result.modified, dict(result.counters), perf_counter() - start))
         return gm, records
 
 

@@ -26,9 +26,7 @@ from amplite.passes.graph_utils import cast_dtype, is_exact_conversion, make_cas
 from amplite.passes.insert_casts import retype
 
 _DATA_MOVEMENT = frozenset(filter(None, (op_tables.resolve(e) for e in op_tables.DATA_MOVEMENT_OPS)))
-_SHRINKING = frozenset(
-    filter(None, (op_tables.resolve(e) for e in ("slice.Tensor", "select.int", "narrow.default")))
-)
+_SHRINKING = frozenset(filter(None, (op_tables.resolve(e) for e in ("slice.Tensor", "select.int", "narrow.default"))))
 _MAX_ROUNDS = 20
 
 
@@ -159,7 +157,7 @@ class CleanupCasts:
             m.meta["val"] = retype(m.meta.get("val"), value_dtype(x))
             with graph.inserting_after(m):
                 new = make_cast(graph, m, dt)
-            m.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new)
+            m.replace_all_uses_with(new, delete_user_cb=lambda u, new=new: u is not new)
             graph.erase_node(node)
             counters["moved_below_data_movement"] += 1
             changed = True

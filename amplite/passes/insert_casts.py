@@ -25,7 +25,7 @@ def retype(val: Any, dtypes: Any) -> Any:
     if isinstance(val, torch.Tensor) and isinstance(dtypes, torch.dtype) and val.dtype != dtypes:
         return val.to(dtypes)
     if isinstance(val, (tuple, list)) and isinstance(dtypes, tuple) and len(val) == len(dtypes):
-        return type(val)(retype(v, d) for v, d in zip(val, dtypes))
+        return type(val)(retype(v, d) for v, d in zip(val, dtypes, strict=True))
     return val
 
 
@@ -70,8 +70,9 @@ class InsertCasts:
             if node.op == "call_function" and plan and plan["dtype"] is not None:
                 compute, follow = plan["dtype"], plan["mode"] == "follow"
 
-                def fix(arg: Any, compute: torch.dtype = compute, follow: bool = follow,
-                        node: torch.fx.Node = node) -> Any:
+                def fix(
+                    arg: Any, compute: torch.dtype = compute, follow: bool = follow, node: torch.fx.Node = node
+                ) -> Any:
                     if not isinstance(arg, torch.fx.Node):
                         return arg
                     dt = new_dtype.get(arg)
@@ -101,4 +102,3 @@ class InsertCasts:
             return arg
 
         out.args = pytree.tree_map(back, out.args)
-

@@ -1,0 +1,153 @@
+"""Cast clean-up on an exported ONNX graph (``onnx_ir`` model, edited in place), with counters.
+
+Only rewrites that are exact in every runtime are made, so FP32 islands and the roundings the converted
+program performs stay exactly as they were:
+
+* ``identity``: a Cast to the dtype its input already has.
+* ``round_trip``: ``Cast(Cast(x, to=W), to=T)`` where ``x``'s dtype embeds exactly in ``W`` (fp16/bf16 →
+  fp32, anything float → fp64): the outer Cast reads ``x`` directly, and disappears when ``T`` is ``x``'s
+  dtype (``fp16 → fp32 → fp16``). ``fp32 → fp16 → fp32`` rounds, so it is never touched.
+* ``duplicate``: two Casts of one value to one dtype.
+* ``initializer``: an initializer whose only readers are Casts to one dtype is stored in that dtype (the
+  conversion runs lazily, tensor by tensor, when the model is written, with the same round-to-nearest-even
+  as the Cast it replaces).
+
+A Cast whose result is a graph output is kept, so output names and types never change.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+#: Casts that are exact (every value of the source dtype is representable in the target).
+_EXACT = {
+    (ir.DataType.FLOAT16, ir.DataType.FLOAT),
+    (ir.DataType.BFLOAT16, ir.DataType.FLOAT),
+    (ir.DataType.FLOAT16, ir.DataType.DOUBLE),
+    (ir.DataType.BFLOAT16, ir.DataType.DOUBLE),
+    (ir.DataType.FLOAT, ir.DataType.DOUBLE),
+}
+_FLOATS = {ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE}
+
+
+def is_cast(node: ir.Node) -> bool:
+    """Whether ``node`` is a standard-domain Cast."""
+    return node.op_type == "Cast" and node.domain in ("", "ai.onnx")
+
+
+def count_casts(model: ir.Model, *, functions: bool = False) -> int:
+    """Cast nodes in the main graph (and its subgraphs); with ``functions``, in local function bodies."""
+    if functions:
+        return sum(1 for fn in model.functions.values() for node in fn if is_cast(node))
+    return sum(1 for node in ir.traversal.RecursiveGraphIterator(model.graph) if is_cast(node))
+
+
+def _target(node: ir.Node) -> ir.DataType:
+    return ir.DataType(node.attributes["to"].as_int())
+
+
+def _removable(node: ir.Node) -> bool:
+    return not node.outputs[0].is_graph_output()
+
+
+def _drop(graph: ir.Graph, node: ir.Node, replacement: ir.Value) -> None:
+    """Route every reader of ``node``'s output to ``replacement`` and delete ``node``."""
+    ir.convenience.replace_all_uses_with(node.outputs[0], replacement)
+    graph.remove(node, safe=True)
+
+
+def _numpy_dtype(dtype: ir.DataType) -> Any:
+    return dtype.numpy()
+
+
+def _lazy_cast(tensor: ir.TensorProtocol, dtype: ir.DataType, name: str) -> ir.LazyTensor:
+    """``tensor`` converted to ``dtype`` on demand (no second copy of the weights until written)."""
+
+    def convert() -> ir.TensorProtocol:
+        arr = tensor.numpy()
+        if arr.dtype.kind != "f" and not str(arr.dtype).startswith("bfloat16"):
+            arr = arr.astype(np.float32)
+        return ir.tensor(np.asarray(arr.astype(_numpy_dtype(dtype))), dtype=dtype, name=name)
+
+    return ir.LazyTensor(convert, dtype=dtype, shape=ir.Shape(tensor.shape), name=name)
+
+
+def fold_initializer_casts(graph: ir.Graph, counts: Counter) -> None:
+    """Store an initializer in the dtype every reader casts it to, and drop those Casts."""
+    for name, value in list(graph.initializers.items()):
+        tensor = value.const_value
+        if tensor is None or value.dtype not in _FLOATS or value.is_graph_input() or value.is_graph_output():
+            continue
+        readers = [node for node, _ in value.uses()]
+        if not readers or not all(is_cast(n) and _removable(n) for n in readers):
+            continue
+        targets = {_target(n) for n in readers}
+        if len(targets) != 1 or next(iter(targets)) not in _FLOATS:
+            continue
+        dtype = targets.pop()
+        new = ir.Value(
+            name=name, type=ir.TensorType(dtype), shape=value.shape, const_value=_lazy_cast(tensor, dtype, name)
+        )
+        graph.initializers.pop(name)
+        graph.register_initializer(new)
+        for node in readers:
+            _drop(graph, node, new)
+            counts["initializer"] += 1
+
+
+def _cleanup_once(graph: ir.Graph, counts: Counter) -> bool:
+    changed = False
+    seen: dict[tuple[int, int], ir.Value] = {}
+    for node in list(graph):
+        if not is_cast(node) or node.graph is not graph:
+            continue
+        x, to = node.inputs[0], _target(node)
+        if x is None:
+            continue
+        if x.dtype == to and _removable(node):
+            _drop(graph, node, x)
+            counts["identity"] += 1
+            changed = True
+            continue
+        inner = x.producer()
+        if inner is not None and is_cast(inner) and inner.inputs[0] is not None:
+            source = inner.inputs[0]
+            if (source.dtype, _target(inner)) in _EXACT:
+                if source.dtype == to and _removable(node):
+                    _drop(graph, node, source)
+                else:
+                    node.replace_input_with(0, source)
+                if not x.uses() and _removable(inner):
+                    graph.remove(inner, safe=True)
+                counts["round_trip"] += 1
+                changed = True
+                continue
+        key = (id(x), int(to))
+        if key in seen and _removable(node):
+            _drop(graph, node, seen[key])
+            counts["duplicate"] += 1
+            changed = True
+            continue
+        seen.setdefault(key, node.outputs[0])
+    return changed
+
+
+def cleanup_casts(model: ir.Model) -> dict[str, int]:
+    """Remove redundant Casts from ``model`` (in place) and fold casts of initializers.
+
+    Returns:
+        Counters: ``casts_before``, ``casts_after``, and one per rule (``identity``, ``round_trip``,
+        ``duplicate``, ``initializer``).
+    """
+    counts: Counter = Counter({"identity": 0, "round_trip": 0, "duplicate": 0, "initializer": 0})
+    before = count_casts(model)
+    graph = model.graph
+    fold_initializer_casts(graph, counts)
+    for _ in range(8):  # each sweep can expose a new round trip; real graphs settle in two
+        if not _cleanup_once(graph, counts):
+            break
+    return {"casts_before": before, "casts_after": count_casts(model), **dict(counts)}

@@ -1,0 +1,370 @@
+"""ONNX output: ``torch.onnx.export(dynamo=True)`` of a converted program, portable to any ONNX runtime.
+
+* Casts and FP32 islands come from the converted program unchanged; :mod:`onnx_cleanup` then removes only
+  exact redundancies and stores initializers read only in low precision in that precision.
+* ``amplite::contract`` becomes ``amplite.Contract`` (or ``amplite.ContractBias`` when it has a bias), opset
+  domain ``amplite`` version 1, each with a model-local function body (Cast → Einsum → scale/bias → Cast,
+  FP32 inside) so every runtime can run it, while a runtime with a kernel registered for the domain claims
+  the node instead. The exporter inlines model-local functions (its opset conversion and its optimizer both
+  do), so the translation emits plain custom-domain nodes and the bodies are attached afterwards; the
+  optimizer then runs with inlining off.
+* Models whose weights exceed protobuf's 2 GB limit (or ``external_data=True``) are written as
+  ``<name>.onnx`` plus ``<name>.onnx.data``, tensor by tensor. Weights are wrapped, not copied, by the
+  exporter; casts of initializers are applied lazily while writing.
+* Everything is written to a temporary location next to the destination, checked with ``onnx.checker``
+  (full check, strict shape inference), then moved into place: nothing partial is left on failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+import torch
+from onnx import defs, helper
+from onnxscript.values import Op, Opset
+from torch.export import ExportedProgram
+
+from amplite.converter.emit import check_writable
+from amplite.converter.onnx_cleanup import cleanup_casts, count_casts
+from amplite.errors import ConfigError, EmitError, ExportError
+
+DOMAIN = "amplite"
+DOMAIN_VERSION = 1
+DEFAULT_OPSET = 20
+#: Cast to/from bfloat16 exists from opset 13; the function bodies use CastLike (opset 15).
+MIN_OPSET_BF16 = 13
+MIN_OPSET_CONTRACT = 15
+#: Above this many bytes of initializers the model cannot be one protobuf (2 GiB hard limit).
+EXTERNAL_DATA_THRESHOLD = 2**31 - 2**27
+_LOW = {"fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
+
+
+@dataclass
+class OnnxInfo:
+    """What :func:`save_onnx` wrote.
+
+    Attributes:
+        path: The ``.onnx`` file.
+        data_path: The external data file, or None when the weights are inside the model file.
+        bytes: Size of the model file plus its external data.
+        opset: Default-domain opset version.
+        casts: Cast nodes in the main graph after clean-up.
+        casts_in_functions: Cast nodes inside the ``amplite`` function bodies (per definition).
+        contract_nodes: ``amplite`` domain nodes in the graph.
+        cleanup: Counters of the Cast clean-up (see :func:`amplite.converter.onnx_cleanup.cleanup_casts`).
+        inputs: ``(name, dtype)`` of each graph input; ``outputs`` likewise.
+        checker: ``"passed"`` (full check and strict shape inference ran on the written file).
+        timings: Seconds spent in ``export``, ``optimize``, ``save`` and ``check``.
+    """
+
+    path: str
+    data_path: str | None
+    bytes: int
+    opset: int
+    casts: int
+    casts_in_functions: int
+    contract_nodes: int
+    cleanup: dict[str, int]
+    inputs: list[tuple[str, str]] = field(default_factory=list)
+    outputs: list[tuple[str, str]] = field(default_factory=list)
+    checker: str = "passed"
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict for the report."""
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- custom translation
+def _schema(name: str, bias: bool) -> defs.OpSchema:
+    fp = defs.OpSchema.FormalParameter
+    attr = defs.OpSchema.Attribute
+    inputs = [fp("A", "T"), fp("B", "T")] + ([fp("C", "T")] if bias else [])
+    attrs = [attr("equation", defs.OpSchema.AttrType.STRING, "binary einsum equation"),
+             attr("alpha", helper.make_attribute("alpha", 1.0), "scale of the contraction")]
+    if bias:
+        attrs.append(attr("beta", helper.make_attribute("beta", 1.0), "scale of C"))
+    types = ["tensor(float16)", "tensor(bfloat16)", "tensor(float)", "tensor(double)"]
+    return defs.OpSchema(name, DOMAIN, DOMAIN_VERSION, inputs=inputs, outputs=[fp("Y", "T")],
+                         type_constraints=[("T", types, "")], attributes=attrs)
+
+
+# Ops with a schema that is NOT registered in onnx's global registry: calling them records a plain node.
+_OPSET = Opset(DOMAIN, DOMAIN_VERSION)
+_CONTRACT = Op(_OPSET, "Contract", _schema("Contract", bias=False))
+_CONTRACT_BIAS = Op(_OPSET, "ContractBias", _schema("ContractBias", bias=True))
+
+
+def contract_translation(equation: str, a: Any, b: Any, c: Any = None, alpha: float = 1.0, beta: float = 1.0):
+    """ONNX translation of ``amplite::contract``: an ``amplite.Contract``/``ContractBias`` node."""
+    if c is None or beta == 0.0:
+        return _CONTRACT(a, b, equation=equation, alpha=float(alpha))
+    return _CONTRACT_BIAS(a, b, c, equation=equation, alpha=float(alpha), beta=float(beta))
+
+
+def contract_functions(opset: int) -> list[ir.Function]:
+    """Model-local function bodies of ``amplite.Contract`` and ``amplite.ContractBias`` (FP32 inside)."""
+    fns = []
+    for name, bias in (("Contract", False), ("ContractBias", True)):
+        ref = helper.make_attribute_ref
+        nodes = [
+            helper.make_node("Cast", ["A"], ["a32"], to=onnx.TensorProto.FLOAT),
+            helper.make_node("Cast", ["B"], ["b32"], to=onnx.TensorProto.FLOAT),
+            helper.make_node("Einsum", ["a32", "b32"], ["y"]),
+            helper.make_node("Constant", [], ["alpha"]),
+            helper.make_node("Mul", ["y", "alpha"], ["ys"]),
+        ]
+        nodes[2].attribute.append(ref("equation", onnx.AttributeProto.STRING))
+        nodes[3].attribute.append(ref("value_float", onnx.AttributeProto.FLOAT))
+        nodes[3].attribute[0].ref_attr_name = "alpha"
+        out = "ys"
+        if bias:
+            beta = helper.make_node("Constant", [], ["beta"])
+            beta.attribute.append(ref("value_float", onnx.AttributeProto.FLOAT))
+            beta.attribute[0].ref_attr_name = "beta"
+            nodes += [helper.make_node("Cast", ["C"], ["c32"], to=onnx.TensorProto.FLOAT), beta,
+                      helper.make_node("Mul", ["c32", "beta"], ["cs"]),
+                      helper.make_node("Add", ["ys", "cs"], ["z"])]
+            out = "z"
+        nodes.append(helper.make_node("CastLike", [out, "A"], ["Y"]))
+        defaults = [helper.make_attribute("alpha", 1.0)] + ([helper.make_attribute("beta", 1.0)] if bias else [])
+        proto = helper.make_function(
+            DOMAIN, name, ["A", "B"] + (["C"] if bias else []), ["Y"], nodes,
+            [helper.make_opsetid("", opset)], attributes=["equation"], attribute_protos=defaults,
+            doc_string="alpha * einsum(equation, A, B) [+ beta * C], FP32 accumulation, result in A's dtype",
+        )
+        fns.append(ir.serde.deserialize_function(proto))
+    return fns
+
+
+# --------------------------------------------------------------------------- export
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """The exporter logs warnings about unrelated optional packages (torchvision); keep the CLI clean."""
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "onnxscript", "onnx_ir")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _missing_ops(exc: BaseException) -> list[str]:
+    """Names of ops the exporter found no ONNX translation for, from its exception chain."""
+    text, seen = "", set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text += f"\n{exc}"
+        exc = exc.__cause__ or exc.__context__
+    ops = re.findall(r"No ONNX function found for (?:<OpOverload\(op='([^']+)', overload='([^']+)'\)>|(\S+?)\.?\s)", text)
+    names = {f"{a}.{b}" if a else c for a, b, c in ops}
+    return sorted(n for n in names if n)
+
+
+def export_model(program: ExportedProgram, *, opset: int | None = None) -> ir.Model:
+    """Translate ``program`` to an ONNX IR model (no optimisation, functions not yet attached).
+
+    Raises:
+        ExportError: An op has no ONNX translation, or the exporter failed.
+        ConfigError: The opset cannot express the model.
+    """
+    table = {}
+    if hasattr(torch.ops, "amplite") and hasattr(torch.ops.amplite, "contract"):
+        table[torch.ops.amplite.contract.default] = contract_translation
+    try:
+        with _quiet_exporter(), contextlib.redirect_stdout(None):
+            onnx_program = torch.onnx.export(
+                program, (), dynamo=True, optimize=False, verbose=False, report=False,
+                opset_version=opset or DEFAULT_OPSET, custom_translation_table=table,
+            )
+    except Exception as exc:
+        missing = _missing_ops(exc)
+        if missing:
+            raise ExportError(
+                f"no ONNX translation for {', '.join(missing)}", "save as .pt2 instead (--format pt2)"
+            ) from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if opset is not None and opset < 18:
+            raise ConfigError(f"the model cannot be exported at opset {opset}: {first}",
+                              "use --opset 18 or newer (default 20)") from exc
+        raise ExportError(f"ONNX export failed: {first}", "save as .pt2 instead (--format pt2)") from exc
+    return onnx_program.model
+
+
+def _low_precision_io(model: ir.Model, low: ir.DataType) -> None:
+    """Make FP32 graph inputs/outputs ``low``: a Cast at each boundary (clean-up removes round trips)."""
+    graph = model.graph
+    for i, value in enumerate(list(graph.inputs)):
+        if value.dtype != ir.DataType.FLOAT:
+            continue
+        new = ir.Value(name=value.name, type=ir.TensorType(low), shape=value.shape)
+        value.name = f"{value.name}_fp32"
+        cast = ir.node("Cast", [new], attributes={"to": ir.DataType.FLOAT}, num_outputs=1)
+        graph.insert_before(graph.node(0), cast) if len(graph) else graph.append(cast)
+        ir.convenience.replace_all_uses_with(value, cast.outputs[0])
+        cast.outputs[0].type, cast.outputs[0].shape = ir.TensorType(ir.DataType.FLOAT), value.shape
+        graph.inputs[i] = new
+    for i, value in enumerate(list(graph.outputs)):
+        if value.dtype != ir.DataType.FLOAT:
+            continue
+        name = value.name
+        value.name = f"{name}_fp32"
+        cast = ir.node("Cast", [value], attributes={"to": low}, num_outputs=1)
+        graph.append(cast)
+        cast.outputs[0].name, cast.outputs[0].type, cast.outputs[0].shape = name, ir.TensorType(low), value.shape
+        graph.outputs[i] = cast.outputs[0]
+
+
+def _has_dtype(model: ir.Model, dtype: ir.DataType) -> bool:
+    values = [*model.graph.inputs, *model.graph.outputs, *model.graph.initializers.values()]
+    values += [v for n in model.graph for v in n.outputs]
+    return any(v.dtype == dtype for v in values)
+
+
+def prepare_model(
+    program: ExportedProgram, *, precision: str = "fp16", low_precision_io: bool = False, opset: int | None = None
+) -> tuple[ir.Model, dict[str, Any]]:
+    """Export, attach the ``amplite`` functions, clean up casts and optimise (without inlining).
+
+    Returns:
+        The model and a dict with ``cleanup`` counters and ``timings``.
+    """
+    if precision not in _LOW:
+        raise ConfigError(f"precision {precision!r} is not fp16 or bf16", "pass --precision fp16 or bf16")
+    if opset is not None and precision == "bf16" and opset < MIN_OPSET_BF16:
+        raise ConfigError(f"opset {opset} has no bfloat16 Cast (added in opset {MIN_OPSET_BF16})",
+                          "use --opset 18 or newer (default 20), or --precision fp16")
+    timings: dict[str, float] = {}
+    start = perf_counter()
+    model = export_model(program, opset=opset)
+    timings["export"] = perf_counter() - start
+    start = perf_counter()
+    opset_version = model.opset_imports.get("", opset or DEFAULT_OPSET)
+    if _has_dtype(model, ir.DataType.BFLOAT16) and opset_version < MIN_OPSET_BF16:
+        raise ConfigError(f"opset {opset_version} has no bfloat16 Cast (added in opset {MIN_OPSET_BF16})",
+                          "use --opset 18 or newer (default 20)")
+    used = {n.op_type for n in model.graph.all_nodes() if n.domain == DOMAIN}
+    if used:
+        if opset_version < MIN_OPSET_CONTRACT:
+            raise ConfigError(f"opset {opset_version} cannot express amplite.Contract's body (CastLike, opset 15)",
+                              "use --opset 18 or newer, or convert without --fuse-contractions")
+        model.opset_imports[DOMAIN] = DOMAIN_VERSION
+        for fn in contract_functions(opset_version):
+            if fn.name in used:
+                model.functions[fn.identifier()] = fn
+    if low_precision_io:
+        _low_precision_io(model, _LOW[precision])
+    cleanup = cleanup_casts(model)
+    import onnxscript.optimizer
+
+    onnxscript.optimizer.optimize_ir(model, inline=False)
+    after = cleanup_casts(model)  # the optimiser's folding can expose more
+    cleanup = {k: cleanup[k] + after[k] for k in cleanup if k not in ("casts_before", "casts_after")} | {
+        "casts_before": cleanup["casts_before"], "casts_after": after["casts_after"]}
+    timings["optimize"] = perf_counter() - start
+    return model, {"cleanup": cleanup, "timings": timings}
+
+
+def _initializer_bytes(model: ir.Model) -> int:
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+
+
+def _write_checked(model: ir.Model, dest: Path, external: bool) -> Path | None:
+    """Write into a temporary directory beside ``dest``, check it there, then move it into place."""
+    tmpdir = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}."))
+    data_name = f"{dest.name}.data"
+    moved: list[Path] = []
+    try:
+        tmp_model = tmpdir / dest.name
+        if external:
+            ir.save(model, tmp_model, external_data=data_name)
+        else:
+            ir.save(model, tmp_model)
+        onnx.checker.check_model(str(tmp_model), full_check=True)
+        data_dest = dest.with_name(data_name) if external else None
+        if data_dest is not None:
+            os.replace(tmpdir / data_name, data_dest)
+            moved.append(data_dest)
+        os.replace(tmp_model, dest)
+        return data_dest
+    except BaseException as exc:
+        for p in moved:
+            p.unlink(missing_ok=True)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        if isinstance(exc, (onnx.checker.ValidationError, onnx.shape_inference.InferenceError)):
+            raise ExportError(f"the exported ONNX model fails onnx.checker: {str(exc).splitlines()[0]}",
+                              "save as .pt2 (--format pt2) and report this as an amplite bug") from exc
+        raise EmitError(f"writing {str(dest)!r} failed: {type(exc).__name__}: {exc}",
+                        "check disk space and permissions") from exc
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def save_onnx(
+    program: ExportedProgram,
+    path: str | Path,
+    *,
+    precision: str = "fp16",
+    low_precision_io: bool = False,
+    external_data: bool | None = None,
+    opset: int | None = None,
+) -> OnnxInfo:
+    """Export a converted program to ONNX and write it atomically, checked.
+
+    Args:
+        program: The converted ExportedProgram (``ConversionResult.program``).
+        path: Destination ``.onnx`` file; external data goes to ``<path>.data`` beside it.
+        precision: ``fp16`` or ``bf16`` (the low dtype; for the opset check and low-precision I/O).
+        low_precision_io: Make FP32 graph inputs and outputs the low dtype (no-op if the program already
+            has low-precision I/O).
+        external_data: Force (True) or forbid (False) external data; None decides by size (> ~1.9 GiB).
+        opset: Default-domain opset (None: 20).
+
+    Returns:
+        What was written, with Cast counts and clean-up counters.
+
+    Raises:
+        ConfigError: Opset too old for the model. ExportError: An op has no ONNX translation (named).
+        EmitError: The destination cannot be written (nothing is left behind).
+    """
+    dest = check_writable(path)
+    model, extra = prepare_model(program, precision=precision, low_precision_io=low_precision_io, opset=opset)
+    size = _initializer_bytes(model)
+    if external_data is False and size > EXTERNAL_DATA_THRESHOLD:
+        raise ConfigError(f"the weights take {size / 2**30:.2f} GiB, over protobuf's 2 GiB limit",
+                          "allow external data (drop --no-external-data)")
+    external = bool(external_data) or size > EXTERNAL_DATA_THRESHOLD
+    timings = extra["timings"]
+    start = perf_counter()
+    data_path = _write_checked(model, dest, external)
+    timings["save_and_check"] = perf_counter() - start
+    total = dest.stat().st_size + (data_path.stat().st_size if data_path else 0)
+    return OnnxInfo(
+        path=str(dest),
+        data_path=str(data_path) if data_path else None,
+        bytes=total,
+        opset=model.opset_imports.get("", DEFAULT_OPSET),
+        casts=count_casts(model),
+        casts_in_functions=count_casts(model, functions=True),
+        contract_nodes=sum(1 for n in model.graph.all_nodes() if n.domain == DOMAIN),
+        cleanup=extra["cleanup"],
+        inputs=[(v.name, str(v.dtype)) for v in model.graph.inputs],
+        outputs=[(v.name, str(v.dtype)) for v in model.graph.outputs],
+        timings={k: round(v, 4) for k, v in timings.items()},
+    )

@@ -1,0 +1,1 @@
+"""Helper models for CLI tests (importable as --model-factory tests.models.broken:NAME)."""

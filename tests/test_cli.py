@@ -1,0 +1,158 @@
+"""CLI behaviour: exit codes, one-line errors without tracebacks, nothing written on failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.models.broken import DataDependent
+
+
+def assert_clean_error(res: object, out_dir: Path, message: str) -> None:
+    assert res.exit_code == 2, (res.stdout, res.stderr)
+    text = res.stderr.strip()
+    assert text.startswith("error:") and message in " ".join(text.split()), text
+    assert "fix:" in text and "Traceback" not in res.stdout + res.stderr
+    assert not list(out_dir.glob("*")), list(out_dir.glob("*"))  # nothing partially written
+
+
+def test_convert_writes_model_and_report(cli, model_files, tmp_path: Path) -> None:
+    res = cli("convert", model_files("transformer")["pt2"], "-o", tmp_path / "t.pt2", "--level", "O2")
+    assert res.exit_code == 0, res.stderr
+    assert "pass" in res.stdout and "wrote" in res.stdout
+    report = json.loads((tmp_path / "t.report.json").read_text())
+    assert report["config"]["level"] == "O2" and report["verification"]["passed"] is True
+    assert report["output"]["path"] == str(tmp_path / "t.pt2")
+    program = torch.export.load(str(tmp_path / "t.pt2"))
+    assert program.module()(torch.randint(0, 1000, (2, 16))).dtype == torch.float32
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.pt2", "t.report.json"]  # no temp files
+
+
+def test_verification_failure_exits_1(cli, model_files, tmp_path: Path) -> None:
+    res = cli("convert", model_files("overflow")["pt2"], "-o", tmp_path / "o.pt2", "--level", "O3")
+    assert res.exit_code == 1
+    assert "FAIL" in res.stdout and (tmp_path / "o.pt2").exists()
+
+
+def test_keep_fp32_and_inspect(cli, model_files) -> None:
+    res = cli("inspect", model_files("transformer")["pt2"], "--keep-fp32", "module:layers.1.*", "--only", "fp32")
+    assert res.exit_code == 0, res.stderr
+    assert "user:keep module:layers.1.*" in res.stdout and "fp32-list:softmax" in res.stdout
+    assert "low-list" not in res.stdout
+
+
+def test_env_level_is_used(cli, model_files, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AMPLITE_LEVEL", "O2")
+    res = cli("convert", model_files("mlp")["pt2"], "-o", tmp_path / "m.pt2")
+    assert res.exit_code == 0
+    assert json.loads((tmp_path / "m.report.json").read_text())["config"]["level"] == "O2"
+
+
+@pytest.fixture
+def out_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "out"
+    d.mkdir()
+    return d
+
+
+def test_bad_files(cli, model_files, tmp_path: Path, out_dir: Path) -> None:
+    o = ["-o", out_dir / "m.pt2"]
+    assert_clean_error(cli("convert", tmp_path / "missing.pt2", *o), out_dir, "does not exist")
+    assert_clean_error(cli("convert", tmp_path, *o), out_dir, "is a directory")
+    (tmp_path / "rand.pt2").write_bytes(os.urandom(4096))
+    assert_clean_error(cli("convert", tmp_path / "rand.pt2", *o), out_dir, "not a model file")
+    data = model_files("mlp")["pt2"].read_bytes()
+    (tmp_path / "trunc.pt2").write_bytes(data[: len(data) // 3])
+    assert_clean_error(cli("convert", tmp_path / "trunc.pt2", *o), out_dir, "truncated or corrupt zip")
+
+
+def test_bad_pickles_and_factories(cli, model_files, out_dir: Path) -> None:
+    o = ["-o", out_dir / "m.pt2", "--inputs", model_files("mlp")["inputs"]]
+    assert_clean_error(cli("convert", model_files("mlp")["pickle"], *o), out_dir, "--trust-pickle")
+    state = model_files("mlp")["state_dict"]
+    assert_clean_error(cli("convert", state, *o), out_dir, "--model-factory")
+    assert_clean_error(cli("convert", state, *o, "--model-factory", "nope.nope:f"), out_dir, "cannot import")
+    assert_clean_error(
+        cli("convert", state, *o, "--model-factory", "tests.models.broken:not_a_module"), out_dir, "not an nn.Module"
+    )
+
+
+def test_inputs_that_do_not_fit(cli, model_files, out_dir: Path) -> None:
+    pt2 = model_files("mlp")["pt2"]
+    o = ["-o", out_dir / "m.pt2"]
+    assert_clean_error(cli("convert", pt2, *o, "--input", "x:4x31:float32"), out_dir, "do not fit the model")
+    assert_clean_error(cli("convert", pt2, *o, "--input", "x:4x32:int64"), out_dir, "do not fit the model")
+    state = model_files("mlp")["state_dict"]
+    res = cli("convert", state, *o, "--model-factory", "fixtures.zoo:mlp", "--input", "y:4x32:float32")
+    assert_clean_error(res, out_dir, "do not fit forward(x")
+    assert_clean_error(cli("convert", pt2, *o, "--input", "x:4x32"), out_dir, "cannot parse --input")
+
+
+def test_export_failure_names_the_source_line(cli, tmp_path: Path, out_dir: Path) -> None:
+    torch.save(DataDependent().state_dict(), tmp_path / "dd.pt")
+    res = cli(
+        "convert",
+        tmp_path / "dd.pt",
+        "-o",
+        out_dir / "m.pt2",
+        "--input",
+        "x:2x4:float32",
+        "--model-factory",
+        "tests.models.broken:data_dependent",
+    )
+    assert_clean_error(res, out_dir, "torch.export could not trace the model")
+    assert "broken.py:" in res.stderr and "if y.sum() > 0" in res.stderr
+
+
+def test_bad_options_and_outputs(cli, model_files, tmp_path: Path, out_dir: Path) -> None:
+    pt2 = model_files("mlp")["pt2"]
+    assert_clean_error(cli("convert", pt2, "-o", out_dir / "m.pt2", "--level", "O7"), out_dir, "unknown level")
+    assert_clean_error(cli("convert", pt2, "-o", out_dir / "m.pt2", "-p", "fp8"), out_dir, "unknown precision")
+    assert_clean_error(cli("convert", pt2, "-o", tmp_path / "nodir" / "m.pt2"), out_dir, "does not exist")
+    assert_clean_error(cli("convert", pt2, "-o", out_dir), out_dir, "is a directory")
+    assert_clean_error(cli("convert", pt2, "-o", out_dir / "m.bin"), out_dir, "output format")
+
+
+def test_unwritable_directory(cli, model_files, tmp_path: Path) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("running as a user that can write to read-only directories (root)")
+        res = cli("convert", model_files("mlp")["pt2"], "-o", ro / "m.pt2")
+        assert_clean_error(res, ro, "not writable")
+    finally:
+        ro.chmod(0o700)
+
+
+def test_debug_shows_the_traceback(cli, tmp_path: Path) -> None:
+    res = cli("convert", tmp_path / "missing.pt2", "--debug")
+    assert res.exit_code == 2 and "Traceback" in res.stderr
+
+
+def test_python_dash_m_matches_the_script(model_files, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    res = subprocess.run(
+        [sys.executable, "-m", "amplite", "convert", str(model_files("mlp")["pt2"]), "-o", str(tmp_path / "m.pt2")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "m.pt2").exists() and "wrote" in res.stdout
+    res = subprocess.run(
+        [sys.executable, "-m", "amplite", "convert", str(tmp_path / "none.pt2")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr

@@ -1,0 +1,171 @@
+"""Unit tests of the precision passes on small exported graphs, with numeric checks."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from amplite.converter.pipeline import strip_export_checks
+from amplite.passes.annotate_precision import AnnotatePrecision
+from amplite.passes.base import PassManager
+from amplite.passes.cleanup_casts import CleanupCasts
+from amplite.passes.graph_utils import cast_dtype, make_cast
+from amplite.passes.insert_casts import InsertCasts
+from amplite.passes.store_low_params import StoreLowPrecisionParams
+from amplite.policy import Level, PrecisionPolicy
+from tests.conftest import compute_dtypes, count_casts
+
+aten = torch.ops.aten
+
+
+def graph_module(model: nn.Module, *args: torch.Tensor) -> torch.fx.GraphModule:
+    gm = torch.export.export(model.eval(), args, strict=False).module()
+    strip_export_checks(gm)
+    return gm
+
+
+def convert(gm: torch.fx.GraphModule, level: Level = Level.O1, extra: tuple = ()) -> tuple:
+    policy = PrecisionPolicy("fp16", level)
+    passes = [AnnotatePrecision(policy), InsertCasts(), CleanupCasts(), *extra]
+    return PassManager(passes)(gm)
+
+
+class SharedInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x) + self.c(x).softmax(-1)
+
+
+def test_one_cast_per_value_and_dtype_shared_by_all_consumers() -> None:
+    x = torch.randn(4, 8)
+    model = SharedInput()
+    gm, records = convert(graph_module(model, x))
+    casts_of_x = [n for n in gm.graph.nodes if cast_dtype(n) == torch.float16 and n.args[0].name == "x"]
+    assert len(casts_of_x) == 1
+    assert len(casts_of_x[0].users) == 3  # a, b and c all read the one fp16 copy of x
+    assert records[1].counters["casts_shared"] >= 2
+    assert compute_dtypes(gm.graph, aten.linear) == [torch.float16] * 3
+    assert compute_dtypes(gm.graph, aten.softmax) == [torch.float32]
+    torch.testing.assert_close(gm(x), model(x), atol=5e-3, rtol=5e-3)
+
+
+def test_annotation_records_reasons_and_does_not_change_the_graph() -> None:
+    gm = graph_module(SharedInput(), torch.randn(4, 8))
+    before = str(gm.graph)
+    result = AnnotatePrecision(PrecisionPolicy("fp16", Level.O1))(gm)
+    assert not result.modified and str(gm.graph) == before
+    reasons = {n.name: n.meta["amplite_precision"]["reason"] for n in gm.graph.nodes if "amplite_precision" in n.meta}
+    assert reasons["softmax"] == "fp32-list:softmax"
+    assert reasons["linear"] == "low-list:linear"
+    assert reasons["add"] == "follow-inputs"
+
+
+class Decomposed(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def test_decomposed_norm_stays_fp32_at_o2() -> None:
+    x = torch.randn(4, 16)
+    gm, _ = convert(graph_module(Decomposed(), x), Level.O2)
+    for op in (aten.pow, aten.mean, aten.rsqrt):
+        assert compute_dtypes(gm.graph, op) == [torch.float32], op
+
+
+class Chain(nn.Module):
+    """x -> fp16 -> fp32 (exact) -> fp16 again, and x -> fp16 -> fp32 (lossy round trip)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x.half()
+        exact = h.float().half()  # fp16 -> fp32 -> fp16: exact, can fold to h
+        lossy = x.half().float()  # fp32 -> fp16 -> fp32: rounding, must stay
+        return exact, lossy
+
+
+def test_cleanup_folds_exact_round_trips_but_keeps_lossy_ones() -> None:
+    x = torch.randn(64) * 3
+    gm = graph_module(Chain(), x)
+    ref = Chain()(x)
+    result = CleanupCasts()(gm)
+    gm.recompile()
+    exact, lossy = gm(x)
+    assert result.counters["round_trips_folded"] == 1
+    assert result.counters["duplicates_merged"] == 1  # the two x.half() calls
+    assert torch.equal(exact, ref[0]) and exact.dtype == torch.float16
+    assert torch.equal(lossy, ref[1])  # still rounded through fp16
+    assert not torch.equal(lossy, x)
+
+
+class Expand(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.expand(64, 8).half()
+
+
+class Slice(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.half()[:2]
+
+
+def test_casts_move_to_the_smaller_side_of_data_movement() -> None:
+    x = torch.randn(1, 8)
+    gm = graph_module(Expand(), x)
+    result = CleanupCasts()(gm)
+    gm.recompile()
+    assert result.counters["moved_above_data_movement"] == 1
+    (cast,) = [n for n in gm.graph.nodes if cast_dtype(n) is not None]
+    assert cast.args[0].op == "placeholder"  # casts 8 elements, not 512
+    assert torch.equal(gm(x), Expand()(x))
+
+    y = torch.randn(100, 8)
+    gm = graph_module(Slice(), y)
+    result = CleanupCasts()(gm)
+    gm.recompile()
+    assert result.counters["moved_below_data_movement"] == 1
+    (cast,) = [n for n in gm.graph.nodes if cast_dtype(n) is not None]
+    assert cast.args[0].target is aten.slice.Tensor
+    assert torch.equal(gm(y), Slice()(y))
+
+
+def test_identity_cast_is_removed() -> None:
+    gm = graph_module(nn.Linear(4, 4), torch.randn(2, 4))
+    lin = next(n for n in gm.graph.nodes if n.target is aten.linear.default)
+    with gm.graph.inserting_before(lin):
+        ident = make_cast(gm.graph, lin.args[0], torch.float32)
+    lin.args = (ident, *lin.args[1:])
+    gm.recompile()
+    result = CleanupCasts()(gm)
+    assert result.counters["identity_removed"] == 1 and count_casts(gm.graph) == 0
+
+
+class Mixed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(self.lin(x))
+
+
+def test_store_low_params_keeps_fp32_readers_fp32_and_never_touches_the_model() -> None:
+    model = Mixed().eval()
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 8)
+    gm, records = convert(graph_module(model, x), Level.O2, (StoreLowPrecisionParams(),))
+    assert gm.lin.weight.dtype == torch.float16 and gm.lin.bias.dtype == torch.float16
+    assert gm.ln.weight.dtype == torch.float32  # norm parameters stay FP32
+    assert records[-1].counters["tensors_stored_low"] == 2
+    for k, v in model.state_dict().items():
+        assert v.dtype == torch.float32 and torch.equal(v, snapshot[k]), k
+    torch.testing.assert_close(gm(x), model(x), atol=1e-2, rtol=1e-2)
+
+
+def test_graph_outputs_keep_their_dtype_unless_low_io() -> None:
+    gm, _ = convert(graph_module(nn.Linear(8, 8), torch.randn(2, 8)))
+    assert gm(torch.randn(2, 8)).dtype == torch.float32
+    gm = graph_module(nn.Linear(8, 8), torch.randn(2, 8))
+    policy = PrecisionPolicy("fp16", Level.O1)
+    gm, _ = PassManager([AnnotatePrecision(policy), InsertCasts(low_precision_io=True), CleanupCasts()])(gm)
+    assert gm(torch.randn(2, 8)).dtype == torch.float16

@@ -1,0 +1,71 @@
+"""Policy decisions: levels, tables, overrides and their documented priority."""
+
+from __future__ import annotations
+
+import pytest
+
+from amplite.errors import ConfigError
+from amplite.policy import Level, PrecisionPolicy, make_overrides, resolve_level
+
+
+def policy(level: str = "O1", keep: tuple[str, ...] = (), low: tuple[str, ...] = ()) -> PrecisionPolicy:
+    return PrecisionPolicy("fp16", Level(level), make_overrides(keep, low))
+
+
+@pytest.mark.parametrize(
+    ("level", "op", "mode", "reason"),
+    [
+        ("O0", "linear.default", "fp32", "level:O0"),
+        ("O1", "linear.default", "low", "low-list:linear"),
+        ("O1", "softmax.int", "fp32", "fp32-list:softmax"),
+        ("O1", "add.Tensor", "follow", "follow-inputs"),
+        ("O2", "add.Tensor", "low", "level:O2"),
+        ("O2", "layer_norm.default", "fp32", "fp32-list:norm"),
+        ("O3", "layer_norm.default", "low", "level:O3"),
+    ],
+)
+def test_level_rules(level: str, op: str, mode: str, reason: str) -> None:
+    d = policy(level).decide(op, "enc.layer.0", "n")
+    assert (d.mode, d.reason) == (mode, reason)
+
+
+def test_override_priority_node_beats_module_beats_op() -> None:
+    p = policy(keep=("op:linear",), low=("module:enc.*", "node:special"))
+    assert p.decide("linear.default", "dec", "x").mode == "fp32"  # op rule
+    assert p.decide("linear.default", "enc.layer.0", "x").mode == "low"  # module beats op
+    p2 = policy(keep=("node:special",), low=("module:enc.*",))
+    assert p2.decide("linear.default", "enc.layer.0", "special").reason == "user:keep node:special"
+
+
+def test_keep_beats_force_low_at_the_same_rank() -> None:
+    p = policy(keep=("module:enc.*",), low=("module:enc.layer.*",))
+    d = p.decide("linear.default", "enc.layer.0", "x")
+    assert (d.mode, d.reason) == ("fp32", "user:keep module:enc.*")
+
+
+def test_module_glob_matches_the_module_itself_and_unprefixed_matches_any() -> None:
+    assert policy(keep=("module:enc.*",)).decide("linear.default", "enc", "x").mode == "fp32"
+    assert policy(keep=("softmax",)).decide("softmax.int", "", "x").reason == "user:keep softmax"
+    assert policy(low=("softmax",)).decide("softmax.int", "", "x").mode == "low"
+
+
+def test_overrides_ignored_at_o0() -> None:
+    assert policy("O0", low=("op:*",)).decide("linear.default").mode == "fp32"
+
+
+def test_level_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AMPLITE_LEVEL", raising=False)
+    assert resolve_level(None) is Level.O1
+    monkeypatch.setenv("AMPLITE_LEVEL", "O2")
+    assert resolve_level(None) is Level.O2
+    assert resolve_level("O3") is Level.O3  # explicit argument wins
+    monkeypatch.setenv("AMPLITE_LEVEL", "O9")
+    with pytest.raises(ConfigError, match="AMPLITE_LEVEL"):
+        resolve_level(None)
+
+
+def test_unknown_level_and_precision_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="unknown level"):
+        resolve_level("O5")
+    with pytest.raises(ConfigError, match="unknown precision"):
+        PrecisionPolicy("fp8")
