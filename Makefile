@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 demo: install
+	mkdir -p build/demo
 	$(PY) -m fixtures.write_fixtures --out build/fixtures --only transformer --formats pt2
 	$(VENV)/bin/amplite convert build/fixtures/transformer.pt2 --precision fp16 \
 		-o build/demo/transformer.fp16.pt2 --report build/demo/report.json
