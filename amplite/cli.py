@@ -44,6 +44,12 @@ DynOpt = Annotated[bool, typer.Option("--dynamic-batch", help="Make dim 0 of eve
 IoOpt = Annotated[bool, typer.Option("--low-precision-io", help="Inputs and outputs in the low dtype too.")]
 FuseOpt = Annotated[bool, typer.Option("--fuse-contractions", help="Fuse matmul chains into amplite::contract.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
+RangeOpt = Annotated[
+    bool | None,
+    typer.Option("--range-rules/--no-range-rules", help="Keep FP32 what calibrated ranges flag (default: O1/O2)."),
+]
+DataMaxOpt = Annotated[float, typer.Option("--data-max", help="Largest |activation| kept in fp16.")]
+DepthOpt = Annotated[int, typer.Option("--max-reduction-depth", help="Longest reduction kept in low precision.")]
 
 
 @contextmanager
@@ -118,6 +124,9 @@ def convert(
     dynamic_batch: DynOpt = False,
     low_precision_io: IoOpt = False,
     fuse_contractions: FuseOpt = False,
+    range_rules: RangeOpt = None,
+    data_max: DataMaxOpt = 512.0,
+    max_reduction_depth: DepthOpt = 4096,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip numeric verification.")] = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -138,7 +147,8 @@ def convert(
             model, _inputs(input, inputs), precision=precision, level=lvl, keep_fp32=keep_fp32,
             force_low=force_low, trust_pickle=trust_pickle, model_factory=model_factory,
             dynamic_batch=dynamic_batch, low_precision_io=low_precision_io,
-            fuse_contractions=fuse_contractions, verify=not no_verify,
+            fuse_contractions=fuse_contractions, verify=not no_verify, range_rules=range_rules,
+            data_max=data_max, max_reduction_depth=max_reduction_depth,
         )  # fmt: skip
         result.save(dest)
         result.report.save(report_path)
@@ -159,6 +169,9 @@ def inspect(
     force_low: LowOpt = [],  # noqa: B006
     trust_pickle: TrustOpt = False,
     model_factory: FactoryOpt = None,
+    range_rules: RangeOpt = None,
+    data_max: DataMaxOpt = 512.0,
+    max_reduction_depth: DepthOpt = 4096,
     only: Annotated[str | None, typer.Option("--only", help="Show only low, fp32 or follow nodes.")] = None,
     debug: DebugOpt = False,
 ) -> None:
@@ -170,6 +183,7 @@ def inspect(
         result = convert_model(
             model, _inputs(input, inputs), precision=precision, level=level, keep_fp32=keep_fp32,
             force_low=force_low, trust_pickle=trust_pickle, model_factory=model_factory, verify=False,
+            range_rules=range_rules, data_max=data_max, max_reduction_depth=max_reduction_depth,
         )  # fmt: skip
         print_plan(result.report.data, only)
         return 0

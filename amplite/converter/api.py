@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
@@ -21,6 +21,7 @@ from amplite.converter.report import Report, build_report
 from amplite.converter.tracing import Inputs, summarize_exception
 from amplite.converter.verify import DEFAULT_TOLERANCES, Tolerance, compare, run_model
 from amplite.errors import InputSpecError
+from amplite.passes.range_guard import RangeRules
 from amplite.policy import LEVEL_ENV, Level, PrecisionPolicy, make_overrides, resolve_level
 
 
@@ -102,6 +103,10 @@ def convert(
     model_factory: str | None = None,
     verify: bool = True,
     tolerance: Tolerance | None = None,
+    range_rules: bool | None = None,
+    data_max: float = RangeRules.data_max,
+    max_reduction_depth: int | None = RangeRules.max_reduction_depth,
+    calibration: Iterable[Any] | None = None,
 ) -> ConversionResult:
     """Convert a model to mixed precision ahead of time and verify it.
 
@@ -120,6 +125,11 @@ def convert(
         model_factory: ``module:callable`` building the model for a state-dict file.
         verify: Compare the converted model with the FP32 one on the example inputs.
         tolerance: Verification thresholds (default: by precision, see ``amplite.converter.verify``).
+        range_rules: Keep FP32 what calibrated ranges say would overflow or lose precision (None: on at
+            O1/O2, off at O0/O3, the speed baseline). See ``amplite.passes.range_guard``.
+        data_max: Largest |activation| kept in fp16 by the range rules.
+        max_reduction_depth: Longest reduction the range rules allow in low precision.
+        calibration: Batches (each like ``example_inputs``) for the range rules; default the example inputs.
 
     Returns:
         The converted program, its report and the inputs used. The user's model is not modified.
@@ -157,7 +167,18 @@ def convert(
             "give inputs with the shapes and dtypes forward() expects (--input NAME:SHAPE:DTYPE)",
         ) from exc
 
-    out = run_pipeline(subject, inputs, policy, dynamic_batch=dynamic_batch, fuse_contractions=fuse_contractions)
+    use_ranges = range_rules if range_rules is not None else lvl in (Level.O1, Level.O2)
+    rules = RangeRules(data_max=data_max, max_reduction_depth=max_reduction_depth) if use_ranges else None
+    batches = [b for b in map(normalize_inputs, calibration) if b is not None] if calibration is not None else None
+    out = run_pipeline(
+        subject,
+        inputs,
+        policy,
+        dynamic_batch=dynamic_batch,
+        fuse_contractions=fuse_contractions,
+        range_rules=rules,
+        calibration=batches,
+    )
     timings.update(out.timings)
 
     metrics = None
@@ -183,6 +204,7 @@ def convert(
         "low_precision_io": low_precision_io,
         "dynamic_batch": dynamic_batch,
         "fuse_contractions": fuse_contractions,
+        "range_rules": vars(rules) if rules else None,
     }
     report = build_report(
         source={"path": loaded.path, "format": loaded.kind},

@@ -9,6 +9,7 @@ The rewritten module is exported again so the result is a valid ExportedProgram 
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
@@ -19,12 +20,14 @@ from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
 from amplite import op_tables
+from amplite.converter.calibration import ValueRange, collect_ranges
 from amplite.converter.tracing import Inputs, export_model
 from amplite.passes.annotate_precision import AnnotatePrecision
 from amplite.passes.base import Pass, PassManager, PassRecord
 from amplite.passes.cleanup_casts import CleanupCasts
 from amplite.passes.graph_utils import module_path, source_line
 from amplite.passes.insert_casts import InsertCasts, retype
+from amplite.passes.range_guard import RangeGuard, RangeRules
 from amplite.passes.store_low_params import StoreLowPrecisionParams
 from amplite.policy import Level, PrecisionPolicy
 
@@ -50,9 +53,18 @@ class PipelineOutput:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def build_passes(policy: PrecisionPolicy, *, fuse_contractions: bool = False) -> list[Pass]:
-    """The pass list for a policy, in order."""
-    passes: list[Pass] = [
+def build_passes(
+    policy: PrecisionPolicy,
+    *,
+    fuse_contractions: bool = False,
+    ranges: Mapping[str, ValueRange] | None = None,
+    range_rules: RangeRules | None = None,
+) -> list[Pass]:
+    """The pass list for a policy, in order (``range_guard`` first when ranges are given)."""
+    passes: list[Pass] = []
+    if ranges is not None and range_rules is not None:
+        passes.append(RangeGuard(ranges, range_rules, policy.low_dtype))
+    passes += [
         AnnotatePrecision(policy),
         InsertCasts(low_precision_io=policy.low_precision_io),
         CleanupCasts(),
@@ -94,8 +106,20 @@ def run_pipeline(
     *,
     dynamic_batch: bool = False,
     fuse_contractions: bool = False,
+    range_rules: RangeRules | None = None,
+    calibration: Iterable[Inputs] | None = None,
 ) -> PipelineOutput:
-    """Export ``model`` (unless it already is a program) and rewrite it under ``policy``."""
+    """Export ``model`` (unless it already is a program) and rewrite it under ``policy``.
+
+    Args:
+        model: The FP32 model or its ExportedProgram.
+        inputs: Example inputs ``(args, kwargs)`` for tracing.
+        policy: The precision policy.
+        dynamic_batch: Make dim 0 of every input dynamic.
+        fuse_contractions: Run the contraction-fusion pass last.
+        range_rules: Apply these range rules (None: no range rules).
+        calibration: Batches for the range rules (default: the example inputs).
+    """
     timings: dict[str, float] = {}
     start = perf_counter()
     original = model if isinstance(model, ExportedProgram) else export_model(model, inputs, dynamic_batch=dynamic_batch)
@@ -111,7 +135,13 @@ def run_pipeline(
             val = node.meta.get("val")
             if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dtype == torch.float32:
                 node.meta["val"] = retype(val, policy.low_dtype)
-    gm, records = PassManager(build_passes(policy, fuse_contractions=fuse_contractions))(gm)
+    ranges = None
+    if range_rules is not None:
+        calib_start = perf_counter()
+        ranges = collect_ranges(gm, calibration if calibration is not None else [inputs])
+        timings["calibration"] = perf_counter() - calib_start
+    passes = build_passes(policy, fuse_contractions=fuse_contractions, ranges=ranges, range_rules=range_rules)
+    gm, records = PassManager(passes)(gm)
     plan = collect_plan(gm)
     timings["passes"] = perf_counter() - start
 

@@ -1,5 +1,8 @@
 """Pass 1: decide each node's compute dtype (analysis only).
 
+Decision order per node: user overrides, then range rules (``meta['amplite_range']`` from
+``range_guard``), then the level and op tables.
+
 Guarantees afterwards: every ``call_function`` node that reads or produces a floating-point tensor has
 ``meta['amplite_precision']`` = ``{"mode", "dtype", "reason"}`` (``dtype`` the dtype its float operands
 will have, or None when it has none), and every node has ``meta['amplite_out_dtype']``: the dtype (or a
@@ -81,7 +84,11 @@ class AnnotatePrecision:
             if node.op != "call_function" or cast_dtype(node) is not None or node.target is operator.getitem:
                 continue
             op = op_tables.op_name(node.target) or getattr(node.target, "__name__", str(node.target))
-            decisions[node] = self.policy.decide(op, module_path(node), node.name)
+            decision = self.policy.decide(op, module_path(node), node.name)
+            flagged = node.meta.get("amplite_range")  # set by range_guard; user overrides still win
+            if flagged and decision.mode != "fp32" and not decision.reason.startswith("user:"):
+                decision = Decision("fp32", flagged)
+            decisions[node] = decision
         if self.policy.level in (Level.O1, Level.O2):
             for node, dec in list(decisions.items()):
                 op = op_tables.op_name(node.target)

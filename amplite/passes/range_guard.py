@@ -1,0 +1,147 @@
+"""Range rules (analysis pass, runs before ``annotate_precision``): keep FP32 what the data says must be.
+
+Guarantees afterwards: every node the rules flag carries ``meta['amplite_range']`` = a reason string, which
+``annotate_precision`` turns into an FP32 decision (user overrides still win). The graph is not changed.
+
+Rules (data in :class:`RangeRules`; defaults and their justification in docs/ranges.md):
+
+* fp16 only — activations: a node whose output or any floating input reached more than ``data_max``
+  in the FP32 reference stays FP32 (``range:activation``). 512 by default: above it fp16's spacing is
+  0.5 or more, so small additive updates (residual branches, bias adds) are lost; it is also where
+  fp16 is ~128× from overflow, a margin one matmul or square can use up.
+* fp16 only — weights: a reader of a weight with |w| > 65504 (fp16 max) stays FP32 (``range:weight-overflow``);
+  so does a reader of a weight where more than ``underflow_share`` of the non-zero values are below
+  2^-24 and would flush to zero (``range:weight-underflow``).
+* any dtype — long reductions: a reduction that would run in low precision over more than
+  ``max_reduction_depth`` elements stays FP32 (``range:reduction-depth``); at fp16's 11 bits a running
+  sum of unit-size terms stops growing after ~2048 additions. Contractions are exempt: fp16/bf16 GEMMs,
+  convolutions and ``amplite::contract`` accumulate in FP32 on every backend amplite targets.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from amplite import op_tables
+from amplite.converter.calibration import ValueRange
+from amplite.passes.base import PassResult
+from amplite.passes.graph_utils import cast_dtype, fake_value
+
+FP16_MAX = 65504.0
+FP16_FLUSH = 2.0**-24  # below half of the smallest subnormal a value rounds to zero (or to 2^-24)
+_REDUCTIONS = frozenset(op_tables.FP32_OPS["reduction"]) | frozenset(op_tables.FP32_OPS["softmax"])
+
+
+@dataclass(frozen=True)
+class RangeRules:
+    """Thresholds of the range rules.
+
+    Attributes:
+        data_max: Largest |activation| kept in fp16.
+        weight_max: Largest |weight| kept in fp16.
+        underflow_share: Largest share of non-zero weights allowed to flush to zero in fp16.
+        max_reduction_depth: Longest reduction allowed in low precision (None: no limit).
+    """
+
+    data_max: float = 512.0
+    weight_max: float = FP16_MAX
+    underflow_share: float = 0.01
+    max_reduction_depth: int | None = 4096
+
+
+class RangeGuard:
+    """Flag nodes whose calibrated ranges make low precision unsafe.
+
+    Args:
+        ranges: Per-node value ranges of the FP32 reference (from ``collect_ranges``).
+        rules: The thresholds.
+        low_dtype: The conversion's low dtype (activation and weight rules apply to fp16 only).
+    """
+
+    name = "range_guard"
+
+    def __init__(self, ranges: Mapping[str, ValueRange], rules: RangeRules, low_dtype: torch.dtype) -> None:
+        self.ranges = ranges
+        self.rules = rules
+        self.low_dtype = low_dtype
+
+    def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+        counters: Counter[str] = Counter()
+        fp16 = self.low_dtype == torch.float16
+        weight_flags = self._weight_flags(gm) if fp16 else {}
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or cast_dtype(node) is not None:
+                continue
+            reason = (self._activation(node) if fp16 else None) or self._weights(node, weight_flags)
+            reason = reason or self._depth(node)
+            if reason:
+                node.meta["amplite_range"] = reason
+                counters["kept_fp32:" + reason.split(" ")[0]] += 1
+        return PassResult(gm, False, counters)
+
+    def _activation(self, node: torch.fx.Node) -> str | None:
+        limit = self.rules.data_max
+        for n in (node, *node.all_input_nodes):
+            r = self.ranges.get(n.name)
+            if r is not None and r.max_abs > limit and n.op != "get_attr":
+                where = "output" if n is node else f"input {n.name}"
+                return f"range:activation {where} |x|={r.max_abs:.3g}>{limit:g}"
+        return None
+
+    def _weight_flags(self, gm: torch.fx.GraphModule) -> dict[str, str]:
+        flags = {}
+        for node in gm.graph.nodes:
+            if node.op != "get_attr":
+                continue
+            t = _fetch(gm, node.target)
+            if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point or t.numel() == 0:
+                continue
+            a = t.detach().abs().float()
+            biggest = float(a.max())
+            if biggest > self.rules.weight_max:
+                flags[node.name] = f"range:weight-overflow {node.target} |w|={biggest:.3g}"
+                continue
+            nonzero = a[a > 0]
+            if nonzero.numel():
+                share = float((nonzero < FP16_FLUSH).float().mean())
+                if share > self.rules.underflow_share:
+                    flags[node.name] = f"range:weight-underflow {node.target} {share:.1%} flush to zero"
+        return flags
+
+    @staticmethod
+    def _weights(node: torch.fx.Node, flags: dict[str, str]) -> str | None:
+        return next((flags[n.name] for n in node.all_input_nodes if n.name in flags), None)
+
+    def _depth(self, node: torch.fx.Node) -> str | None:
+        limit = self.rules.max_reduction_depth
+        if limit is None or op_tables.op_name(node.target) not in _REDUCTIONS or not node.args:
+            return None
+        src, out = fake_value(node.args[0]), fake_value(node)
+        if isinstance(out, (tuple, list)):
+            out = out[0]
+        if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+            return None
+        try:
+            if op_tables.op_name(node.target) in op_tables.FP32_OPS["softmax"] or "cum" in str(node.target):
+                dim = node.args[1] if len(node.args) > 1 else -1
+                depth = int(src.shape[dim])
+            else:
+                depth = int(src.numel()) // max(1, int(out.numel()))
+        except (TypeError, RuntimeError, IndexError):
+            return None
+        return f"range:reduction-depth {depth}>{limit}" if depth > limit else None
+
+
+def _fetch(gm: torch.fx.GraphModule, target: str) -> object:
+    obj: object = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+

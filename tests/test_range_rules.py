@@ -1,0 +1,89 @@
+"""Range rules: calibrated ranges keep FP32 what would overflow or lose too much in low precision."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import amplite
+from amplite.converter.calibration import ValueRange, collect_ranges
+from amplite.converter.pipeline import strip_export_checks
+from amplite.passes.range_guard import RangeGuard, RangeRules
+from fixtures.zoo import make
+
+
+def test_overflow_fixture_is_finite_only_with_range_rules() -> None:
+    model, inputs = make("overflow")
+    off = amplite.convert(model, inputs, level="O3", range_rules=False)
+    assert off.report.outputs[0]["out_nonfinite"] > 0 and off.passed is False
+    on = amplite.convert(model, inputs, level="O3", range_rules=True)
+    assert on.report.outputs[0]["out_nonfinite"] == 0 and on.passed
+    reasons = {n["node"]: n["reason"] for n in on.report.fp32_nodes}
+    assert reasons["pow_1"].startswith("range:activation output")
+    assert reasons["layer_norm"].startswith("range:activation input pow_1")
+    assert on.report.data["config"]["range_rules"]["data_max"] == 512.0
+    record = next(p for p in on.report.data["passes"] if p["name"] == "range_guard")
+    assert record["counters"]["kept_fp32:range:activation"] == 2
+
+
+def test_table_reasons_win_over_range_reasons_when_both_say_fp32() -> None:
+    model, inputs = make("overflow")
+    reasons = {n["node"]: n["reason"] for n in amplite.convert(model, inputs, level="O1").report.fp32_nodes}
+    assert reasons["pow_1"] == "fp32-list:transcendental"
+
+
+def test_data_max_is_configurable_and_bf16_ignores_activation_rules() -> None:
+    model, inputs = make("overflow")
+    strict = amplite.convert(model, inputs, level="O2", data_max=1.0)
+    flagged = [n for n in strict.report.fp32_nodes if n["reason"].startswith("range:")]
+    assert len(flagged) > 2  # the big linear (|h| ~ 500) is now kept FP32 as well
+    bf16 = amplite.convert(model, inputs, level="O3", precision="bf16", range_rules=True)
+    assert not [n for n in bf16.report.fp32_nodes if n["reason"].startswith("range:activation")]
+    assert bf16.report.outputs[0]["out_nonfinite"] == 0  # bf16 has FP32's range
+
+
+class TinyWeights(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        with torch.no_grad():
+            self.b.weight.mul_(1e-7)  # every weight flushes to zero in fp16
+            self.b.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + 1e6 * self.b(x)
+
+
+def test_weights_that_flush_to_zero_keep_their_reader_fp32() -> None:
+    model = TinyWeights().eval()
+    x = torch.randn(4, 16)
+    result = amplite.convert(model, (x,), level="O1", data_max=1e9)
+    reasons = {n["node"]: n["reason"] for n in result.report.fp32_nodes}
+    assert reasons["linear_1"].startswith("range:weight-underflow")
+    assert "linear" not in reasons
+    off = amplite.convert(model, (x,), level="O1", range_rules=False)
+    assert result.report.outputs[0]["sqnr_db"] > off.report.outputs[0]["sqnr_db"] + 20
+
+
+class LongSum(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(-1)
+
+
+def test_long_reductions_stay_fp32_even_at_o3() -> None:
+    x = torch.rand(2, 8192)
+    gm = torch.export.export(LongSum(), (x,), strict=False).module()
+    strip_export_checks(gm)
+    ranges = collect_ranges(gm, [((x,), {})])
+    result = RangeGuard(ranges, RangeRules(data_max=1e9), torch.float16)(gm)
+    assert result.counters["kept_fp32:range:reduction-depth"] == 1
+    converted = amplite.convert(LongSum(), (x,), level="O3", range_rules=True, data_max=1e9)
+    assert converted.passed  # an fp16 running sum of 8192 terms in [0, 1) would stagnate near 2048
+
+
+def test_value_range_tracks_max_and_percentile() -> None:
+    r = ValueRange()
+    r.update(torch.cat([torch.ones(9999), torch.tensor([1000.0])]))
+    r.update(torch.tensor([float("inf"), 3.0]))
+    assert r.max_abs == 1000.0 and r.p999_abs == 3.0
