@@ -8,13 +8,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from amplite.converter.api import ConversionResult, convert  # noqa: E402
-from amplite.errors import AmpliteError  # noqa: E402
-from amplite.policy import Level, PrecisionPolicy  # noqa: E402
-
-try:  # the custom-op package is optional until it lands; registering it must never break import
-    import amplite.ops  # noqa: E402, F401
-except ImportError:  # pragma: no cover
-    pass
+import amplite.ops  # noqa: F401  (registers amplite::contract for torch.export.load)
+from amplite.converter.api import ConversionResult, convert
+from amplite.errors import AmpliteError
+from amplite.policy import Level, PrecisionPolicy
 
 __all__ = ["AmpliteError", "ConversionResult", "Level", "PrecisionPolicy", "__version__", "convert"]

@@ -21,6 +21,7 @@ from amplite.converter.report import Report, build_report
 from amplite.converter.tracing import Inputs, summarize_exception
 from amplite.converter.verify import DEFAULT_TOLERANCES, Tolerance, compare, run_model
 from amplite.errors import InputSpecError
+from amplite.ops import backend_description
 from amplite.passes.range_guard import RangeRules
 from amplite.policy import LEVEL_ENV, Level, PrecisionPolicy, make_overrides, resolve_level
 
@@ -206,6 +207,9 @@ def convert(
         "fuse_contractions": fuse_contractions,
         "range_rules": vars(rules) if rules else None,
     }
+    if fuse_contractions:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        config["contract_backend"] = backend_description(device)
     report = build_report(
         source={"path": loaded.path, "format": loaded.kind},
         config=config,

@@ -85,6 +85,7 @@ def build_report(
         "config": config,
         "passes": [
             {"name": r.name, "modified": r.modified, "counters": r.counters, "seconds": round(r.seconds, 4)}
+            | ({"details": r.details} if r.details else {})
             for r in records
         ],
         "graph": {"before": stats_before, "after": stats_after},

@@ -2,7 +2,9 @@
 
 A pass is an object with settings fixed in ``__init__`` and a ``__call__(gm) -> PassResult``. It may
 rewrite the GraphModule in place; it keeps no state between calls. Every rewrite bumps a named counter in
-the result, and the pipeline copies all counters into the report under the pass's ``name``.
+the result, and the pipeline copies all counters into the report under the pass's ``name``. A result may
+also carry ``details``, a JSON-able dict of per-node records (e.g. which candidates a fusion rejected and
+why), which the report keeps beside the counters.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch.fx
 
@@ -47,6 +49,7 @@ class PassRecord:
     modified: bool
     counters: dict[str, int]
     seconds: float
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 class PassManager:
@@ -73,7 +76,8 @@ class PassManager:
                 if self.lint:
                     gm.graph.lint()
                 gm.recompile()
-            records.append(PassRecord(p.name, result.modified, dict(result.counters), perf_counter() - start))
+            details = dict(getattr(result, "details", None) or {})
+            records.append(PassRecord(p.name, result.modified, dict(result.counters), perf_counter() - start, details))
         return gm, records
 
 

@@ -1,0 +1,334 @@
+"""amplite::contract: semantics, fake impl, autograd, backend dispatch, plan cache, .pt2 round trip."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import amplite.ops  # noqa: F401
+from amplite.ops import cutensor_backend
+from amplite.ops.contract import active_backend, backend_description, output_shape, parse_equation
+
+CONTRACT = torch.ops.amplite.contract.default
+#: One rounding of the result to the dtype (the inputs are exact in it and the reference is fp64).
+TOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-5}
+
+
+def reference(eq, a, b, c, alpha, beta):
+    out = alpha * torch.einsum(eq, a.double(), b.double())
+    return out if c is None else out + beta * c.double()
+
+
+PROBLEMS = [
+    ("mk,kn->mn", (5, 7), (7, 3), None),
+    ("bhqd,bhkd->bhqk", (2, 3, 4, 8), (2, 3, 5, 8), None),
+    ("btk,nhd->bnt", (2, 4, 12), (3, 2, 6), None),  # modes alone in one input are summed
+    ("mk,nk->mn", (4, 6), (3, 6), (3,)),  # broadcast bias
+    ("ijk,kj->ik", (2, 3, 4), (4, 3), (2, 4)),  # full-size bias
+    ("abc,cd->dba", (2, 3, 4), (4, 5), (5, 1, 2)),  # bias broadcast on a middle mode
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("eq", "sa", "sb", "sc"), PROBLEMS)
+def test_matches_fp64_reference(eq, sa, sb, sc, dtype):
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(sa, generator=g).to(dtype), torch.randn(sb, generator=g).to(dtype)
+    c = None if sc is None else torch.randn(sc, generator=g).to(dtype)
+    out = CONTRACT(eq, a, b, c, 0.7, -1.5)
+    ref = reference(eq, a, b, c, 0.7, -1.5)
+    assert out.dtype == dtype and out.is_contiguous() and list(out.shape) == output_shape(eq, sa, sb)
+    torch.testing.assert_close(out.double(), ref, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_accumulates_in_fp32():
+    # 4096 products of (1 + 2^-10) each: an FP32 accumulator gets 4100 exactly, which fp16 represents;
+    # an fp16 running sum loses the 2^-10 parts once its spacing exceeds them.
+    k = 4096
+    a = torch.full((1, k), 1.0 + 2**-10, dtype=torch.float16)
+    b = torch.ones(k, 1, dtype=torch.float16)
+    fp16_sum = torch.zeros((), dtype=torch.float16)
+    for x in a[0]:
+        fp16_sum += x
+    assert fp16_sum.item() != 4100.0
+    assert CONTRACT("mk,kn->mn", a, b, None, 1.0, 0.0).item() == 4100.0
+
+
+def test_strided_inputs_are_read_in_place():
+    a = torch.randn(8, 4, 6).permute(2, 0, 1)  # non-contiguous view
+    b = torch.randn(6, 5)[:, ::2]  # strided slice
+    out = CONTRACT("kmn,kp->mnp", a, b, None, 1.0, 0.0)
+    torch.testing.assert_close(
+        out.double(), reference("kmn,kp->mnp", a, b, None, 1.0, 0.0), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    ("eq", "args", "err"),
+    [
+        ("mk,kn", ((2, 3), (3, 4)), ValueError),  # implicit output
+        ("mk,kn,no->mo", ((2, 3), (3, 4)), ValueError),
+        ("mm,mn->n", ((2, 2), (2, 4)), ValueError),  # diagonal
+        ("mk,kn->mz", ((2, 3), (3, 4)), ValueError),  # output mode from nowhere
+        ("mk,kn->mn", ((2, 3), (4, 4)), ValueError),  # size mismatch
+        ("mkx,kn->mn", ((2, 3), (3, 4)), ValueError),  # rank mismatch
+    ],
+)
+def test_rejects_bad_equations(eq, args, err):
+    with pytest.raises(err):
+        CONTRACT(eq, torch.randn(args[0]), torch.randn(args[1]), None, 1.0, 0.0)
+
+
+def test_rejects_mixed_dtypes_and_bad_bias():
+    a, b = torch.randn(2, 3), torch.randn(3, 4)
+    with pytest.raises(TypeError):
+        CONTRACT("mk,kn->mn", a.half(), b, None, 1.0, 0.0)
+    with pytest.raises(TypeError):
+        CONTRACT("mk,kn->mn", a, b, torch.randn(4).half(), 1.0, 1.0)
+    with pytest.raises(ValueError):
+        CONTRACT("mk,kn->mn", a, b, torch.randn(3), 1.0, 1.0)
+
+
+def test_parse_equation():
+    assert parse_equation(" bhqd , bhkd -> bhqk ") == ("bhqd", "bhkd", "bhqk")
+
+
+def test_fake_impl_and_opcheck():
+    with FakeTensorMode():
+        a = torch.empty(2, 3, 4, dtype=torch.bfloat16)
+        b = torch.empty(4, 5, dtype=torch.bfloat16)
+        out = CONTRACT("bmk,kn->bnm", a, b, None, 1.0, 0.0)
+        assert out.shape == (2, 5, 3) and out.dtype == torch.bfloat16
+    a = torch.randn(2, 3, 4, requires_grad=True)
+    b = torch.randn(4, 5, requires_grad=True)
+    c = torch.randn(5, 1, requires_grad=True)
+    torch.library.opcheck(CONTRACT, ("bmk,kn->bnm", a, b, c, 0.5, 2.0))
+
+
+@pytest.mark.parametrize(
+    ("eq", "sa", "sb", "sc"),
+    [
+        ("bmk,kn->bnm", (2, 3, 4), (4, 5), (5, 1)),
+        ("ij,jkl->k", (2, 3), (3, 4, 2), None),
+        ("ab,cb->ac", (2, 3), (4, 3), (4,)),
+    ],
+)
+def test_gradients(eq, sa, sb, sc):
+    a = torch.randn(sa, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(sb, dtype=torch.float64, requires_grad=True)
+    c = None if sc is None else torch.randn(sc, dtype=torch.float64, requires_grad=True)
+    inputs = (a, b) if c is None else (a, b, c)
+    fn = (
+        (lambda a, b: CONTRACT(eq, a, b, None, 0.3, 0.0))
+        if c is None
+        else (lambda a, b, c: CONTRACT(eq, a, b, c, 0.3, -2.0))
+    )
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_half_gradients_keep_dtype():
+    a = torch.randn(3, 4, dtype=torch.float16, requires_grad=True)
+    b = torch.randn(4, 5, dtype=torch.float16, requires_grad=True)
+    CONTRACT("mk,kn->mn", a, b, None, 2.0, 0.0).float().sum().backward()
+    assert a.grad.dtype == torch.float16
+    torch.testing.assert_close(a.grad.float(), 2.0 * b.float().sum(1).expand(3, 4), rtol=1e-3, atol=1e-3)
+
+
+# --- backend dispatch ------------------------------------------------------------------------------------
+
+
+def test_cpu_always_uses_torch(monkeypatch):
+    for value in ("", "torch", "cutensor"):
+        monkeypatch.setenv("AMPLITE_CONTRACT_BACKEND", value)
+        assert active_backend("cpu") == "torch"
+    assert "CPU" in backend_description("cpu")
+
+
+def test_cuda_dispatch(monkeypatch):
+    monkeypatch.delenv("AMPLITE_CONTRACT_BACKEND", raising=False)
+    monkeypatch.setattr(cutensor_backend, "is_available", lambda: True)
+    assert active_backend("cuda") == "cutensor"
+    monkeypatch.setenv("AMPLITE_CONTRACT_BACKEND", "torch")
+    assert active_backend("cuda:0") == "torch"
+    monkeypatch.setattr(cutensor_backend, "is_available", lambda: False)
+    monkeypatch.delenv("AMPLITE_CONTRACT_BACKEND")
+    assert active_backend("cuda") == "torch"
+    monkeypatch.setenv("AMPLITE_CONTRACT_BACKEND", "cutensor")
+    with pytest.raises(RuntimeError, match="nvmath"):
+        active_backend("cuda")
+    monkeypatch.setenv("AMPLITE_CONTRACT_BACKEND", "cublas")
+    with pytest.raises(ValueError):
+        active_backend("cpu")
+
+
+class FakeBinaryContraction:
+    """Stands in for nvmath.tensor.BinaryContraction on CPU, enforcing the rules the backend relies on."""
+
+    created = 0
+
+    def __init__(self, expr, a, b, *, c=None, out=None, stream=None):
+        FakeBinaryContraction.created += 1
+        self.expr = expr
+        self.info = {
+            k: (t.shape, t.stride(), t.dtype)
+            for k, t in (("a", a), ("b", b), ("c", c), ("out", out))
+            if t is not None
+        }
+        self.ops = {"a": a, "b": b, "c": c, "out": out}
+        self.has_c = c is not None
+        self.planned = False
+
+    def plan(self, stream=None):
+        self.planned = True
+
+    def reset_operands(self, a=None, b=None, *, c=None, out=None, stream=None):
+        for k, t in (("a", a), ("b", b), ("c", c), ("out", out)):
+            if t is not None:
+                assert (t.shape, t.stride(), t.dtype) == self.info[k], k
+            self.ops[k] = t
+
+    def execute(self, *, alpha=1.0, beta=None, release_workspace=False, stream=None):
+        assert self.planned and (beta is not None) == self.has_c
+        lhs, out_subs = self.expr.split("->")
+        sa, sb = lhs.split(",")
+        for subs, other in ((sa, sb), (sb, sa)):  # cuTENSOR: no single-input summed modes
+            assert all(ch in other or ch in out_subs for ch in subs), self.expr
+        o = self.ops
+        res = alpha * torch.einsum(self.expr, o["a"].float(), o["b"].float())
+        if self.has_c:
+            assert o["c"].shape == res.shape  # C carries every output mode
+            res = res + beta * o["c"].float()
+        o["out"].copy_(res)
+        return o["out"]
+
+
+@pytest.fixture
+def fake_nvmath(monkeypatch):
+    mod = types.ModuleType("nvmath")
+    mod.tensor = types.SimpleNamespace(BinaryContraction=FakeBinaryContraction)
+    monkeypatch.setitem(sys.modules, "nvmath", mod)
+    # CPU allocations are not 256-byte aligned the way CUDA's caching allocator is; pin the alignment
+    # so plan reuse is deterministic here (test_alignment_is_part_of_the_key covers it).
+    monkeypatch.setattr(cutensor_backend, "_alignment", lambda t: 256)
+    cutensor_backend.clear_cache()
+    FakeBinaryContraction.created = 0
+    yield
+    cutensor_backend.clear_cache()
+
+
+@pytest.mark.parametrize(("eq", "sa", "sb", "sc"), PROBLEMS[:2] + PROBLEMS[3:])
+def test_cutensor_backend_logic(fake_nvmath, eq, sa, sb, sc):
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(sa, generator=g).half(), torch.randn(sb, generator=g).half()
+    c = None if sc is None else torch.randn(sc, generator=g).half()
+    for _ in range(3):
+        out = cutensor_backend.contract(eq, a, b, c, 0.5, 2.0)
+        torch.testing.assert_close(out.double(), reference(eq, a, b, c, 0.5, 2.0), rtol=2e-3, atol=2e-3)
+    stats = cutensor_backend.cache_stats()
+    assert stats["plans"] == 1 and stats["hits"] == 2 and FakeBinaryContraction.created == 1
+
+
+def test_cutensor_backend_squeezes_lone_unit_modes_and_falls_back(fake_nvmath):
+    a, b = torch.randn(3, 1, 4).half(), torch.randn(4, 5).half()
+    out = cutensor_backend.contract("mxk,kn->mn", a, b, None, 1.0, 0.0)
+    torch.testing.assert_close(
+        out.double(), reference("mxk,kn->mn", a, b, None, 1.0, 0.0), rtol=2e-3, atol=2e-3
+    )
+    # A lone mode of extent > 1 cannot go to cuTENSOR: the op falls back to torch.einsum.
+    assert cutensor_backend.contract("mxk,kn->mn", torch.randn(3, 2, 4).half(), b, None, 1.0, 0.0) is None
+    assert cutensor_backend.cache_stats()["fallbacks"] == 1
+
+
+def test_cutensor_backend_new_strides_get_new_plan(fake_nvmath):
+    a, b = torch.randn(4, 6).half(), torch.randn(6, 5).half()
+    cutensor_backend.contract("mk,kn->mn", a, b, None, 1.0, 0.0)
+    cutensor_backend.contract("km,kn->mn", a.t().contiguous(), b, None, 1.0, 0.0)
+    cutensor_backend.contract("mk,kn->mn", a.t().contiguous().t(), b, None, 1.0, 0.0)
+    assert cutensor_backend.cache_stats()["plans"] == 3
+
+
+def test_alignment_is_part_of_the_key():
+    base = torch.empty(64, dtype=torch.float16)
+    assert cutensor_backend._alignment(base[1:]) == 2
+    k0 = cutensor_backend._key("mk,kn->mn", {"a": base[:8].view(2, 4)})
+    k1 = cutensor_backend._key("mk,kn->mn", {"a": base[1:9].view(2, 4)})
+    assert k0 != k1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cutensor_on_cuda(dtype):
+    pytest.importorskip("nvmath")
+    assert active_backend("cuda") == "cutensor"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(4, 128, 8, 64, device="cuda", generator=g).to(dtype)  # (b, t, h, d) head split
+    b = torch.randn(4, 128, 8, 64, device="cuda", generator=g).to(dtype)
+    c = torch.randn(128, device="cuda", generator=g).to(dtype)
+    eq = "bqhd,bkhd->bhqk"
+    for _ in range(2):  # second call goes through the cached plan
+        out = CONTRACT(eq, a, b, c, 0.125, 1.0)
+        torch.testing.assert_close(
+            out.double(), reference(eq, a, b, c, 0.125, 1.0), rtol=TOL[dtype], atol=1e-2
+        )
+    assert cutensor_backend.cache_stats()["hits"] >= 1
+
+
+# --- .pt2 round trip ---------------------------------------------------------------------------------------
+
+
+class UsesContract(torch.nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.ops.amplite.contract(
+            "bhqd,bhkd->bhqk", a.transpose(1, 2), b.transpose(1, 2), None, 0.5, 0.0
+        ).softmax(-1)
+
+
+LOAD = """
+import sys, torch{imp}
+ep = torch.export.load(sys.argv[1])
+a, b = torch.load(sys.argv[2])
+print(float(ep.module()(a, b).double().sum()))
+"""
+
+
+def test_save_load_needs_import(tmp_path):
+    a, b = torch.randn(2, 5, 3, 4).half(), torch.randn(2, 6, 3, 4).half()
+    ep = torch.export.export(UsesContract(), (a, b), strict=False)
+    assert any(n.target is CONTRACT for n in ep.graph.nodes)
+    torch.export.save(ep, tmp_path / "m.pt2")
+    torch.save((a, b), tmp_path / "ab.pt")
+    expected = float(UsesContract()(a, b).double().sum())
+
+    def load(imp: str) -> subprocess.CompletedProcess:
+        script = textwrap.dedent(LOAD.format(imp=imp))
+        return subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path / "m.pt2"), str(tmp_path / "ab.pt")],
+            capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
+        )  # fmt: skip
+
+    ok = load("\nimport amplite.ops")
+    assert ok.returncode == 0, ok.stderr
+    assert float(ok.stdout.strip().splitlines()[-1]) == pytest.approx(expected, rel=1e-6)
+    missing = load("")
+    assert missing.returncode != 0 and "amplite" in missing.stderr
+
+
+def test_gpu_bench_dry_run(capsys):
+    """bench/gpu_contract.py --dry-run completes on CPU, so the benchmark cannot rot unnoticed."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "gpu_contract.py"
+    spec = importlib.util.spec_from_file_location("gpu_contract_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--dry-run", "--dtypes", "bf16", "--iters", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("contract ") >= 3 and "+ FuseContractions" in out and "fused:matmul': 2" in out
