@@ -25,8 +25,8 @@ from amplite.converter.tracing import Inputs, export_model
 from amplite.passes.annotate_precision import AnnotatePrecision
 from amplite.passes.base import Pass, PassManager, PassRecord
 from amplite.passes.cleanup_casts import CleanupCasts
-from amplite.passes.graph_utils import module_path, source_line
-from amplite.passes.insert_casts import InsertCasts, retype
+from amplite.passes.graph_utils import module_path, retype, source_line
+from amplite.passes.insert_casts import InsertCasts
 from amplite.passes.range_guard import RangeGuard, RangeRules
 from amplite.passes.store_low_params import StoreLowPrecisionParams
 from amplite.policy import Level, PrecisionPolicy

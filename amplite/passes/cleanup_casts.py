@@ -22,8 +22,7 @@ import torch.fx
 
 from amplite import op_tables
 from amplite.passes.base import PassResult
-from amplite.passes.graph_utils import cast_dtype, is_exact_conversion, make_cast, numel, value_dtype
-from amplite.passes.insert_casts import retype
+from amplite.passes.graph_utils import cast_dtype, is_exact_conversion, make_cast, numel, retype, value_dtype
 
 _DATA_MOVEMENT = frozenset(filter(None, (op_tables.resolve(e) for e in op_tables.DATA_MOVEMENT_OPS)))
 _SHRINKING = frozenset(filter(None, (op_tables.resolve(e) for e in ("slice.Tensor", "select.int", "narrow.default"))))

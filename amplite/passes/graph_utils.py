@@ -84,6 +84,26 @@ def dtypes_of(val: Any) -> Any:
     return None
 
 
+def retype(val: Any, dtypes: Any) -> Any:
+    """A fake value (or tuple of them) with its dtype(s) replaced; other values pass through."""
+    if isinstance(val, torch.Tensor) and isinstance(dtypes, torch.dtype):
+        return val if val.dtype == dtypes else _retype_tensor(val, dtypes)
+    if isinstance(val, (tuple, list)) and isinstance(dtypes, tuple) and len(val) == len(dtypes):
+        return type(val)(retype(v, d) for v, d in zip(val, dtypes, strict=True))
+    return val
+
+
+def _retype_tensor(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    mode = getattr(val, "fake_mode", None)
+    static = all(isinstance(s, int) for s in (*val.shape, *val.stride()))
+    if mode is None or not static:
+        return val.to(dtype)  # symbolic shapes need the fake mode's shape environment
+    # Building the fake tensor from a meta tensor skips a dispatch through the fake mode: ~8x faster,
+    # which matters when a pass retypes thousands of nodes.
+    meta = torch.empty_strided(val.shape, val.stride(), dtype=dtype, device="meta")
+    return mode.fake_tensor_converter.from_meta_and_device(mode, meta, val.device)
+
+
 def numel(node: Any) -> int | None:
     """Static element count of a tensor-valued node, or None when unknown or symbolic."""
     val = fake_value(node)
@@ -104,7 +124,7 @@ def make_cast(graph: torch.fx.Graph, value: torch.fx.Node, dtype: torch.dtype) -
     node = graph.call_function(aten._to_copy.default, (value,), {"dtype": dtype})
     src = fake_value(value)
     if isinstance(src, torch.Tensor):
-        node.meta["val"] = src.to(dtype)
+        node.meta["val"] = retype(src, dtype)
     for key in ("nn_module_stack", "stack_trace"):
         if key in value.meta:
             node.meta[key] = value.meta[key]

@@ -14,19 +14,10 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils import _pytree as pytree
+from torch.fx.node import map_arg
 
 from amplite.passes.base import PassResult
-from amplite.passes.graph_utils import dtypes_of, fake_value, make_cast
-
-
-def retype(val: Any, dtypes: Any) -> Any:
-    """A fake value (or tuple of them) with its dtype(s) replaced."""
-    if isinstance(val, torch.Tensor) and isinstance(dtypes, torch.dtype) and val.dtype != dtypes:
-        return val.to(dtypes)
-    if isinstance(val, (tuple, list)) and isinstance(dtypes, tuple) and len(val) == len(dtypes):
-        return type(val)(retype(v, d) for v, d in zip(val, dtypes, strict=True))
-    return val
+from amplite.passes.graph_utils import dtypes_of, fake_value, make_cast, retype
 
 
 class InsertCasts:
@@ -83,8 +74,8 @@ class InsertCasts:
                         return arg
                     return cast_of(arg, compute, node)
 
-                node.args = pytree.tree_map(fix, node.args)
-                node.kwargs = pytree.tree_map(fix, node.kwargs)
+                node.args = map_arg(node.args, fix)
+                node.kwargs = map_arg(node.kwargs, fix)
             if node.op in ("call_function", "placeholder", "get_attr"):
                 node.meta["val"] = retype(node.meta.get("val"), new_dtype[node])
         return PassResult(gm, counters["casts_inserted"] > 0, counters)
@@ -101,4 +92,4 @@ class InsertCasts:
                 return cast_of(arg, want, out)
             return arg
 
-        out.args = pytree.tree_map(back, out.args)
+        out.args = map_arg(out.args, back)

@@ -15,8 +15,7 @@ import torch.fx
 from torch import nn
 
 from amplite.passes.base import PassResult
-from amplite.passes.graph_utils import cast_dtype
-from amplite.passes.insert_casts import retype
+from amplite.passes.graph_utils import cast_dtype, retype
 
 _LOW = (torch.float16, torch.bfloat16)
 
