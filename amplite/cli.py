@@ -191,6 +191,36 @@ def inspect(
     _run(debug, body)
 
 
+@app.command()
+def migrate(
+    paths: Annotated[list[Path], typer.Argument(help="Python files or directories (walked for *.py).")],
+    diff: Annotated[bool, typer.Option("--diff", help="Print a unified diff; change nothing.")] = False,
+    check: Annotated[bool, typer.Option("--check", help="Exit 1 if any file would change; change nothing.")] = False,
+    add_autocast: Annotated[
+        bool, typer.Option("--add-autocast", help="Add autocast (and a GradScaler for fp16) to plain FP32 loops.")
+    ] = False,
+    dtype: Annotated[str, typer.Option("--dtype", help="bf16 or fp16, for --add-autocast.")] = "bf16",
+    jobs: Annotated[int, typer.Option("--jobs", "-j", help="Worker processes (0: one per CPU).")] = 1,
+    debug: DebugOpt = False,
+) -> None:
+    """Rewrite training scripts from torch.cuda.amp / apex amp onto native torch.amp (in place, atomically)."""
+
+    def body() -> int:
+        from amplite.errors import ConfigError
+        from amplite.migrate import format_report, migrate_paths
+
+        if diff and check:
+            raise ConfigError("--diff and --check are exclusive", "use --diff to see changes, --check in CI")
+        if dtype not in ("bf16", "fp16"):
+            raise ConfigError(f"unknown --dtype {dtype!r}", "use bf16 or fp16")
+        report = migrate_paths(paths, mode="diff" if diff else "check" if check else "write",
+                               add_autocast=add_autocast, dtype=dtype, jobs=jobs)  # fmt: skip
+        print(format_report(report).rstrip("\n"))
+        return report.exit_code
+
+    _run(debug, body)
+
+
 def print_plan(data: dict[str, Any], only: str | None) -> None:
     """The plan table of ``inspect`` (tab-separated lines when stdout is not a terminal, for grep/cut)."""
     rows = [r for r in data["plan"] if not only or r["mode"] == only]

@@ -156,3 +156,18 @@ def test_python_dash_m_matches_the_script(model_files, tmp_path: Path) -> None:
         timeout=300,
     )
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+
+
+def test_migrate_command(cli, tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("import torch\n\nwith torch.cuda.amp.autocast():  # keep me\n    pass\n")
+    before = script.read_text()
+    res = cli("migrate", script, "--check")
+    assert res.exit_code == 1 and "would rewrite" in res.stdout and script.read_text() == before
+    res = cli("migrate", script, "--diff")
+    assert res.exit_code == 0 and '+with torch.amp.autocast("cuda"):  # keep me' in res.stdout
+    assert script.read_text() == before
+    assert cli("migrate", script).exit_code == 0
+    assert script.read_text() == 'import torch\n\nwith torch.amp.autocast("cuda"):  # keep me\n    pass\n'
+    assert cli("migrate", script, "--check").exit_code == 0
+    assert cli("migrate", script, "--check", "--diff").exit_code == 2
