@@ -9,8 +9,20 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 import amplite.ops  # noqa: F401  (registers amplite::contract for torch.export.load)
+from amplite.batch import BatchResult, JobResult, convert_many, iter_convert_many
 from amplite.converter.api import ConversionResult, convert
 from amplite.errors import AmpliteError
 from amplite.policy import Level, PrecisionPolicy
 
-__all__ = ["AmpliteError", "ConversionResult", "Level", "PrecisionPolicy", "__version__", "convert"]
+__all__ = [
+    "AmpliteError",
+    "BatchResult",
+    "ConversionResult",
+    "JobResult",
+    "Level",
+    "PrecisionPolicy",
+    "__version__",
+    "convert",
+    "convert_many",
+    "iter_convert_many",
+]

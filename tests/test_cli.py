@@ -171,3 +171,22 @@ def test_migrate_command(cli, tmp_path: Path) -> None:
     assert script.read_text() == 'import torch\n\nwith torch.amp.autocast("cuda"):  # keep me\n    pass\n'
     assert cli("migrate", script, "--check").exit_code == 0
     assert cli("migrate", script, "--check", "--diff").exit_code == 2
+
+
+def test_batch_command_reports_each_model_and_bad_keys(cli, model_files, tmp_path: Path) -> None:
+    manifest = tmp_path / "zoo.toml"
+    manifest.write_text(
+        f'[defaults]\nlevel = "O2"\n\n[[model]]\npath = "{model_files("mlp")["pt2"]}"\n\n'
+        f'[[model]]\npath = "{model_files("embedding")["pt2"]}"\n\n'
+        f'[[model]]\nname = "broken"\npath = "{tmp_path / "missing.pt2"}"\n'
+    )
+    res = cli("batch", manifest, "-o", tmp_path / "all", "--jobs", "1", "--no-progress")
+    assert res.exit_code == 1, res.stdout + res.stderr
+    summary = json.loads((tmp_path / "all" / "summary.json").read_text())
+    status = {row["name"]: row["status"] for row in summary["models"]}
+    assert status == {"mlp": "ok", "embedding": "ok", "broken": "error"}
+    assert (tmp_path / "all" / "mlp").is_dir()
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[model]]\npath = "x.pt2"\ncolour = "red"\n')
+    res = cli("batch", bad, "-o", tmp_path / "b")
+    assert res.exit_code == 2 and "colour" in res.stderr and "line 3" in res.stderr

@@ -1,0 +1,156 @@
+"""Batch conversion: many models, each in its own worker process, with summaries, resume and sharding.
+
+Library: :func:`convert_many` (and the streaming :func:`iter_convert_many`) take jobs and any
+``concurrent.futures.Executor``; :func:`run_batch` and :func:`merge_shards` are what ``amplite batch``
+and ``amplite batch merge`` call. See docs/batch.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Any
+
+from amplite.batch import summary as summ
+from amplite.batch.keys import job_key, parse_shard, select_shard, shard_of
+from amplite.batch.manifest import Job, ManifestError, jobs_from_paths, parse_manifest
+from amplite.batch.progress import Progress
+from amplite.batch.runner import (
+    DEFAULT_TIMEOUT,
+    convert_many,
+    default_workers,
+    iter_convert_many,
+)
+from amplite.batch.summary import BatchResult, JobResult, MergeError
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "BatchResult",
+    "Job",
+    "JobResult",
+    "ManifestError",
+    "MergeError",
+    "convert_many",
+    "default_workers",
+    "defaults_from_options",
+    "iter_convert_many",
+    "job_key",
+    "load_jobs",
+    "merge_shards",
+    "parse_manifest",
+    "parse_shard",
+    "run_batch",
+    "select_shard",
+    "shard_of",
+]
+
+
+def defaults_from_options(
+    *,
+    precision: str | None = None,
+    level: str | None = None,
+    inputs: Sequence[str] = (),
+    inputs_file: str | Path | None = None,
+    keep_fp32: Sequence[str] = (),
+    force_low: Sequence[str] = (),
+    model_factory: str | None = None,
+    trust_pickle: bool = False,
+    dynamic_batch: bool = False,
+    low_precision_io: bool = False,
+    fuse_contractions: bool = False,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """The shared settings of ``amplite batch``'s options, keeping only those given (so that a manifest's
+    own values win); ``inputs_file`` is made absolute (manifest paths are relative to the manifest)."""
+    given: dict[str, Any] = {
+        "precision": precision,
+        "level": level,
+        "inputs": list(inputs) or None,
+        "inputs_file": str(Path(inputs_file).resolve()) if inputs_file else None,
+        "keep_fp32": list(keep_fp32) or None,
+        "force_low": list(force_low) or None,
+        "model_factory": model_factory,
+        "trust_pickle": trust_pickle or None,
+        "dynamic_batch": dynamic_batch or None,
+        "low_precision_io": low_precision_io or None,
+        "fuse_contractions": fuse_contractions or None,
+        "verify": False if not verify else None,
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def load_jobs(
+    source: str | Path, defaults: Mapping[str, Any] | None = None, shard: str | tuple[int, int] | None = None
+) -> list[Job]:
+    """The jobs of a manifest (``.toml``), a directory of ``.pt2`` files or a glob, for one shard.
+
+    Raises:
+        ManifestError: Bad manifest, nothing matched, or a bad shard spec.
+    """
+    picked = parse_shard(shard) if isinstance(shard, str) else shard
+    toml = str(source).endswith(".toml")
+    jobs = parse_manifest(source, defaults) if toml else jobs_from_paths(source, defaults)
+    return select_shard(jobs, picked)
+
+
+def run_batch(
+    source: str | Path,
+    out_dir: str | Path,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    jobs: int | None = None,
+    timeout: float | None = None,
+    fail_fast: bool = False,
+    resume: bool = False,
+    shard: str | None = None,
+    progress: bool | str | Progress | None = True,
+    executor: Executor | None = None,
+) -> BatchResult:
+    """What ``amplite batch`` runs: load the source, pick the shard, convert, write the summaries.
+
+    Args:
+        source: A ``.toml`` manifest, a directory (its ``.pt2`` files) or a glob (quote it in the shell).
+        out_dir: Output directory.
+        defaults: Settings for every model (CLI options: ``precision``, ``level``, ``inputs`` ...); a
+            manifest's ``[defaults]`` and entries override them.
+        jobs: Parallel conversions (default from CPUs and memory).
+        timeout: Seconds per model unless the manifest sets one (default 3600).
+        fail_fast: Stop at the first failure.
+        resume: Skip models already converted with the same inputs and settings; re-run the rest.
+        shard: ``"i/n"``: run only shard i of n (0-based), for CI matrices, SLURM arrays, indexed Jobs.
+        progress: See :func:`iter_convert_many`.
+        executor: See :func:`iter_convert_many`.
+
+    Raises:
+        ManifestError / ConfigError (exit 2): bad manifest, source or option. KeyboardInterrupt: Ctrl-C.
+    """
+    if jobs is not None and jobs < 1:
+        raise ManifestError(f"--jobs {jobs} must be at least 1", "pass --jobs 1 or more (or leave it out)")
+    if timeout is not None and timeout <= 0:
+        raise ManifestError(f"--timeout {timeout:g} must be positive", "give seconds, e.g. --timeout 600")
+    picked = parse_shard(shard) if shard else None
+    selected = load_jobs(source, defaults, picked)
+    meta = {"source": str(source), "shard": f"{picked[0]}/{picked[1]}" if picked else None}
+    return convert_many(
+        selected,
+        out_dir,
+        workers=jobs,
+        executor=executor,
+        timeout=timeout,
+        fail_fast=fail_fast,
+        resume=resume,
+        progress=progress,
+        summary_meta=meta,
+    )
+
+
+def merge_shards(shard_dirs: Sequence[str | Path], out_dir: str | Path) -> BatchResult:
+    """What ``amplite batch merge`` runs: combine shard summaries into ``out_dir`` (nothing is copied).
+
+    Raises:
+        MergeError (exit 2): Missing, duplicated or inconsistent shards.
+    """
+    doc, _, _ = summ.merge_summaries(shard_dirs, out_dir)
+    results = [JobResult.from_row(r) for r in doc["models"]]
+    return BatchResult(results, Path(out_dir), float(doc.get("seconds") or 0.0), bool(doc.get("interrupted")))

@@ -1,0 +1,363 @@
+"""Batch manifests: parse and validate a TOML manifest (or a directory/glob), hash jobs, shard them.
+
+A manifest has an optional ``[defaults]`` table and one ``[[model]]`` table per model; every key of
+:data:`JOB_KEYS` may appear in either (``name`` and ``path`` only in ``[[model]]``). Relative paths are
+relative to the manifest's directory. See docs/batch.md for the format.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from amplite.errors import ConfigError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+#: Every key a ``[[model]]`` or ``[defaults]`` entry may hold, with what it expects (for messages).
+JOB_KEYS: dict[str, str] = {
+    "name": "a name of letters, digits, '.', '_' or '-'",
+    "path": "the model file (.pt2, state dict, pickled module or TorchScript)",
+    "inputs": "a list of input specs NAME:SHAPE:DTYPE[lo,hi)",
+    "inputs_file": "an inputs file (torch.save, .npz, .safetensors)",
+    "seed": "an integer seed for the random inputs",
+    "precision": "fp16 or bf16",
+    "level": "O0, O1, O2 or O3",
+    "keep_fp32": "a list of patterns",
+    "force_low": "a list of patterns",
+    "tolerance": "a table with min_sqnr_db, min_cosine, max_mismatch",
+    "formats": 'a list of output formats, e.g. ["pt2"]',
+    "model_factory": "module:callable",
+    "trust_pickle": "true or false",
+    "dynamic_batch": "true or false",
+    "low_precision_io": "true or false",
+    "fuse_contractions": "true or false",
+    "verify": "true or false",
+    "timeout": "seconds (a positive number)",
+    "max_memory_gb": "GiB of address space for the worker (a positive number)",
+}
+_MODEL_ONLY = ("name", "path")
+_LISTS = ("inputs", "keep_fp32", "force_low", "formats")
+_BOOLS = ("trust_pickle", "dynamic_batch", "low_precision_io", "fuse_contractions", "verify")
+_STRINGS = ("path", "inputs_file", "precision", "model_factory")
+_TOLERANCE_KEYS = ("min_sqnr_db", "min_cosine", "max_mismatch")
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+#: File suffixes taken from a directory source (self-contained: they store their example inputs).
+DIR_SUFFIXES = (".pt2",)
+
+
+class ManifestError(ConfigError):
+    """The manifest (or the batch's source or options) is invalid; the batch does not start."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One model to convert and its settings (the keyword arguments of ``amplite.convert``).
+
+    Attributes:
+        name: Output sub-directory name, unique in the batch.
+        path: Absolute path of the model file.
+        line: Manifest line of the entry (0 when not from a manifest), for messages.
+    """
+
+    name: str
+    path: str
+    inputs: tuple[str, ...] = ()
+    inputs_file: str | None = None
+    seed: int = 0
+    precision: str = "fp16"
+    level: str = "O1"
+    keep_fp32: tuple[str, ...] = ()
+    force_low: tuple[str, ...] = ()
+    tolerance: Mapping[str, float] | None = None
+    formats: tuple[str, ...] = ("pt2",)
+    model_factory: str | None = None
+    trust_pickle: bool = False
+    dynamic_batch: bool = False
+    low_precision_io: bool = False
+    fuse_contractions: bool = False
+    verify: bool = True
+    timeout: float | None = None
+    max_memory_gb: float | None = None
+    line: int = field(default=0, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able settings (what the worker process receives)."""
+        d = asdict(self)
+        d["tolerance"] = dict(self.tolerance) if self.tolerance else None
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, base: Path | None = None) -> Job:
+        """A job from a mapping of :data:`JOB_KEYS` (``line`` allowed too), validated.
+
+        Raises:
+            ManifestError: Unknown key, wrong type or invalid value.
+        """
+        data = dict(data)
+        line = int(data.pop("line", 0) or 0)
+        return _make_job(data, base or Path.cwd(), lambda key: line, where="job")
+
+
+def _line_finder(text: str, model_index: int | None) -> Any:
+    """A function key -> line number of ``key`` in ``[defaults]`` (index None) or the n-th ``[[model]]``."""
+    lines = text.splitlines()
+    sections: list[tuple[str, int]] = []  # (header, 1-based line)
+    for i, raw in enumerate(lines, 1):
+        m = re.match(r"^\s*\[\[?\s*([\w.\"' -]+?)\s*\]\]?", raw)
+        if m and not re.match(r"^\s*[\w\"'.-]+\s*=", raw):
+            sections.append((m.group(1).strip("\"' "), i))
+    wanted = "defaults" if model_index is None else "model"
+    starts = [ln for name, ln in sections if name == wanted]
+    pick = 0 if model_index is None else model_index
+    if pick >= len(starts):
+        return lambda key: 0
+    start = starts[pick]
+    later = [ln for _, ln in sections if ln > start]
+    end = later[0] if later else len(lines) + 1
+
+    def find(key: str) -> int:
+        pat = re.compile(r"(^|[\s{,.])[\"']?" + re.escape(key) + r"[\"']?\s*=")
+        for ln in range(start + 1, end):
+            if pat.search(lines[ln - 1].split("#", 1)[0]):
+                return ln
+        return start
+
+    return find
+
+
+def _fail(where: str, line: int, key: str | None, problem: str, fix: str) -> ManifestError:
+    at = f"{where}, line {line}" if line else where
+    return ManifestError(f"{at}: {f'{key!r}: ' if key else ''}{problem}", fix)
+
+
+def _check_value(key: str, value: Any) -> Any:
+    """Normalise one value; raise ValueError(problem) when it has the wrong type or is invalid."""
+    if key in _LISTS:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise ValueError(f"expected {JOB_KEYS[key]}, got {value!r}")
+        return tuple(value)
+    if key in _BOOLS:
+        if not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value
+    if key in _STRINGS or key == "name":
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"expected {JOB_KEYS[key]}, got {value!r}")
+        return value
+    if key == "seed":
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"expected an integer, got {value!r}")
+        return value
+    if key == "level":
+        text = str(value).strip().upper()
+        text = "O" + text if text in ("0", "1", "2", "3") else text
+        if text not in ("O0", "O1", "O2", "O3"):
+            raise ValueError(f"unknown level {value!r}")
+        return text
+    if key in ("timeout", "max_memory_gb"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"expected {JOB_KEYS[key]}, got {value!r}")
+        return float(value)
+    if key == "tolerance":
+        if not isinstance(value, Mapping):
+            raise ValueError(f"expected {JOB_KEYS[key]}, got {value!r}")
+        bad = [k for k in value if k not in _TOLERANCE_KEYS]
+        if bad:
+            raise ValueError(f"unknown tolerance key {bad[0]!r} (known: {', '.join(_TOLERANCE_KEYS)})")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()):
+            raise ValueError(f"tolerance values must be numbers, got {dict(value)!r}")
+        return {k: float(v) for k, v in value.items()}
+    raise KeyError(key)
+
+
+def _make_job(data: dict[str, Any], base: Path, line_of: Any, *, where: str) -> Job:
+    """Validate a merged (defaults + entry) mapping into a Job."""
+    for key in data:
+        if key not in JOB_KEYS:
+            raise _fail(
+                where,
+                line_of(key),
+                None,
+                f"unknown key {key!r}",
+                f"use one of: {', '.join(JOB_KEYS)} (see docs/batch.md)",
+            )
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        try:
+            values[key] = _check_value(key, value)
+        except ValueError as exc:
+            raise _fail(where, line_of(key), key, str(exc), f"give {JOB_KEYS[key]}") from None
+    if "path" not in values:
+        raise _fail(where, line_of("name"), None, "no 'path'", 'add path = "model.pt2" to the entry')
+    path = (base / Path(values["path"]).expanduser()).resolve()
+    values["path"] = str(path)
+    if "inputs_file" in values:
+        values["inputs_file"] = str((base / Path(values["inputs_file"]).expanduser()).resolve())
+    name = values.get("name") or safe_name(path)
+    if not _NAME.match(name):
+        raise _fail(
+            where, line_of("name"), "name", f"{name!r} is not a valid directory name", JOB_KEYS["name"]
+        )
+    values["name"] = name
+    precision = values.get("precision", "fp16")
+    if precision not in ("fp16", "bf16"):
+        raise _fail(
+            where, line_of("precision"), "precision", f"unknown precision {precision!r}", "use fp16 or bf16"
+        )
+    if "level" not in values:  # as `amplite convert` does: $AMPLITE_LEVEL, else O1; fixed now for the hash
+        from amplite.policy import resolve_level
+
+        values["level"] = resolve_level(None).value
+    _check_policy(values, where, line_of)
+    return Job(**values, line=line_of("name") if "name" in data else line_of("path"))
+
+
+def _check_policy(values: dict[str, Any], where: str, line_of: Any) -> None:
+    """Validate override patterns and output formats with the converter's own checks."""
+    from amplite.converter import emit
+    from amplite.policy import make_overrides
+
+    try:
+        make_overrides(values.get("keep_fp32", ()), values.get("force_low", ()))
+    except ConfigError as exc:
+        key = "keep_fp32" if "keep_fp32" in values else "force_low"
+        raise _fail(where, line_of(key), key, exc.problem, exc.fix) from None
+    for fmt in values.get("formats", ("pt2",)):
+        try:
+            emit.format_for(f"model.{fmt}", fmt)
+        except ConfigError as exc:
+            raise _fail(where, line_of("formats"), "formats", exc.problem, exc.fix) from None
+
+
+def safe_name(path: Path) -> str:
+    """A directory-safe model name from a file name: ``bert.fp32.pt2`` -> ``bert.fp32``."""
+    stem = path.name[: -len(path.suffix)] if path.suffix else path.name
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", stem).lstrip(".") or "model"
+
+
+def parse_manifest(path: str | Path, defaults: Mapping[str, Any] | None = None) -> list[Job]:
+    """Read a TOML manifest into jobs.
+
+    Args:
+        path: The manifest file.
+        defaults: Settings under the manifest's ``[defaults]`` (e.g. CLI options); the manifest wins.
+
+    Raises:
+        ManifestError: Unreadable TOML, unknown keys (naming key and line), bad values, duplicate names.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ManifestError(f"manifest {str(p)!r} does not exist", "pass the path of a .toml manifest")
+    text = p.read_text(encoding="utf-8")
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ManifestError(f"{p}: invalid TOML: {exc}", "fix the syntax at that line") from None
+    where = str(p)
+    top = _line_finder(text, None)
+    for key in doc:
+        if key not in ("defaults", "model"):
+            line = next(
+                (
+                    i
+                    for i, ln in enumerate(text.splitlines(), 1)
+                    if re.match(r"^\s*(\[\[?\s*)?[\"']?" + re.escape(key) + r"\b", ln)
+                ),
+                0,
+            )
+            raise _fail(
+                where,
+                line,
+                None,
+                f"unknown top-level key {key!r}",
+                "use a [defaults] table and [[model]] entries (see docs/batch.md)",
+            )
+    shared = doc.get("defaults", {})
+    if not isinstance(shared, dict):
+        raise _fail(where, 0, "defaults", "must be a table", "write [defaults] followed by key = value lines")
+    for key in _MODEL_ONLY:
+        if key in shared:
+            raise _fail(where, top(key), key, "is per model, not a default", "move it into a [[model]] entry")
+    entries = doc.get("model", [])
+    if not isinstance(entries, list) or not entries:
+        raise ManifestError(f"{where}: no [[model]] entries", "add one [[model]] table per model")
+    base = p.resolve().parent
+    jobs = []
+    for i, entry in enumerate(entries):
+        line_of = _line_finder(text, i)
+        jobs.append(
+            _make_job(
+                {**(defaults or {}), **shared, **entry}, base, _combined(line_of, top, entry), where=where
+            )
+        )
+    check_unique(jobs, where)
+    return jobs
+
+
+def _combined(entry_line: Any, defaults_line: Any, entry: Mapping[str, Any]) -> Any:
+    return lambda key: entry_line(key) if key in entry or key in ("name", "path") else defaults_line(key)
+
+
+def check_unique(jobs: Sequence[Job], where: str = "batch") -> None:
+    """Raise ManifestError if two jobs share a name (their outputs would collide)."""
+    seen: dict[str, Job] = {}
+    for job in jobs:
+        if job.name in seen:
+            first = seen[job.name]
+            lines = f" (lines {first.line} and {job.line})" if job.line else ""
+            raise ManifestError(
+                f"{where}: duplicate model name {job.name!r}{lines}",
+                'give each [[model]] a unique name = "..."',
+            )
+        seen[job.name] = job
+
+
+def jobs_from_paths(source: str | Path, defaults: Mapping[str, Any] | None = None) -> list[Job]:
+    """Jobs for every ``.pt2`` in a directory, or every file matching a glob, with shared settings.
+
+    Raises:
+        ManifestError: Nothing matches, or the shared settings are invalid.
+    """
+    src = Path(source).expanduser()
+    if src.is_dir():
+        files = sorted(f for f in src.iterdir() if f.is_file() and f.suffix in DIR_SUFFIXES)
+    else:
+        files = sorted(Path(f) for f in globlib.glob(str(src), recursive=True) if Path(f).is_file())
+    if not files:
+        raise ManifestError(
+            f"no model files match {str(source)!r}",
+            "pass a .toml manifest, a directory of .pt2 files or a glob such as 'zoo/*.pt2'",
+        )
+    names = [safe_name(f) for f in files]
+    if len(set(names)) < len(names):  # same file name in different directories: name by relative path
+        root = Path(*_common_parts(files))
+        names = [re.sub(r"[^A-Za-z0-9_.-]", "-", str(f.relative_to(root).with_suffix(""))) for f in files]
+    shared = dict(defaults or {})
+    for key in _MODEL_ONLY:
+        shared.pop(key, None)
+    jobs = [
+        _make_job({**shared, "path": str(f.resolve()), "name": n}, Path.cwd(), lambda k: 0, where=str(source))
+        for f, n in zip(files, names, strict=True)
+    ]
+    check_unique(jobs, str(source))
+    return jobs
+
+
+def _common_parts(files: Sequence[Path]) -> tuple[str, ...]:
+    parts = [f.resolve().parent.parts for f in files]
+    common: list[str] = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return tuple(common)

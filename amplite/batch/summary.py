@@ -1,0 +1,322 @@
+"""Batch results and summaries: one row per model, written as ``summary.json`` and ``summary.md``;
+merging shards.
+
+This module imports neither torch nor amplite's converter, so merging summaries is cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from amplite.errors import ConfigError
+
+SCHEMA = "amplite.batch_summary"
+SCHEMA_VERSION = 1
+#: Every status a row can have; only ``ok`` counts as converted and verified.
+STATUSES = ("ok", "verify_failed", "error", "oom", "timeout", "crashed", "cancelled")
+COLUMNS = (
+    "model",
+    "status",
+    "params",
+    "low-prec compute",
+    "casts",
+    "size ratio",
+    "worst SQNR dB",
+    "time s",
+    "error",
+)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+#: The process umask, read once (reading it means setting it): temp files get the mode a plain file would.
+UMASK = _umask()
+
+
+class MergeError(ConfigError):
+    """Shard summaries cannot be merged (missing, inconsistent or overlapping shards)."""
+
+
+def failure_row(job: Mapping[str, Any], status: str, error: str | None) -> dict[str, Any]:
+    """A summary row with every column; metrics are None until a conversion fills them in."""
+    return {
+        "name": job["name"],
+        "status": status,
+        "error": error,
+        "params": None,
+        "low_precision_share": None,
+        "casts": None,
+        "size_ratio": None,
+        "worst_sqnr_db": None,
+        "verified": None,
+        "seconds": None,
+        "precision": job.get("precision"),
+        "level": job.get("level"),
+        "source": job.get("path"),
+        "output_dir": job["name"],
+        "files": [],
+        "key": None,
+        "resumed": False,
+    }
+
+
+def write_text(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically (temp file in the same directory, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~UMASK)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json(path: Path, data: Any) -> Path:
+    """Write JSON atomically."""
+    return write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def counts(rows: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """Rows per status, in :data:`STATUSES` order."""
+    c = Counter(r["status"] for r in rows)
+    return {s: c[s] for s in STATUSES if c[s]}
+
+
+def exit_code(rows: Sequence[Mapping[str, Any]]) -> int:
+    """0 when every model converted and verified (an empty shard included), else 1."""
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+def write_summary(
+    out_dir: Path, rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]
+) -> tuple[Path, Path]:
+    """Write ``summary.json`` and ``summary.md`` into ``out_dir``; returns both paths."""
+    doc = {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **meta,
+        "counts": counts(rows),
+        "exit_code": exit_code(rows),
+        "models": list(rows),
+    }
+    js = write_json(out_dir / "summary.json", doc)
+    md = write_text(out_dir / "summary.md", render_markdown(doc))
+    return js, md
+
+
+def _fmt(row: Mapping[str, Any], col: str) -> str:
+    v = {
+        "model": row["name"],
+        "status": row["status"] + (" (resumed)" if row.get("resumed") else ""),
+        "params": row["params"],
+        "low-prec compute": row["low_precision_share"],
+        "casts": row["casts"],
+        "size ratio": row["size_ratio"],
+        "worst SQNR dB": row["worst_sqnr_db"],
+        "time s": row["seconds"],
+        "error": row["error"],
+    }[col]
+    if v is None:
+        return "" if col == "error" else "–"
+    if col == "params":
+        return f"{v / 1e6:.2f} M" if v >= 1e5 else f"{v:,}"
+    if col == "low-prec compute":
+        return f"{v:.1%}"
+    if col in ("size ratio", "time s"):
+        return f"{v:.2f}"
+    if col == "worst SQNR dB" and not isinstance(v, str):
+        return f"{v:.1f}"
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(doc: Mapping[str, Any]) -> str:
+    """The summary as a Markdown table, failures first so they are seen."""
+    rows = sorted(doc["models"], key=lambda r: (r["status"] == "ok", r["name"]))
+    head = ", ".join(f"{n} {s}" for s, n in doc["counts"].items()) or "no models"
+    lines = [f"# amplite batch: {head}", ""]
+    if doc.get("shard"):
+        lines += [f"Shard {doc['shard']}.", ""]
+    if doc.get("interrupted"):
+        lines += ["**Interrupted**: models not finished are listed as cancelled.", ""]
+    if doc.get("seconds") is not None:
+        lines += [f"Wall time {doc['seconds']:.1f} s.", ""]
+    lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_fmt(r, c) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def read_result(model_dir: Path) -> dict[str, Any] | None:
+    """The ``result.json`` row of one model's output directory (None when absent or unreadable)."""
+    try:
+        row = json.loads((model_dir / "result.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return row if isinstance(row, dict) and "status" in row else None
+
+
+def read_summary(path: Path) -> dict[str, Any]:
+    """Load a ``summary.json`` (or the one in a directory).
+
+    Raises:
+        MergeError: Missing or not an amplite batch summary.
+    """
+    p = path / "summary.json" if path.is_dir() else path
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise MergeError(
+            f"cannot read batch summary {str(p)!r}: {exc}",
+            "pass the output directories of finished `amplite batch` runs",
+        ) from None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise MergeError(
+            f"{str(p)!r} is not an amplite batch summary", "pass `amplite batch` output directories"
+        )
+    return doc
+
+
+def merge_summaries(
+    shard_dirs: Sequence[str | Path], out_dir: str | Path
+) -> tuple[dict[str, Any], Path, Path]:
+    """Combine shard summaries into ``out_dir/summary.json`` and ``summary.md``.
+
+    Rows keep pointing at their model directories (``output_dir`` is made relative to ``out_dir``); nothing
+    is copied. Shards must come from one ``--shard i/n`` split, with every index present once.
+
+    Raises:
+        MergeError: No shards, mixed shard counts, a shard given twice or missing, or a model in two shards.
+    """
+    if not shard_dirs:
+        raise MergeError("no shard directories given", "pass the output directory of every shard")
+    out = Path(out_dir)
+    docs = [(Path(d), read_summary(Path(d))) for d in shard_dirs]
+    shards = [doc.get("shard") for _, doc in docs]
+    if any(s is not None for s in shards):
+        if any(s is None for s in shards) or len({s.split("/")[1] for s in shards}) != 1:
+            raise MergeError(
+                f"the summaries come from different splits ({', '.join(map(str, shards))})",
+                "merge the shards of one `--shard i/n` run with the same n",
+            )
+        n = int(shards[0].split("/")[1])
+        seen = Counter(int(s.split("/")[0]) for s in shards)
+        twice = sorted(i for i, c in seen.items() if c > 1)
+        missing = sorted(set(range(n)) - set(seen))
+        if twice:
+            raise MergeError(f"shard {twice[0]}/{n} is given twice", "pass each shard's directory once")
+        if missing:
+            raise MergeError(
+                f"shard(s) {', '.join(f'{i}/{n}' for i in missing)} missing",
+                "run the missing shards (or pass their directories) before merging",
+            )
+    rows: list[dict[str, Any]] = []
+    owner: dict[str, Path] = {}
+    for d, doc in docs:
+        for row in doc["models"]:
+            if row["name"] in owner:
+                raise MergeError(
+                    f"model {row['name']!r} is in both {str(owner[row['name']])!r} and {str(d)!r}",
+                    "merge outputs of one split only",
+                )
+            owner[row["name"]] = d
+            target = (d / row.get("output_dir", row["name"])).resolve()
+            rows.append({**row, "output_dir": os.path.relpath(target, out.resolve())})
+    meta = {
+        "source": docs[0][1].get("source"),
+        "out_dir": str(out),
+        "shard": None,
+        "merged_from": [str(d) for d, _ in docs],
+        "seconds": max((doc.get("seconds") or 0.0) for _, doc in docs),
+        "interrupted": any(doc.get("interrupted") for _, doc in docs),
+    }
+    js, md = write_summary(out, rows, meta)
+    return {**meta, "models": rows}, js, md
+
+
+@dataclass
+class JobResult:
+    """The outcome of one model: ``row`` is its ``summary.json`` entry."""
+
+    name: str
+    status: str
+    error: str | None
+    row: dict[str, Any] = field(repr=False)
+
+    @property
+    def ok(self) -> bool:
+        """Converted and verified."""
+        return self.status == "ok"
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> JobResult:
+        """Wrap a summary row."""
+        return cls(row["name"], row["status"], row.get("error"), row)
+
+
+@dataclass
+class BatchResult:
+    """A finished batch.
+
+    Attributes:
+        results: One per model, in job order.
+        out_dir: Where ``summary.json``, ``summary.md`` and ``<name>/`` live.
+        seconds: Wall time.
+        interrupted: Stopped by Ctrl-C (unfinished models are ``cancelled``).
+    """
+
+    results: list[JobResult]
+    out_dir: Path
+    seconds: float = 0.0
+    interrupted: bool = False
+
+    @property
+    def succeeded(self) -> list[JobResult]:
+        """Models converted and verified."""
+        return [r for r in self.results if r.ok]
+
+    @property
+    def failed(self) -> list[JobResult]:
+        """Every other model (errors, verification failures, timeouts, crashes, cancelled)."""
+        return [r for r in self.results if not r.ok]
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Models per status."""
+        return counts(r.row for r in self.results)
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every model converted and verified, else 1 (2 is for errors raised before a batch runs)."""
+        return exit_code([r.row for r in self.results])
+
+    def describe(self) -> str:
+        """One line for the end of a CLI run: counts and where the summary is."""
+        counts = ", ".join(f"{n} {s}" for s, n in self.counts.items()) or "no models"
+        stop = " (interrupted)" if self.interrupted else ""
+        return f"{len(self.results)} model(s): {counts}{stop} — summary: {self.summary_md}"
+
+    @property
+    def summary_json(self) -> Path:
+        """Path of ``summary.json``."""
+        return self.out_dir / "summary.json"
+
+    @property
+    def summary_md(self) -> Path:
+        """Path of ``summary.md``."""
+        return self.out_dir / "summary.md"

@@ -1,0 +1,1 @@
+"""Models that break in the ways a batch must survive (used by tests/test_batch_*.py as model factories)."""
