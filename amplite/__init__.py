@@ -11,17 +11,20 @@ __version__ = "0.1.0"
 import amplite.ops  # noqa: F401  (registers amplite::contract for torch.export.load)
 from amplite.batch import BatchResult, JobResult, convert_many, iter_convert_many
 from amplite.converter.api import ConversionResult, convert
+from amplite.converter.check import CheckResult, check
 from amplite.errors import AmpliteError
 from amplite.policy import Level, PrecisionPolicy
 
 __all__ = [
     "AmpliteError",
     "BatchResult",
+    "CheckResult",
     "ConversionResult",
     "JobResult",
     "Level",
     "PrecisionPolicy",
     "__version__",
+    "check",
     "convert",
     "convert_many",
     "iter_convert_many",

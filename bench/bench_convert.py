@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import amplite  # noqa: E402
-from fixtures.zoo import FIXTURES, make  # noqa: E402
+import amplite
+from fixtures.zoo import FIXTURES, make
 
 
 def measure(name: str, precision: str, level: str, repeat: int) -> dict:

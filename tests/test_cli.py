@@ -190,3 +190,23 @@ def test_batch_command_reports_each_model_and_bad_keys(cli, model_files, tmp_pat
     bad.write_text('[[model]]\npath = "x.pt2"\ncolour = "red"\n')
     res = cli("batch", bad, "-o", tmp_path / "b")
     assert res.exit_code == 2 and "colour" in res.stderr and "line 3" in res.stderr
+
+
+def test_check_gate_exit_codes_junit_and_golden(cli, model_files, tmp_path: Path) -> None:
+    import xml.etree.ElementTree as ET
+
+    pt2 = model_files("overflow")["pt2"]
+    res = cli("check", pt2, "--level", "O3", "--report", tmp_path / "o3", "--junit", tmp_path / "o3.xml")
+    assert res.exit_code == 1, res.stdout + res.stderr
+    assert "1. pow_1 (pow.Tensor_Scalar)" in res.stdout and "introduces NaN/Inf" in res.stdout
+    suite = ET.parse(tmp_path / "o3.xml").getroot()
+    assert suite.find(".//testcase/failure") is not None
+    assert {p.name for p in (tmp_path / "o3").iterdir()} >= {"report.json", "report.md", "report.html"}
+    assert cli("check", pt2, "--level", "O1", "--no-layerwise").exit_code == 0
+
+    gold = tmp_path / "gold"
+    assert cli("golden", pt2, "-o", gold).exit_code == 0
+    assert cli("golden", pt2, "-o", gold).exit_code == 2  # regenerating is explicit
+    assert cli("check", pt2, "--golden", gold, "--no-layerwise").exit_code == 0
+    other = cli("check", model_files("mlp")["pt2"], "--golden", gold)
+    assert other.exit_code == 2 and "golden" in other.stderr

@@ -1,0 +1,141 @@
+"""Training check (``--grad``): one backward pass through the FP32 and the converted model.
+
+The loss is the user's (``module:function`` taking the model's outputs and returning a scalar) or, by
+default, the sum of every floating-point output. Each parameter's gradient in the converted model is
+compared with FP32 (SQNR, NaN/Inf), and the FP32 gradients are checked against the low dtype's range: the
+fraction that would underflow to zero in fp16 without loss scaling, and a recommended initial loss scale
+(see :func:`amplite.converter.ranges.recommend_loss_scale`). The check fails only when the converted
+gradients have NaN/Inf that FP32's lack; the SQNR figures are for judgement (gradients of a model with
+low-precision activations are expected to be noisier than its outputs).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from amplite.converter.layerwise import node_error
+from amplite.converter.ranges import recommend_loss_scale
+from amplite.converter.tracing import summarize_exception
+from amplite.errors import ConfigError, InputSpecError
+
+Inputs = tuple[tuple[Any, ...], dict[str, Any]]
+LossFn = Callable[[Any], torch.Tensor]
+
+
+def default_loss(outputs: Any) -> torch.Tensor:
+    """Sum of every floating-point output, in FP32."""
+    floats = [
+        t.float().sum() for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
+    if not floats:
+        raise InputSpecError(
+            "the model has no floating-point output to take a gradient of", "pass --loss module:function"
+        )
+    return torch.stack(floats).sum()
+
+
+def load_loss(spec: str | LossFn | None) -> tuple[LossFn, str]:
+    """The loss function for ``spec`` (``module:function``, a callable or None) and its description.
+
+    Raises:
+        ConfigError: If the spec is malformed or does not import.
+    """
+    if spec is None:
+        return default_loss, "sum of outputs"
+    if callable(spec):
+        return spec, getattr(spec, "__qualname__", "callable")
+    mod_name, _, fn_name = spec.partition(":")
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        return getattr(importlib.import_module(mod_name), fn_name), spec
+    except Exception as exc:
+        raise ConfigError(f"cannot import --loss {spec}: {summarize_exception(exc)}", "write module:function") from exc
+
+
+def _backward(
+    model: torch.nn.Module, inputs: Inputs, loss_fn: LossFn, what: str
+) -> tuple[float, dict[str, torch.Tensor]]:
+    params = dict(model.named_parameters())
+    for p in params.values():
+        p.grad = None
+    try:
+        with torch.enable_grad():
+            loss = loss_fn(model(*inputs[0], **inputs[1]))
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TypeError(f"the loss must be a scalar tensor, got {type(loss).__name__}")
+            loss.backward()
+    except (InputSpecError, ConfigError):
+        raise
+    except Exception as exc:
+        raise InputSpecError(
+            f"the backward pass of {what} failed: {summarize_exception(exc)}",
+            "check --loss (it gets the model's outputs and returns a scalar)",
+        ) from exc
+    grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
+    for p in params.values():  # leave the modules as they were
+        p.grad = None
+    return float(loss.detach().float()), grads
+
+
+def gradient_check(
+    reference: torch.nn.Module,
+    converted: torch.nn.Module,
+    ref_inputs: Inputs,
+    conv_inputs: Inputs,
+    *,
+    loss: str | LossFn | None = None,
+    low_dtype: torch.dtype = torch.float16,
+    worst: int = 5,
+) -> dict[str, Any]:
+    """One backward pass through both models; the report section ``gradients``.
+
+    Args:
+        reference: The FP32 model (e.g. ``program.module()``). converted: The converted one.
+        ref_inputs: The batch for the reference. conv_inputs: The same batch for the converted model.
+        loss: ``module:function``, a callable taking the outputs, or None for the sum of outputs.
+        low_dtype: The dtype whose underflow is measured.
+        worst: How many parameters with the lowest gradient SQNR to list.
+    """
+    start = perf_counter()
+    loss_fn, loss_name = load_loss(loss)
+    ref_loss, ref_grads = _backward(reference, ref_inputs, loss_fn, "the FP32 model")
+    conv_loss, conv_grads = _backward(converted, conv_inputs, loss_fn, "the converted model")
+    rows = []
+    for name, g in ref_grads.items():
+        err = node_error(g, conv_grads.get(name, torch.zeros_like(g)).to(g.dtype))
+        if err is not None:
+            rows.append(
+                {
+                    "parameter": name,
+                    "dtype": str(conv_grads[name].dtype).removeprefix("torch.") if name in conv_grads else None,
+                    **err,
+                }
+            )
+    rows.sort(key=lambda r: r["sqnr_db"])
+    nonfinite = [r["parameter"] for r in rows if r["new_nonfinite"]]
+    missing = sorted(set(ref_grads) - set(conv_grads))
+    finite_sqnr = [r["sqnr_db"] for r in rows if math.isfinite(r["sqnr_db"])]
+    return {
+        "loss": loss_name,
+        "reference_loss": ref_loss,
+        "converted_loss": conv_loss,
+        "parameters": len(rows),
+        "min_sqnr_db": min((r["sqnr_db"] for r in rows), default=math.inf),
+        "median_sqnr_db": sorted(finite_sqnr)[len(finite_sqnr) // 2] if finite_sqnr else None,
+        "worst": rows[:worst],
+        "nonfinite_parameters": nonfinite,
+        "missing_gradients": missing,
+        "underflow": recommend_loss_scale(list(ref_grads.values()), low_dtype),
+        "passed": not nonfinite,
+        "seconds": round(perf_counter() - start, 4),
+    }

@@ -1,0 +1,314 @@
+"""report.html: one self-contained page (plotly.js inlined, works offline) for a report.
+
+Sections: verdict, per-output table, error along the graph (accumulated and isolated SQNR per node, and
+the worst per layer), the precision map (nodes by dtype, the FP32 islands with their reasons), the top
+error-introducing nodes with their source lines, range problems, baseline, gradients and golden facts.
+Charts are plotly figures; every text from the model is HTML-escaped.
+"""
+
+from __future__ import annotations
+
+import math
+from html import escape
+from typing import Any
+
+from amplite.converter.markdown_report import fmt
+
+_CAP_DB = 160.0  # exact values (infinite SQNR) are drawn at this height
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem auto;max-width:1200px;color:#222}
+h1{font-size:1.5rem} h2{font-size:1.15rem;margin-top:2rem;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;font-size:.85rem;margin:.5rem 0} td,th{border:1px solid #ddd;padding:.25rem .5rem}
+th{background:#f5f5f5;text-align:left} .pass{color:#087f23;font-weight:600} .fail{color:#c62828;font-weight:600}
+.verdict{font-size:1.3rem;padding:.5rem 1rem;border-radius:4px;display:inline-block}
+.verdict.pass{background:#e8f5e9} .verdict.fail{background:#ffebee} code{font-size:.85em} .muted{color:#777}
+"""
+
+
+def _db(v: Any) -> float | None:
+    if isinstance(v, str):
+        v = float(v)
+    if v is None or math.isnan(v):
+        return None
+    return max(min(v, _CAP_DB), -20.0)
+
+
+def _table(headers: list[str], rows: list[list[Any]], raw: set[int] = frozenset()) -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{c if i in raw else escape(str(c))}</td>" for i, c in enumerate(r)) + "</tr>"
+        for r in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _figures(data: dict[str, Any]) -> list[tuple[str, Any]]:
+    import plotly.graph_objects as go
+
+    figs = []
+    nodes = data.get("layerwise", {}).get("nodes", [])
+    if nodes:
+        hover = [
+            f"{escape(n['node'])} ({escape(n['op'])})<br>{escape(n['module'] or '(root)')}<br>"
+            f"{escape(n['source'])}<br>dtype {n['dtype']}"
+            for n in nodes
+        ]
+        x = [n["index"] for n in nodes]
+        fig = go.Figure()
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=[_db(n["accumulated"]["sqnr_db"]) for n in nodes],
+                mode="lines+markers",
+                name="accumulated (own activations)",
+                text=hover,
+                hoverinfo="text+y",
+            )
+        )
+        iso = [_db(n["isolated"]["sqnr_db"]) if n.get("isolated") else None for n in nodes]
+        fig.add_trace(
+            go.Scatter(
+                x=x,
+                y=iso,
+                mode="markers",
+                name="isolated (FP32 inputs)",
+                text=hover,
+                hoverinfo="text+y",
+                marker={"symbol": "diamond"},
+            )
+        )
+        bad = [n for n in nodes if n.get("introduces_nonfinite")]
+        if bad:
+            fig.add_trace(
+                go.Scatter(
+                    x=[n["index"] for n in bad],
+                    y=[-20.0] * len(bad),
+                    mode="markers",
+                    name="introduces NaN/Inf",
+                    marker={"symbol": "x", "size": 12, "color": "red"},
+                    text=[escape(n["node"]) for n in bad],
+                    hoverinfo="text",
+                )
+            )
+        fig.update_layout(
+            title="Error along the graph (SQNR, dB; higher is better; exact drawn at 160)",
+            xaxis_title="node (graph order)",
+            xaxis_dtick=max(1, len(nodes) // 20),
+            yaxis_title="SQNR dB",
+            height=420,
+            margin={"l": 50, "r": 20, "t": 50, "b": 40},
+        )
+        figs.append(("error-along-graph", fig))
+        layers = data["layerwise"].get("layers", [])
+        if len(layers) > 1:
+            lf = go.Figure()
+            names = [row["layer"] for row in layers]
+            lf.add_trace(go.Bar(x=names, y=[_db(r["accumulated_sqnr_db"]) for r in layers], name="worst accumulated"))
+            lf.add_trace(go.Bar(x=names, y=[_db(r["isolated_sqnr_db"]) for r in layers], name="worst isolated"))
+            lf.update_layout(
+                title="Worst SQNR per layer (dB)",
+                barmode="group",
+                height=360,
+                margin={"l": 50, "r": 20, "t": 50, "b": 80},
+            )
+            figs.append(("error-per-layer", lf))
+    graph = data.get("graph", {})
+    if graph.get("after"):
+        dtypes = sorted(set(graph.get("before", {}).get("nodes_by_dtype", {})) | set(graph["after"]["nodes_by_dtype"]))
+        pf = go.Figure()
+        for when in ("before", "after"):
+            counts = graph.get(when, {}).get("nodes_by_dtype", {})
+            pf.add_trace(go.Bar(x=dtypes, y=[counts.get(d, 0) for d in dtypes], name=when))
+        pf.update_layout(
+            title="Nodes by compute dtype", barmode="group", height=320, margin={"l": 50, "r": 20, "t": 50, "b": 40}
+        )
+        figs.append(("precision-map", pf))
+    return figs
+
+
+def render_html(data: dict[str, Any]) -> str:
+    """The report page as one HTML string (plotly.js included inline)."""
+    from plotly.offline import get_plotlyjs
+
+    figs = {
+        key: fig.to_html(
+            full_html=False, include_plotlyjs=False, div_id=key, config={"displaylogo": False, "responsive": True}
+        )
+        for key, fig in _figures(data)
+    }
+    cfg, check, ver = data.get("config", {}), data.get("check", {}), data.get("verification")
+    passed = check.get("passed", ver.get("passed") if ver else None)
+    cls, word = ("pass", "PASS") if passed else (("fail", "FAIL") if passed is False else ("", "NOT VERIFIED"))
+    name = check.get("name") or data.get("source", {}).get("path") or "model"
+    parts = [
+        f"<h1>amplite report: {escape(str(name))}</h1>",
+        f'<p><span class="verdict {cls}">{word}</span> &nbsp; {escape(str(cfg.get("precision")))} '
+        f"{escape(str(cfg.get('level')))} · created {escape(str(data.get('created', '')))} · amplite "
+        f"{escape(str(data.get('versions', {}).get('amplite', '')))}</p>",
+    ]
+    if check.get("reasons"):
+        parts.append("<ul>" + "".join(f'<li class="fail">{escape(r)}</li>' for r in check["reasons"]) + "</ul>")
+    if ver:
+        parts.append(f"<h2>Outputs</h2><p class='muted'>on {escape(str(ver.get('inputs')))}</p>")
+        rows = []
+        for o in ver["outputs"]:
+            failed = [c["criterion"] for c in o.get("checks", []) if not c["passed"]]
+            res = (
+                '<span class="pass">pass</span>'
+                if o["passed"]
+                else ('<span class="fail">FAIL</span> ' + escape("; ".join(failed + o.get("notes", []))))
+            )
+            rows.append(
+                [
+                    o["name"],
+                    fmt(o["sqnr_db"]),
+                    fmt(o["cosine"], 7),
+                    fmt(o["max_abs"], 3),
+                    fmt(o.get("p99_abs"), 3),
+                    fmt(o.get("max_rel"), 3),
+                    fmt(o.get("top1")),
+                    fmt(o.get("top5")),
+                    fmt(o.get("kl_div"), 3),
+                    f"{fmt(o.get('min_atol'), 3)} / {fmt(o.get('min_rtol'), 3)}",
+                    o.get("new_nonfinite", 0),
+                    res,
+                ]
+            )
+        parts.append(
+            _table(
+                [
+                    "output",
+                    "SQNR dB",
+                    "cosine",
+                    "max abs",
+                    "p99 abs",
+                    "max rel",
+                    "top-1",
+                    "top-5",
+                    "KL",
+                    "min atol / rtol",
+                    "new NaN/Inf",
+                    "result",
+                ],
+                rows,
+                raw={11},
+            )
+        )
+    lw = data.get("layerwise")
+    if lw:
+        parts.append("<h2>Error along the graph</h2>")
+        parts.append(
+            f"<p class='muted'>{lw['paired_nodes']} nodes paired with the reference; first batch; "
+            "accumulated = each model on its own activations, isolated = the converted node fed the "
+            "reference's inputs.</p>"
+        )
+        parts += [figs.get("error-along-graph", ""), figs.get("error-per-layer", "")]
+        parts.append("<h2>Top error-introducing nodes</h2>")
+        rows = [
+            [
+                i,
+                e["node"],
+                e["op"],
+                e["module"] or "(root)",
+                e["source"],
+                e["dtype"],
+                fmt(e["isolated"]["sqnr_db"]),
+                fmt(e["accumulated"]["sqnr_db"]),
+                "yes" if e["introduces_nonfinite"] else "",
+                fmt((e.get("range") or {}).get("max_abs"), 3),
+            ]
+            for i, e in enumerate(lw["top_introducers"], 1)
+        ]
+        parts.append(
+            _table(
+                [
+                    "#",
+                    "node",
+                    "op",
+                    "module",
+                    "source",
+                    "dtype",
+                    "isolated SQNR",
+                    "accumulated SQNR",
+                    "introduces NaN/Inf",
+                    "FP32 max |x|",
+                ],
+                rows,
+            )
+            if rows
+            else "<p>No node introduces error.</p>"
+        )
+    parts.append("<h2>Precision map</h2>" + figs.get("precision-map", ""))
+    islands = data.get("fp32_nodes", [])
+    parts.append(f"<p>{len(islands)} FP32 islands.</p>")
+    if islands:
+        parts.append(
+            _table(
+                ["node", "op", "module", "source", "reason"],
+                [[p["node"], p["op"], p["module"] or "(root)", p["source"], p["reason"]] for p in islands],
+            )
+        )
+    ranges = data.get("ranges")
+    if ranges and lw:
+        bad = [e for e in lw["nodes"] if e.get("range") and (e["range"]["overflow"] or e["range"]["flush_to_zero"])]
+        parts.append(
+            f"<h2>Range in {escape(ranges['dtype'])}</h2><p>largest |value| in FP32: {fmt(ranges['max_abs'], 4)}</p>"
+        )
+        if bad:
+            parts.append(
+                _table(
+                    ["node", "op", "computes in", "max |x|", "overflow", "flush to zero", "subnormal"],
+                    [
+                        [
+                            e["node"],
+                            e["op"],
+                            e["dtype"],
+                            fmt(e["range"]["max_abs"], 4),
+                            fmt(e["range"]["overflow"], 3),
+                            fmt(e["range"]["flush_to_zero"], 3),
+                            fmt(e["range"]["subnormal"], 3),
+                        ]
+                        for e in bad
+                    ],
+                )
+            )
+    base = data.get("baseline")
+    if base:
+        parts.append(
+            f"<h2>Baseline</h2><p>margin {fmt(base['margin_db'])} dB: "
+            f"{'no regression' if base['passed'] else str(len(base['regressions'])) + ' regression(s)'}</p>"
+        )
+        if base["regressions"]:
+            parts.append(
+                _table(
+                    ["output", "metric", "baseline", "current", "limit"],
+                    [[r["output"], r["metric"], r["baseline"], r["current"], r["limit"]] for r in base["regressions"]],
+                )
+            )
+    grads = data.get("gradients")
+    if grads:
+        u = grads.get("underflow", {})
+        parts.append(
+            f"<h2>Gradients</h2><p>loss: {escape(str(grads['loss']))}; min SQNR {fmt(grads['min_sqnr_db'])} dB; "
+            f"underflow in {escape(str(u.get('dtype')))} without scaling {fmt(u.get('underflow_unscaled'), 3)}; "
+            f"recommended loss scale {fmt(u.get('recommended_loss_scale'))}.</p>"
+        )
+        parts.append(
+            _table(
+                ["parameter", "dtype", "SQNR dB", "max abs", "new NaN/Inf"],
+                [
+                    [w["parameter"], w["dtype"], fmt(w["sqnr_db"]), fmt(w["max_abs"], 3), w["new_nonfinite"]]
+                    for w in grads.get("worst", [])
+                ],
+            )
+        )
+    gold = data.get("golden")
+    if gold:
+        parts.append(
+            f"<h2>Golden</h2><p><code>{escape(gold['path'])}</code>, created {escape(str(gold.get('created')))}</p>"
+        )
+    body = "\n".join(p for p in parts if p)
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>amplite report: {escape(str(name))}'
+        f"</title><style>{_CSS}</style><script>{get_plotlyjs()}</script></head><body>\n{body}\n</body></html>\n"
+    )

@@ -1,0 +1,97 @@
+"""report.md: a short summary of a report for a pull-request comment or a CI step summary."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def fmt(v: Any, digits: int = 4) -> str:
+    """A metric for a table: ``inf``/``-inf``/``nan`` strings pass through, None is a dash."""
+    if v is None:
+        return "–"
+    if isinstance(v, str):
+        return v
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(data: dict[str, Any], top_n: int = 5) -> str:
+    """The Markdown summary of a report (from ``amplite check`` or ``amplite convert``)."""
+    cfg = data.get("config", {})
+    check = data.get("check", {})
+    ver = data.get("verification")
+    passed = check.get("passed", ver.get("passed") if ver else None)
+    verdict = "✅ PASS" if passed else ("❌ FAIL" if passed is False else "– not verified")
+    name = check.get("name") or data.get("source", {}).get("path") or "model"
+    lines = [f"### amplite check: `{name}` — {verdict}", ""]
+    lines.append(f"{cfg.get('precision', '?')} {cfg.get('level', '?')}" + (f", on {ver['inputs']}" if ver else ""))
+    lines.append("")
+    if ver:
+        lines += [
+            "| output | SQNR dB | cosine | max abs | p99 abs | top-1 | min atol | result |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for o in ver["outputs"]:
+            failed = [c["criterion"] for c in o.get("checks", []) if not c["passed"]]
+            result = "pass" if o["passed"] else "**FAIL** " + _cell("; ".join(failed + o.get("notes", [])))
+            lines.append(
+                f"| `{_cell(o['name'])}` | {fmt(o['sqnr_db'])} | {fmt(o['cosine'], 7)} | {fmt(o['max_abs'], 3)} "
+                f"| {fmt(o.get('p99_abs'), 3)} | {fmt(o.get('top1'))} | {fmt(o.get('min_atol'), 3)} | {result} |"
+            )
+        lines.append("")
+    if check.get("reasons"):
+        lines += ["**Why it failed:**", ""] + [f"- {_cell(r)}" for r in check["reasons"][:10]] + [""]
+    top = data.get("layerwise", {}).get("top_introducers", [])[:top_n]
+    if top:
+        lines += [
+            "**Top error-introducing nodes** (isolated error: the node fed with FP32 inputs)",
+            "",
+            "| # | node | op | module | source | isolated SQNR dB | |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for i, e in enumerate(top, 1):
+            flag = "introduces NaN/Inf" if e["introduces_nonfinite"] else ""
+            lines.append(
+                f"| {i} | `{_cell(e['node'])}` | {_cell(e['op'])} | {_cell(e['module'] or '(root)')} "
+                f"| {_cell(e['source'])} | {fmt(e['isolated']['sqnr_db'])} | {flag} |"
+            )
+        lines.append("")
+    graph = data.get("graph", {}).get("after", {})
+    if graph:
+        by_dtype = ", ".join(f"{k} {v}" for k, v in graph.get("nodes_by_dtype", {}).items())
+        lines.append(
+            f"**Precision map:** {by_dtype}; {graph.get('casts', 0)} casts; "
+            f"{len(data.get('fp32_nodes', []))} FP32 islands."
+        )
+    ranges = data.get("ranges")
+    if ranges and ranges.get("overflowing_nodes"):
+        nodes = ", ".join(f"`{n}`" for n in ranges["overflowing_nodes"][:5])
+        lines.append(f"**Range:** values beyond {ranges['dtype']}'s max in FP32 at {nodes}.")
+    base = data.get("baseline")
+    if base:
+        lines.append(
+            f"**Baseline** (margin {base['margin_db']} dB): "
+            + ("no regression." if base["passed"] else f"{len(base['regressions'])} regression(s).")
+        )
+    grads = data.get("gradients")
+    if grads:
+        u = grads.get("underflow", {})
+        lines.append(
+            f"**Gradients** ({grads['loss']}): min SQNR {fmt(grads['min_sqnr_db'])} dB; "
+            f"{fmt(100 * u.get('underflow_unscaled', 0.0), 3)} % underflow in {u.get('dtype')} unscaled; "
+            f"recommended loss scale {fmt(u.get('recommended_loss_scale'))}."
+        )
+    gold = data.get("golden")
+    if gold:
+        lines.append(f"**Golden:** `{gold['path']}` (created {gold.get('created')}).")
+    return "\n".join(lines).rstrip() + "\n"
