@@ -28,7 +28,7 @@ def test_convert_writes_model_and_report(cli, model_files, tmp_path: Path) -> No
     assert "pass" in res.stdout and "wrote" in res.stdout
     report = json.loads((tmp_path / "t.report.json").read_text())
     assert report["config"]["level"] == "O2" and report["verification"]["passed"] is True
-    assert report["output"]["path"] == str(tmp_path / "t.pt2")
+    assert [o["path"] for o in report["outputs"]] == [str(tmp_path / "t.pt2")]
     program = torch.export.load(str(tmp_path / "t.pt2"))
     assert program.module()(torch.randint(0, 1000, (2, 16))).dtype == torch.float32
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.pt2", "t.report.json"]  # no temp files
@@ -210,3 +210,18 @@ def test_check_gate_exit_codes_junit_and_golden(cli, model_files, tmp_path: Path
     assert cli("check", pt2, "--golden", gold, "--no-layerwise").exit_code == 0
     other = cli("check", model_files("mlp")["pt2"], "--golden", gold)
     assert other.exit_code == 2 and "golden" in other.stderr
+
+
+def test_convert_to_pt2_and_onnx(cli, model_files, tmp_path: Path) -> None:
+    import onnx
+
+    res = cli("convert", model_files("mlp")["pt2"], "-o", tmp_path / "m.pt2", "--format", "pt2,onnx", "-l", "O2")
+    assert res.exit_code == 0, res.stdout + res.stderr
+    assert "ONNX Runtime (CPUExecutionProvider): pass" in res.stdout
+    onnx.checker.check_model(str(tmp_path / "m.onnx"), full_check=True)
+    report = json.loads((tmp_path / "m.report.json").read_text())
+    assert [o["format"] for o in report["outputs"]] == ["pt2", "onnx"]
+    assert report["verification_onnx"]["passed"] is True
+    res = cli("convert", model_files("mlp")["pt2"], "-o", tmp_path / "x.pt2", "--opset", "18")
+    assert res.exit_code == 2 and "--opset" in res.stderr and not (tmp_path / "x.pt2").exists()
+    assert cli("convert", model_files("mlp")["pt2"], "-o", tmp_path / "y.pt2", "--format", "pt2,tflite").exit_code == 2

@@ -42,6 +42,8 @@ class ConversionResult:
     original: ExportedProgram
     inputs: Inputs
     pipeline: PipelineOutput | None = field(default=None, repr=False)
+    reference: Any = field(default=None, repr=False)  # FP32 outputs on ``inputs``
+    tolerance: Tolerance | None = field(default=None, repr=False)  # set when verification ran
 
     def module(self) -> nn.Module:
         """The converted model as a callable module."""
@@ -52,18 +54,59 @@ class ConversionResult:
         """Whether verification passed (None if it did not run)."""
         return self.report.passed
 
-    def save(self, path: str | Path, *, format: str | None = None) -> Path:
-        """Save the converted model; the format comes from the suffix (``.pt2``) unless given.
+    def save(
+        self,
+        path: str | Path,
+        *,
+        format: str | None = None,
+        external_data: bool | None = None,
+        opset: int | None = None,
+    ) -> Path:
+        """Save the converted model; the format (``pt2`` or ``onnx``) comes from the suffix unless given.
+
+        An ONNX file is checked with ``onnx.checker`` and, when ``convert`` verified the model, run in ONNX
+        Runtime against the same FP32 reference (report key ``verification_onnx``).
+
+        Args:
+            path: Destination file.
+            format: ``pt2`` or ``onnx`` (default: from the suffix).
+            external_data: ONNX only: force (True) or forbid (False) external weights; None decides by size.
+            opset: ONNX only: default-domain opset (None: 20 for fp16, 22 for bf16).
 
         Raises:
-            ConfigError: Unknown format. EmitError: The path cannot be written (nothing is left behind).
+            ConfigError: Unknown format or an opset too old. ExportError: an op has no ONNX translation.
+            EmitError: The path cannot be written (nothing is left behind).
         """
-        emit.format_for(path, format)
+        fmt = emit.format_for(path, format)
         start = perf_counter()
-        out = emit.save_program(self.program, path)
-        self.report.data["timings"]["save"] = round(perf_counter() - start, 4)
-        self.report.data["output"] = {"path": str(out), "bytes": out.stat().st_size}
+        if fmt == "onnx":
+            out, entry = self._save_onnx(path, external_data, opset)
+        else:
+            out = emit.save_program(self.program, path)
+            entry = {"format": "pt2", "path": str(out), "bytes": out.stat().st_size}
+        self.report.data["timings"][f"save_{fmt}"] = round(perf_counter() - start, 4)
+        saved = [e for e in self.report.data.get("outputs", []) if e["path"] != entry["path"]]
+        self.report.data["outputs"] = [*saved, entry]
         return out
+
+    def _save_onnx(self, path: str | Path, external_data: bool | None, opset: int | None) -> tuple[Path, dict]:
+        from amplite.converter.onnx_export import save_onnx  # onnx/onnxscript import in ~2 s: only when used
+        from amplite.converter.onnx_verify import verify_onnx
+
+        cfg = self.report.data["config"]
+        info = save_onnx(
+            self.program,
+            path,
+            precision=cfg["precision"],
+            low_precision_io=cfg["low_precision_io"],
+            external_data=external_data,
+            opset=opset,
+        )
+        out = Path(info.path)
+        if self.tolerance is not None and self.reference is not None:
+            checked = verify_onnx(out, self.reference, self.inputs, self.tolerance)
+            self.report.data["verification_onnx"] = checked.to_dict()
+        return out, {"format": "onnx", **info.to_dict()}
 
 
 def normalize_inputs(example_inputs: Any) -> Inputs | None:
@@ -223,7 +266,7 @@ def convert(
         timings=timings,
         warnings=warnings,
     )
-    return ConversionResult(out.converted, report, out.original, inputs, out)
+    return ConversionResult(out.converted, report, out.original, inputs, out, ref_out, tol if verify else None)
 
 
 def _env_level() -> bool:

@@ -16,7 +16,7 @@ from torch.export import ExportedProgram
 
 from amplite.errors import ConfigError, EmitError
 
-FORMATS = ("pt2",)
+FORMATS = ("pt2", "onnx")
 
 
 def format_for(path: str | Path, fmt: str | None = None) -> str:
@@ -26,11 +26,27 @@ def format_for(path: str | Path, fmt: str | None = None) -> str:
         ConfigError: For unknown suffixes or formats.
     """
     chosen = (fmt or Path(path).suffix.lstrip(".")).lower()
-    if chosen == "onnx":
-        raise ConfigError(f"ONNX output is not available in this version ({path})", "save as .pt2 for now")
     if chosen not in FORMATS:
-        raise ConfigError(f"cannot tell the output format of {str(path)!r}", "use a .pt2 suffix (or pass the format)")
+        raise ConfigError(f"cannot tell the output format of {str(path)!r}", "use a .pt2 or .onnx suffix")
     return chosen
+
+
+def plan_outputs(dest: str | Path, formats: str | None = None) -> list[tuple[str, Path]]:
+    """The files to write: one per format in ``formats`` (comma list), ``dest`` with each format's suffix.
+
+    Without ``formats`` the format comes from ``dest``'s suffix.
+
+    Raises:
+        ConfigError: Unknown or repeated formats.
+    """
+    p = Path(dest)
+    if not formats:
+        return [(format_for(p), p)]
+    chosen = [f.strip().lower() for f in formats.split(",") if f.strip()]
+    unknown = [f for f in chosen if f not in FORMATS]
+    if unknown or not chosen or len(set(chosen)) != len(chosen):
+        raise ConfigError(f"bad --format {formats!r}", f"give a comma list of {', '.join(FORMATS)}, each once")
+    return [(f, p.with_suffix("." + f)) for f in chosen]
 
 
 def check_writable(path: str | Path) -> Path:

@@ -8,9 +8,9 @@ program performs stay exactly as they were:
   fp32, anything float → fp64): the outer Cast reads ``x`` directly, and disappears when ``T`` is ``x``'s
   dtype (``fp16 → fp32 → fp16``). ``fp32 → fp16 → fp32`` rounds, so it is never touched.
 * ``duplicate``: two Casts of one value to one dtype.
-* ``initializer``: an initializer whose only readers are Casts to one dtype is stored in that dtype (the
-  conversion runs lazily, tensor by tensor, when the model is written, with the same round-to-nearest-even
-  as the Cast it replaces).
+* ``initializer``: an initializer whose only readers are Casts to one narrower dtype, directly or through pure data
+  movement (Slice, Gather, Reshape, ...), is stored in that dtype (converted lazily, tensor by tensor, when
+  the model is written, with the same round-to-nearest-even as the Cast it replaces).
 
 A Cast whose result is a graph output is kept, so output names and types never change.
 """
@@ -18,7 +18,6 @@ A Cast whose result is a graph output is kept, so output names and types never c
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -32,6 +31,8 @@ _EXACT = {
     (ir.DataType.FLOAT, ir.DataType.DOUBLE),
 }
 _FLOATS = {ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE}
+#: Ops that only move data (input 0): a Cast commutes with them exactly.
+MOVEMENT = {"Slice", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Gather", "Expand", "Flatten", "Identity"}
 
 
 def is_cast(node: ir.Node) -> bool:
@@ -60,42 +61,60 @@ def _drop(graph: ir.Graph, node: ir.Node, replacement: ir.Value) -> None:
     graph.remove(node, safe=True)
 
 
-def _numpy_dtype(dtype: ir.DataType) -> Any:
-    return dtype.numpy()
-
-
 def _lazy_cast(tensor: ir.TensorProtocol, dtype: ir.DataType, name: str) -> ir.LazyTensor:
     """``tensor`` converted to ``dtype`` on demand (no second copy of the weights until written)."""
 
     def convert() -> ir.TensorProtocol:
-        arr = tensor.numpy()
-        if arr.dtype.kind != "f" and not str(arr.dtype).startswith("bfloat16"):
-            arr = arr.astype(np.float32)
-        return ir.tensor(np.asarray(arr.astype(_numpy_dtype(dtype))), dtype=dtype, name=name)
+        return ir.tensor(np.asarray(tensor.numpy()).astype(dtype.numpy()), dtype=dtype, name=name)
 
     return ir.LazyTensor(convert, dtype=dtype, shape=ir.Shape(tensor.shape), name=name)
 
 
+def _cast_readers(value: ir.Value) -> list[ir.Node] | None:
+    """The Casts that read ``value``, looking through data movement on input 0; None if another reader."""
+    casts = []
+    for node, index in value.uses():
+        if is_cast(node) and _removable(node):
+            casts.append(node)
+        elif node.op_type in MOVEMENT and node.domain == "" and index == 0 and _removable(node):
+            inner = _cast_readers(node.outputs[0])
+            if not inner:
+                return None
+            casts += inner
+        else:
+            return None
+    return casts
+
+
+def _retype_movement(value: ir.Value, dtype: ir.DataType) -> None:
+    for node, _ in value.uses():
+        if not is_cast(node):
+            node.outputs[0].type = ir.TensorType(dtype)
+            _retype_movement(node.outputs[0], dtype)
+
+
 def fold_initializer_casts(graph: ir.Graph, counts: Counter) -> None:
-    """Store an initializer in the dtype every reader casts it to, and drop those Casts."""
+    """Store an initializer in the narrower dtype every reader casts it to (directly or after pure data
+    movement such as Slice or Gather, which is exact in any dtype), and drop those Casts."""
     for name, value in list(graph.initializers.items()):
         tensor = value.const_value
         if tensor is None or value.dtype not in _FLOATS or value.is_graph_input() or value.is_graph_output():
             continue
-        readers = [node for node, _ in value.uses()]
-        if not readers or not all(is_cast(n) and _removable(n) for n in readers):
-            continue
-        targets = {_target(n) for n in readers}
-        if len(targets) != 1 or next(iter(targets)) not in _FLOATS:
+        casts = _cast_readers(value)
+        targets = {_target(n) for n in casts or ()}
+        if not casts or len(targets) != 1 or next(iter(targets)) not in _FLOATS:
             continue
         dtype = targets.pop()
-        new = ir.Value(
-            name=name, type=ir.TensorType(dtype), shape=value.shape, const_value=_lazy_cast(tensor, dtype, name)
-        )
+        if dtype.itemsize >= value.dtype.itemsize:  # widening would save a Cast but grow the file
+            continue
+        new = ir.Value(name=name, type=ir.TensorType(dtype), shape=value.shape,
+                       const_value=_lazy_cast(tensor, dtype, name))
         graph.initializers.pop(name)
         graph.register_initializer(new)
-        for node in readers:
-            _drop(graph, node, new)
+        ir.convenience.replace_all_uses_with(value, new)
+        _retype_movement(new, dtype)
+        for node in casts:
+            _drop(graph, node, node.inputs[0])
             counts["initializer"] += 1
 
 
@@ -151,3 +170,31 @@ def cleanup_casts(model: ir.Model) -> dict[str, int]:
         if not _cleanup_once(graph, counts):
             break
     return {"casts_before": before, "casts_after": count_casts(model), **dict(counts)}
+
+
+def set_io_dtype(model: ir.Model, low: ir.DataType) -> None:
+    """Make FP32 graph inputs and outputs ``low`` with a Cast at each boundary (``cleanup_casts`` then
+    removes the round trips this creates against the program's own boundary casts)."""
+    graph = model.graph
+    for i, value in enumerate(list(graph.inputs)):
+        if value.dtype != ir.DataType.FLOAT:
+            continue
+        new = ir.Value(name=value.name, type=ir.TensorType(low), shape=value.shape)
+        value.name = f"{new.name}_fp32"
+        cast = ir.node("Cast", [new], attributes={"to": ir.DataType.FLOAT}, num_outputs=1)
+        if len(graph):
+            graph.insert_before(graph.node(0), cast)
+        else:
+            graph.append(cast)
+        ir.convenience.replace_all_uses_with(value, cast.outputs[0])
+        cast.outputs[0].type, cast.outputs[0].shape = ir.TensorType(ir.DataType.FLOAT), value.shape
+        graph.inputs[i] = new
+    for i, value in enumerate(list(graph.outputs)):
+        if value.dtype != ir.DataType.FLOAT:
+            continue
+        name, value.name = value.name, f"{value.name}_fp32"
+        cast = ir.node("Cast", [value], attributes={"to": low}, num_outputs=1)
+        graph.append(cast)
+        out = cast.outputs[0]
+        out.name, out.type, out.shape = name, ir.TensorType(low), value.shape
+        graph.outputs[i] = out

@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,19 +31,23 @@ from time import perf_counter
 from typing import Any
 
 import onnx
+import onnx.parser
 import onnx_ir as ir
+import onnxscript.optimizer
 import torch
 from onnx import defs, helper
 from onnxscript.values import Op, Opset
 from torch.export import ExportedProgram
 
 from amplite.converter.emit import check_writable
-from amplite.converter.onnx_cleanup import cleanup_casts, count_casts
+from amplite.converter.onnx_cleanup import cleanup_casts, count_casts, set_io_dtype
 from amplite.errors import ConfigError, EmitError, ExportError
 
 DOMAIN = "amplite"
 DOMAIN_VERSION = 1
 DEFAULT_OPSET = 20
+#: ONNX added bfloat16 to Conv, GRU, LSTM, pooling and more in opset 22: the default for bf16 models.
+DEFAULT_OPSET_BF16 = 22
 #: Cast to/from bfloat16 exists from opset 13; the function bodies use CastLike (opset 15).
 MIN_OPSET_BF16 = 13
 MIN_OPSET_CONTRACT = 15
@@ -65,8 +70,8 @@ class OnnxInfo:
         contract_nodes: ``amplite`` domain nodes in the graph.
         cleanup: Counters of the Cast clean-up (see :func:`amplite.converter.onnx_cleanup.cleanup_casts`).
         inputs: ``(name, dtype)`` of each graph input; ``outputs`` likewise.
-        checker: ``"passed"`` (full check and strict shape inference ran on the written file).
-        timings: Seconds spent in ``export``, ``optimize``, ``save`` and ``check``.
+        checker: ``"passed"``: ``onnx.checker`` full check (strict shape inference) of the written file.
+        timings: Seconds in ``export``, ``optimize`` and ``save_and_check``.
     """
 
     path: str
@@ -87,7 +92,6 @@ class OnnxInfo:
         return asdict(self)
 
 
-# --------------------------------------------------------------------------- custom translation
 def _schema(name: str, bias: bool) -> defs.OpSchema:
     fp = defs.OpSchema.FormalParameter
     attr = defs.OpSchema.Attribute
@@ -114,42 +118,31 @@ def contract_translation(equation: str, a: Any, b: Any, c: Any = None, alpha: fl
     return _CONTRACT_BIAS(a, b, c, equation=equation, alpha=float(alpha), beta=float(beta))
 
 
+_BODY = """
+<domain: "amplite", opset_import: ["" : {opset}]>
+{name} <equation, alpha: float = 1.0{beta_attr}> (A, B{c_in}) => (Y) {{
+    a32 = Cast<to = 1>(A)
+    b32 = Cast<to = 1>(B)
+    y = Einsum<equation: string = @equation>(a32, b32)
+    alpha_t = Constant<value_float: float = @alpha>()
+    ys = Mul(y, alpha_t){bias}
+    Y = CastLike({result}, A)
+}}
+"""
+_BIAS = """
+    c32 = Cast<to = 1>(C)
+    beta_t = Constant<value_float: float = @beta>()
+    cs = Mul(c32, beta_t)
+    z = Add(ys, cs)"""
+
+
 def contract_functions(opset: int) -> list[ir.Function]:
-    """Model-local function bodies of ``amplite.Contract`` and ``amplite.ContractBias`` (FP32 inside)."""
-    fns = []
-    for name, bias in (("Contract", False), ("ContractBias", True)):
-        ref = helper.make_attribute_ref
-        nodes = [
-            helper.make_node("Cast", ["A"], ["a32"], to=onnx.TensorProto.FLOAT),
-            helper.make_node("Cast", ["B"], ["b32"], to=onnx.TensorProto.FLOAT),
-            helper.make_node("Einsum", ["a32", "b32"], ["y"]),
-            helper.make_node("Constant", [], ["alpha"]),
-            helper.make_node("Mul", ["y", "alpha"], ["ys"]),
-        ]
-        nodes[2].attribute.append(ref("equation", onnx.AttributeProto.STRING))
-        nodes[3].attribute.append(ref("value_float", onnx.AttributeProto.FLOAT))
-        nodes[3].attribute[0].ref_attr_name = "alpha"
-        out = "ys"
-        if bias:
-            beta = helper.make_node("Constant", [], ["beta"])
-            beta.attribute.append(ref("value_float", onnx.AttributeProto.FLOAT))
-            beta.attribute[0].ref_attr_name = "beta"
-            nodes += [helper.make_node("Cast", ["C"], ["c32"], to=onnx.TensorProto.FLOAT), beta,
-                      helper.make_node("Mul", ["c32", "beta"], ["cs"]),
-                      helper.make_node("Add", ["ys", "cs"], ["z"])]
-            out = "z"
-        nodes.append(helper.make_node("CastLike", [out, "A"], ["Y"]))
-        defaults = [helper.make_attribute("alpha", 1.0)] + ([helper.make_attribute("beta", 1.0)] if bias else [])
-        proto = helper.make_function(
-            DOMAIN, name, ["A", "B"] + (["C"] if bias else []), ["Y"], nodes,
-            [helper.make_opsetid("", opset)], attributes=["equation"], attribute_protos=defaults,
-            doc_string="alpha * einsum(equation, A, B) [+ beta * C], FP32 accumulation, result in A's dtype",
-        )
-        fns.append(ir.serde.deserialize_function(proto))
-    return fns
+    """Model-local bodies of ``amplite.Contract``/``ContractBias``: FP32 einsum, scale, bias, cast back."""
+    texts = [_BODY.format(opset=opset, name="Contract", beta_attr="", c_in="", bias="", result="ys"),
+             _BODY.format(opset=opset, name="ContractBias", beta_attr=", beta: float = 1.0", c_in=", C",
+                          bias=_BIAS, result="z")]
+    return [ir.serde.deserialize_function(onnx.parser.parse_function(t)) for t in texts]
 
-
-# --------------------------------------------------------------------------- export
 @contextlib.contextmanager
 def _quiet_exporter() -> Iterator[None]:
     """The exporter logs warnings about unrelated optional packages (torchvision); keep the CLI clean."""
@@ -160,23 +153,38 @@ def _quiet_exporter() -> Iterator[None]:
     try:
         yield
     finally:
-        for lg, level in zip(loggers, levels):
+        for lg, level in zip(loggers, levels, strict=True):
             lg.setLevel(level)
 
 
 def _missing_ops(exc: BaseException) -> list[str]:
-    """Names of ops the exporter found no ONNX translation for, from its exception chain."""
+    """Names of ops the exporter found no ONNX translation for, from its exception chain (it stops at one)."""
     text, seen = "", set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         text += f"\n{exc}"
         exc = exc.__cause__ or exc.__context__
-    ops = re.findall(r"No ONNX function found for (?:<OpOverload\(op='([^']+)', overload='([^']+)'\)>|(\S+?)\.?\s)", text)
-    names = {f"{a}.{b}" if a else c for a, b, c in ops}
-    return sorted(n for n in names if n)
+    found = re.findall(r"No ONNX function found for <OpOverload\(op='([^']+)', overload='([^']+)'\)>", text)
+    return sorted({f"{op}.{overload}" for op, overload in found})
 
 
-def export_model(program: ExportedProgram, *, opset: int | None = None) -> ir.Model:
+def _scan_missing(program: ExportedProgram, table: dict[Any, Any]) -> list[str]:
+    """Every op of ``program`` without an ONNX translation (private exporter API: best effort, [] on failure)."""
+    try:
+        from torch.onnx._internal.exporter import _fx_passes, _registration
+
+        registry = _registration.ONNXRegistry.from_torchlib()
+        decomposed = _fx_passes.decompose_with_registry(program, registry)
+        return sorted({
+            str(n.target) for n in decomposed.graph.nodes
+            if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+            and n.target not in table and not registry.is_registered(n.target)
+        })
+    except Exception:  # the scan only improves the message; the exporter's own finding stands
+        return []
+
+
+def export_model(program: ExportedProgram, *, opset: int = DEFAULT_OPSET) -> ir.Model:
     """Translate ``program`` to an ONNX IR model (no optimisation, functions not yet attached).
 
     Raises:
@@ -187,53 +195,25 @@ def export_model(program: ExportedProgram, *, opset: int | None = None) -> ir.Mo
     if hasattr(torch.ops, "amplite") and hasattr(torch.ops.amplite, "contract"):
         table[torch.ops.amplite.contract.default] = contract_translation
     try:
-        with _quiet_exporter(), contextlib.redirect_stdout(None):
+        with _quiet_exporter(), contextlib.redirect_stdout(None), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             onnx_program = torch.onnx.export(
                 program, (), dynamo=True, optimize=False, verbose=False, report=False,
-                opset_version=opset or DEFAULT_OPSET, custom_translation_table=table,
+                opset_version=opset, custom_translation_table=table,
             )
     except Exception as exc:
         missing = _missing_ops(exc)
         if missing:
+            missing = sorted(set(missing) | set(_scan_missing(program, table)))
             raise ExportError(
                 f"no ONNX translation for {', '.join(missing)}", "save as .pt2 instead (--format pt2)"
             ) from exc
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if opset is not None and opset < 18:
+        if opset < 18:
             raise ConfigError(f"the model cannot be exported at opset {opset}: {first}",
                               "use --opset 18 or newer (default 20)") from exc
         raise ExportError(f"ONNX export failed: {first}", "save as .pt2 instead (--format pt2)") from exc
     return onnx_program.model
-
-
-def _low_precision_io(model: ir.Model, low: ir.DataType) -> None:
-    """Make FP32 graph inputs/outputs ``low``: a Cast at each boundary (clean-up removes round trips)."""
-    graph = model.graph
-    for i, value in enumerate(list(graph.inputs)):
-        if value.dtype != ir.DataType.FLOAT:
-            continue
-        new = ir.Value(name=value.name, type=ir.TensorType(low), shape=value.shape)
-        value.name = f"{value.name}_fp32"
-        cast = ir.node("Cast", [new], attributes={"to": ir.DataType.FLOAT}, num_outputs=1)
-        graph.insert_before(graph.node(0), cast) if len(graph) else graph.append(cast)
-        ir.convenience.replace_all_uses_with(value, cast.outputs[0])
-        cast.outputs[0].type, cast.outputs[0].shape = ir.TensorType(ir.DataType.FLOAT), value.shape
-        graph.inputs[i] = new
-    for i, value in enumerate(list(graph.outputs)):
-        if value.dtype != ir.DataType.FLOAT:
-            continue
-        name = value.name
-        value.name = f"{name}_fp32"
-        cast = ir.node("Cast", [value], attributes={"to": low}, num_outputs=1)
-        graph.append(cast)
-        cast.outputs[0].name, cast.outputs[0].type, cast.outputs[0].shape = name, ir.TensorType(low), value.shape
-        graph.outputs[i] = cast.outputs[0]
-
-
-def _has_dtype(model: ir.Model, dtype: ir.DataType) -> bool:
-    values = [*model.graph.inputs, *model.graph.outputs, *model.graph.initializers.values()]
-    values += [v for n in model.graph for v in n.outputs]
-    return any(v.dtype == dtype for v in values)
 
 
 def prepare_model(
@@ -251,13 +231,14 @@ def prepare_model(
                           "use --opset 18 or newer (default 20), or --precision fp16")
     timings: dict[str, float] = {}
     start = perf_counter()
-    model = export_model(program, opset=opset)
+    target = opset or (DEFAULT_OPSET_BF16 if precision == "bf16" else DEFAULT_OPSET)
+    model = export_model(program, opset=target)
     timings["export"] = perf_counter() - start
     start = perf_counter()
-    opset_version = model.opset_imports.get("", opset or DEFAULT_OPSET)
-    if _has_dtype(model, ir.DataType.BFLOAT16) and opset_version < MIN_OPSET_BF16:
-        raise ConfigError(f"opset {opset_version} has no bfloat16 Cast (added in opset {MIN_OPSET_BF16})",
-                          "use --opset 18 or newer (default 20)")
+    opset_version = model.opset_imports.get("", target)
+    if opset_version != target:  # the version converter gives up silently on some graphs
+        raise ConfigError(f"the exporter cannot write this model at opset {target} (it made {opset_version})",
+                          f"use --opset {opset_version} or newer")
     used = {n.op_type for n in model.graph.all_nodes() if n.domain == DOMAIN}
     if used:
         if opset_version < MIN_OPSET_CONTRACT:
@@ -268,14 +249,12 @@ def prepare_model(
             if fn.name in used:
                 model.functions[fn.identifier()] = fn
     if low_precision_io:
-        _low_precision_io(model, _LOW[precision])
-    cleanup = cleanup_casts(model)
-    import onnxscript.optimizer
-
-    onnxscript.optimizer.optimize_ir(model, inline=False)
-    after = cleanup_casts(model)  # the optimiser's folding can expose more
-    cleanup = {k: cleanup[k] + after[k] for k in cleanup if k not in ("casts_before", "casts_after")} | {
-        "casts_before": cleanup["casts_before"], "casts_after": after["casts_after"]}
+        set_io_dtype(model, _LOW[precision])
+    first = cleanup_casts(model)
+    onnxscript.optimizer.optimize_ir(model, inline=False)  # folding, CSE, dead code; functions kept
+    second = cleanup_casts(model)  # the optimiser's folding can expose more
+    cleanup = {k: first[k] + second[k] for k in first} | {"casts_before": first["casts_before"],
+                                                           "casts_after": second["casts_after"]}
     timings["optimize"] = perf_counter() - start
     return model, {"cleanup": cleanup, "timings": timings}
 
@@ -308,6 +287,11 @@ def _write_checked(model: ir.Model, dest: Path, external: bool) -> Path | None:
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         if isinstance(exc, (onnx.checker.ValidationError, onnx.shape_inference.InferenceError)):
+            found = re.search(r"op_type:(\w+).*unsupported type: tensor\((b?float16)\)", str(exc))
+            if found:
+                opset = model.opset_imports.get("", DEFAULT_OPSET)
+                raise ConfigError(f"opset {opset} has no {found.group(2)} {found.group(1)}",
+                                  f"use --opset {DEFAULT_OPSET_BF16} or newer") from exc
             raise ExportError(f"the exported ONNX model fails onnx.checker: {str(exc).splitlines()[0]}",
                               "save as .pt2 (--format pt2) and report this as an amplite bug") from exc
         raise EmitError(f"writing {str(dest)!r} failed: {type(exc).__name__}: {exc}",
@@ -334,7 +318,7 @@ def save_onnx(
         low_precision_io: Make FP32 graph inputs and outputs the low dtype (no-op if the program already
             has low-precision I/O).
         external_data: Force (True) or forbid (False) external data; None decides by size (> ~1.9 GiB).
-        opset: Default-domain opset (None: 20).
+        opset: Default-domain opset (None: 20 for fp16, 22 for bf16, where Conv/GRU/pooling gained bf16).
 
     Returns:
         What was written, with Cast counts and clean-up counters.
@@ -348,7 +332,7 @@ def save_onnx(
     size = _initializer_bytes(model)
     if external_data is False and size > EXTERNAL_DATA_THRESHOLD:
         raise ConfigError(f"the weights take {size / 2**30:.2f} GiB, over protobuf's 2 GiB limit",
-                          "allow external data (drop --no-external-data)")
+                          "let amplite write external data (external_data=None or True)")
     external = bool(external_data) or size > EXTERNAL_DATA_THRESHOLD
     timings = extra["timings"]
     start = perf_counter()

@@ -1,0 +1,130 @@
+"""``amplite check`` and ``amplite golden``: the CI accuracy gate's commands (registered on the main app)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from amplite.cli import _inputs, _run, app
+from amplite.cli_options import (
+    DataMaxOpt,
+    DataOpt,
+    DebugOpt,
+    DepthOpt,
+    DynOpt,
+    FactoryOpt,
+    FuseOpt,
+    InputOpt,
+    InputsFile,
+    IoOpt,
+    KeepOpt,
+    LevelOpt,
+    LoaderOpt,
+    LowOpt,
+    MaxBatchOpt,
+    ModelArg,
+    Precision,
+    RandomOpt,
+    RangeOpt,
+    TrustOpt,
+    UpdateOpt,
+)
+from amplite.cli_output import out, print_check
+
+
+@app.command()
+def check(
+    model: ModelArg,
+    converted: Annotated[Path | None, typer.Option("--converted", help="Check this converted .pt2.")] = None,
+    golden: Annotated[Path | None, typer.Option("--golden", help="Golden directory (inputs + FP32 outputs).")] = None,
+    update_golden: UpdateOpt = False,
+    baseline: Annotated[Path | None, typer.Option("--baseline", help="Accepted earlier report.json.")] = None,
+    baseline_margin: Annotated[float, typer.Option("--baseline-margin", help="Allowed SQNR loss in dB.")] = 1.0,
+    tolerance: Annotated[
+        list[str], typer.Option("--tolerance", help="e.g. sqnr>=45, top1>=0.999, logits:max_abs<=1e-2. Repeatable.")
+    ] = [],  # noqa: B006
+    data: DataOpt = None,
+    data_loader: LoaderOpt = None,
+    random_batches: RandomOpt = 0,
+    max_batches: MaxBatchOpt = 64,
+    no_layerwise: Annotated[bool, typer.Option("--no-layerwise", help="Skip the per-node error analysis.")] = False,
+    grad: Annotated[bool, typer.Option("--grad", help="Also compare parameter gradients (training check).")] = False,
+    loss: Annotated[str | None, typer.Option("--loss", help="module:function(outputs) -> loss for --grad.")] = None,
+    report: Annotated[Path | None, typer.Option("--report", help="Directory for report.json/.md/.html.")] = None,
+    junit: Annotated[Path | None, typer.Option("--junit", help="Write a JUnit XML file.")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="Model name in JUnit and reports.")] = None,
+    precision: Precision = "fp16",
+    level: LevelOpt = None,
+    input: InputOpt = [],  # noqa: B006
+    inputs: InputsFile = None,
+    keep_fp32: KeepOpt = [],  # noqa: B006
+    force_low: LowOpt = [],  # noqa: B006
+    trust_pickle: TrustOpt = False,
+    model_factory: FactoryOpt = None,
+    dynamic_batch: DynOpt = False,
+    low_precision_io: IoOpt = False,
+    fuse_contractions: FuseOpt = False,
+    range_rules: RangeOpt = None,
+    data_max: DataMaxOpt = 512.0,
+    max_reduction_depth: DepthOpt = 4096,
+    debug: DebugOpt = False,
+) -> None:
+    """CI accuracy gate: convert (or load --converted), verify on data, compare with golden/baseline.
+
+    Exit 0 pass, 1 accuracy failure or regression, 2 error.
+    """
+
+    def body() -> int:
+        from amplite.converter.check import check as run_check
+        from amplite.converter.junit import publish_github
+        from amplite.converter.markdown_report import render_markdown
+
+        res = run_check(
+            model, _inputs(input, inputs), converted=converted, golden=golden, update_golden=update_golden,
+            baseline=baseline, baseline_margin_db=baseline_margin, tolerance=tolerance or None, data=data,
+            data_loader=data_loader, random_batches=random_batches, input_specs=input, max_batches=max_batches,
+            layerwise=not no_layerwise, grad=grad, loss=loss, report_dir=report, junit=junit, name=name,
+            precision=precision, level=level, keep_fp32=keep_fp32, force_low=force_low, trust_pickle=trust_pickle,
+            model_factory=model_factory, dynamic_batch=dynamic_batch, low_precision_io=low_precision_io,
+            fuse_contractions=fuse_contractions, range_rules=range_rules, data_max=data_max,
+            max_reduction_depth=max_reduction_depth,
+        )  # fmt: skip
+        publish_github(res.report.data, render_markdown(res.report.data))
+        print_check(res)
+        return res.exit_code
+
+    _run(debug, body)
+
+
+@app.command()
+def golden(
+    model: ModelArg,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Golden directory to write.")],
+    update_golden: UpdateOpt = False,
+    input: InputOpt = [],  # noqa: B006
+    inputs: InputsFile = None,
+    data: DataOpt = None,
+    data_loader: LoaderOpt = None,
+    random_batches: RandomOpt = 0,
+    max_batches: MaxBatchOpt = 64,
+    trust_pickle: TrustOpt = False,
+    model_factory: FactoryOpt = None,
+    dynamic_batch: DynOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Save inputs and FP32 reference outputs (safetensors + metadata) for `check --golden`."""
+
+    def body() -> int:
+        from amplite.converter.check import make_golden
+
+        path = make_golden(
+            model, _inputs(input, inputs), output=output, update=update_golden, data=data, data_loader=data_loader,
+            random_batches=random_batches, input_specs=input, max_batches=max_batches, trust_pickle=trust_pickle,
+            model_factory=model_factory, dynamic_batch=dynamic_batch,
+        )  # fmt: skip
+        out.print(f"wrote golden references to {path}")
+        return 0
+
+    _run(debug, body)
