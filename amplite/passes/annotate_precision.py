@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from amplite import op_tables
 from amplite.passes.base import PassResult
-from amplite.passes.graph_utils import cast_dtype, dtypes_of, fake_value, module_path
+from amplite.passes.graph_utils import cast_dtype, dtypes_of, fake_value, is_float_tensor, module_path
 from amplite.policy import Decision, Level, PrecisionPolicy
 
 _NORMALISERS = frozenset(op_tables.NORMALISER_OPS)
@@ -94,7 +94,24 @@ class AnnotatePrecision:
                 op = op_tables.op_name(node.target)
                 if op in _NORMALISERS and not dec.reason.startswith("user:") and self._feeds_fp32(node, decisions):
                     decisions[node] = Decision("fp32", "fp32-list:normaliser-feeds-fp32")
+        if self.policy.level is Level.O2:
+            for node, dec in list(decisions.items()):
+                if dec.reason == "level:O2" and self._bridges_fp32(node, decisions):
+                    decisions[node] = Decision("fp32", "fp32-island-bridge")
         return decisions
+
+    @staticmethod
+    def _bridges_fp32(node: torch.fx.Node, decisions: dict[torch.fx.Node, Decision]) -> bool:
+        """Whether ``node`` only connects FP32 ops: every floating operand comes from one and every user is
+        one (``mean(x²) + eps`` between mean and rsqrt). Running it low would cost two casts and a rounding
+        inside an FP32 island."""
+        producers = [a for a in _tensor_inputs(node) if is_float_tensor(a)]
+        if not producers or not node.users:
+            return False
+        fp32 = "fp32"
+        return all(decisions.get(a, Decision("low", "")).mode == fp32 for a in producers) and all(
+            decisions.get(u, Decision("low", "")).mode == fp32 for u in node.users
+        )
 
     @staticmethod
     def _feeds_fp32(node: torch.fx.Node, decisions: dict[torch.fx.Node, Decision]) -> bool:
