@@ -32,6 +32,7 @@ from amplite.cli_options import (
     ModelArg,
     Precision,
     RangeOpt,
+    ToleranceOpt,
     TrustOpt,
 )
 from amplite.cli_output import err, out, print_plan, print_summary
@@ -126,6 +127,8 @@ def convert(
     data_max: DataMaxOpt = 512.0,
     max_reduction_depth: DepthOpt = 4096,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip numeric verification.")] = False,
+    tolerance: ToleranceOpt = [],  # noqa: B006
+    max_trials: Annotated[int | None, typer.Option("--max-trials", help="Bound on the FP32 fallback search.")] = None,
     debug: DebugOpt = False,
 ) -> None:
     """Convert MODEL to mixed precision, verify it and write the model (.pt2 and/or .onnx) and a JSON report."""
@@ -133,6 +136,7 @@ def convert(
     def body() -> int:
         from amplite.converter import emit
         from amplite.converter.api import convert as convert_model
+        from amplite.converter.verify import parse_tolerance
         from amplite.errors import ConfigError
         from amplite.policy import resolve_level
 
@@ -152,6 +156,8 @@ def convert(
             dynamic_batch=dynamic_batch, low_precision_io=low_precision_io,
             fuse_contractions=fuse_contractions, verify=not no_verify, range_rules=range_rules,
             data_max=data_max, max_reduction_depth=max_reduction_depth,
+            tolerance=parse_tolerance(tolerance, precision) if tolerance else None,
+            fallback_search=bool(tolerance), max_trials=max_trials,
         )  # fmt: skip
         for fmt, path in targets:
             result.save(path, format=fmt, external_data=True if external_data else None, opset=opset)

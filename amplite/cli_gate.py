@@ -28,6 +28,7 @@ from amplite.cli_options import (
     Precision,
     RandomOpt,
     RangeOpt,
+    ToleranceOpt,
     TrustOpt,
     UpdateOpt,
 )
@@ -42,9 +43,7 @@ def check(
     update_golden: UpdateOpt = False,
     baseline: Annotated[Path | None, typer.Option("--baseline", help="Accepted earlier report.json.")] = None,
     baseline_margin: Annotated[float, typer.Option("--baseline-margin", help="Allowed SQNR loss in dB.")] = 1.0,
-    tolerance: Annotated[
-        list[str], typer.Option("--tolerance", help="e.g. sqnr>=45, top1>=0.999, logits:max_abs<=1e-2. Repeatable.")
-    ] = [],  # noqa: B006
+    tolerance: ToleranceOpt = [],  # noqa: B006
     data: DataOpt = None,
     data_loader: LoaderOpt = None,
     random_batches: RandomOpt = 0,

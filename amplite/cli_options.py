@@ -33,3 +33,7 @@ LoaderOpt = Annotated[str | None, typer.Option("--data-loader", help="module:fun
 RandomOpt = Annotated[int, typer.Option("--random-batches", help="Extra seeded random batches from --input.")]
 MaxBatchOpt = Annotated[int, typer.Option("--max-batches", help="Use at most this many batches.")]
 UpdateOpt = Annotated[bool, typer.Option("--update-golden", help="(Re)write the golden directory.")]
+ToleranceOpt = Annotated[
+    list[str],
+    typer.Option("--tolerance", help="Accuracy contract: sqnr>=45, top1>=0.999, logits:max_abs<=1e-2 (repeatable)."),
+]

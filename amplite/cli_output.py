@@ -82,6 +82,17 @@ def print_summary(data: dict[str, Any], written: list[Path], report_path: Path) 
             verdict = "[green]pass[/]" if o["passed"] else "[red]FAIL[/] " + "; ".join(o["notes"])
             vt.add_row(o["name"], f"{o['max_abs']:.3g}", f"{o['max_rel']:.3g}", f"{o['cosine']:.6f}", sqnr, verdict)
         out.print(vt)
+    budget = data.get("budget")
+    if budget:
+        verdict = "[green]met[/]" if budget["passed"] else "[red]NOT met[/]"
+        moved = ", ".join(n["node"] for n in budget["moved_to_fp32"][:8])
+        more = f" (+{len(budget['moved_to_fp32']) - 8} more)" if len(budget["moved_to_fp32"]) > 8 else ""
+        out.print(
+            f"accuracy budget {verdict}: {len(budget['moved_to_fp32'])} of {budget['candidates']} candidate nodes "
+            f"moved to FP32 in {budget['trials']} trials (bound {budget['trial_bound']}): {moved}{more}"
+        )
+        if budget["message"]:
+            out.print(f"  {budget['message']}")
     ort = data.get("verification_onnx")
     if ort:
         verdict = {True: "[green]pass[/]", False: "[red]FAIL[/]", None: "not runnable"}[ort["passed"]]

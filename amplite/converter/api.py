@@ -151,6 +151,9 @@ def convert(
     data_max: float = RangeRules.data_max,
     max_reduction_depth: int | None = RangeRules.max_reduction_depth,
     calibration: Iterable[Any] | None = None,
+    fallback_search: bool = False,
+    max_trials: int | None = None,
+    reference_outputs: Any = None,
 ) -> ConversionResult:
     """Convert a model to mixed precision ahead of time and verify it.
 
@@ -174,6 +177,10 @@ def convert(
         data_max: Largest |activation| kept in fp16 by the range rules.
         max_reduction_depth: Longest reduction the range rules allow in low precision.
         calibration: Batches (each like ``example_inputs``) for the range rules; default the example inputs.
+        fallback_search: When verification fails the tolerance, search for the fewest nodes to move back to
+            FP32 (ranked by their isolated error, then bisected); see ``amplite.converter.budget``.
+        max_trials: Bound on the search's conversions (default 2·log2(candidates) + 10).
+        reference_outputs: The FP32 model's outputs on ``example_inputs`` when already known (skips that run).
 
     Returns:
         The converted program, its report and the inputs used. The user's model is not modified.
@@ -204,7 +211,7 @@ def convert(
     timings["load"] = perf_counter() - start
 
     try:
-        ref_out = run_model(reference, inputs)
+        ref_out = reference_outputs if reference_outputs is not None else run_model(reference, inputs)
     except Exception as exc:
         raise InputSpecError(
             f"the example inputs do not fit the model: {summarize_exception(exc)}",
@@ -266,7 +273,19 @@ def convert(
         timings=timings,
         warnings=warnings,
     )
-    return ConversionResult(out.converted, report, out.original, inputs, out, ref_out, tol if verify else None)
+    result = ConversionResult(out.converted, report, out.original, inputs, out, ref_out, tol if verify else None)
+    if fallback_search and verify and result.passed is False:
+        from amplite.converter.budget import fallback_search as search
+
+        options = dict(
+            precision=precision, level=lvl, keep_fp32=list(keep_fp32), force_low=list(force_low),
+            low_precision_io=low_precision_io, dynamic_batch=dynamic_batch, fuse_contractions=fuse_contractions,
+            range_rules=range_rules, data_max=data_max, max_reduction_depth=max_reduction_depth,
+            calibration=calibration,
+        )  # fmt: skip
+        result = search(result, options, max_trials=max_trials)
+        result.report.data["source"] = report.data["source"]
+    return result
 
 
 def _env_level() -> bool:

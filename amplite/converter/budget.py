@@ -1,0 +1,135 @@
+"""Accuracy budget: when the rule-based plan misses the tolerance, move the fewest nodes back to FP32.
+
+Candidates are the converted graph's low-precision nodes ranked by the error each one *introduces*
+(the isolated "shadow" error of the layer-wise analysis). The search tries the worst node alone, then
+all candidates (if even that fails, it stops: no subset can do better, and it reports the best plan
+found), then bisects on how many of the ranked candidates to keep in FP32. Every trial reuses the FP32
+program (no new export) and the cached FP32 reference outputs; only the converted model runs. Trials
+are bounded by ``2·log2(N) + 10`` for N candidates (or ``max_trials``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from time import perf_counter
+from typing import Any
+
+import torch
+
+from amplite.converter.layerwise import analyze
+from amplite.converter.pipeline import lower_inputs
+from amplite.converter.verify import compare, run_model
+from amplite.policy import PRECISIONS
+
+
+@dataclass
+class Step:
+    """One trial of the search."""
+
+    trial: int
+    kind: str  # plan, worst, all, bisect, final
+    moved: int  # how many ranked candidates were kept in FP32
+    passed: bool
+    worst_sqnr_db: float | str
+    seconds: float
+
+
+def fallback_search(result: Any, options: dict[str, Any], *, max_trials: int | None = None) -> Any:
+    """Search for a small set of nodes to keep in FP32 so that ``result`` meets its tolerance.
+
+    Args:
+        result: A verified ``ConversionResult`` that failed its tolerance.
+        options: The ``amplite.convert`` keyword arguments that produced it (without inputs/tolerance).
+        max_trials: Bound on conversions (default ``2·log2(N) + 10``).
+
+    Returns:
+        The converted result of the best plan found, with a ``budget`` section in its report. It passes
+        when the search succeeded; otherwise it is the all-candidates plan (the most accurate tried).
+    """
+    from amplite.converter.api import convert  # the API calls this module: import at use
+
+    start = perf_counter()
+    low = PRECISIONS[options["precision"]]
+    run_inputs = lower_inputs(result.inputs, low) if options.get("low_precision_io") else result.inputs
+    ranked = _candidates(result, run_inputs, low)
+    n = len(ranked)
+    bound = max_trials if max_trials is not None else 2 * math.ceil(math.log2(max(n, 2))) + 10
+    steps = [Step(0, "plan", 0, False, _worst(result.report.outputs), 0.0)]
+    cache: dict[int, tuple[bool, Any]] = {}
+
+    def trial(k: int, kind: str) -> bool:
+        if k in cache:
+            return cache[k][0]
+        t0 = perf_counter()
+        keep = [*options.get("keep_fp32", []), *(f"node:{name}" for name, _ in ranked[:k])]
+        trial_result = convert(
+            result.original, result.inputs, **{**options, "keep_fp32": keep}, verify=False,
+            reference_outputs=result.reference,
+        )  # fmt: skip
+        metrics = compare(result.reference, run_model(trial_result.module(), run_inputs), result.tolerance)
+        ok = all(m.passed for m in metrics)
+        cache[k] = (ok, keep)
+        worst = _worst([m.to_dict() for m in metrics])
+        steps.append(Step(len(steps), kind, k, ok, worst, round(perf_counter() - t0, 3)))
+        return ok
+
+    best_k, message = None, ""
+    if n == 0:
+        message = "no low-precision node introduces measurable error: nothing to move back to FP32"
+    elif trial(1, "worst"):
+        best_k = 1
+    elif n == 1 or not trial(n, "all"):
+        message = (f"even with all {n} candidate nodes in FP32 the tolerance is not met; the report holds "
+                   "the most accurate plan tried — loosen --tolerance or keep more in FP32 by hand")  # fmt: skip
+    else:
+        lo, hi = 1, n  # prefix lo fails, prefix hi passes
+        while hi - lo > 1 and len(steps) - 1 < bound:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if trial(mid, "bisect") else (mid, hi)
+        best_k = hi
+        if hi - lo > 1:
+            message = f"stopped at the trial bound ({bound}); the plan found may keep more in FP32 than needed"
+    chosen = best_k if best_k is not None else n
+    final_keep = [*options.get("keep_fp32", []), *(f"node:{name}" for name, _ in ranked[:chosen])]
+    final = convert(
+        result.original, result.inputs, **{**options, "keep_fp32": final_keep}, verify=True,
+        tolerance=result.tolerance, reference_outputs=result.reference,
+    )  # fmt: skip
+    final.report.data["budget"] = {
+        "tolerance": asdict(result.tolerance),
+        "passed": bool(final.passed),
+        "candidates": n,
+        "trials": len(steps) - 1,
+        "trial_bound": bound,
+        "moved_to_fp32": [_describe(result, name, sqnr) for name, sqnr in ranked[:chosen]],
+        "steps": [asdict(s) for s in steps],
+        "seconds": round(perf_counter() - start, 3),
+        "message": message,
+    }
+    return final
+
+
+def _candidates(result: Any, run_inputs: Any, low: torch.dtype) -> list[tuple[str, float | str]]:
+    """Low-precision nodes that introduce error, worst first, as (name, isolated SQNR)."""
+    lw = analyze(result.original, result.program, result.inputs, run_inputs, low)
+    planned_low = {p["node"] for p in result.report.data["plan"] if p["mode"] != "fp32" and p["dtype"] != "float32"}
+    ranked = []
+    for e in lw.top(len(lw.nodes)):
+        if e.node in planned_low and not e.exact:
+            ranked.append((e.node, "nan/inf" if e.introduces_nonfinite else e.isolated["sqnr_db"]))
+    return ranked
+
+
+def _worst(outputs: list[dict[str, Any]]) -> float | str:
+    values = [o["sqnr_db"] for o in outputs]
+    numeric = [v for v in values if isinstance(v, (int, float))]
+    if any(o.get("out_nonfinite") for o in outputs):
+        return "nan/inf"
+    return min(numeric) if numeric else "inf"
+
+
+def _describe(result: Any, name: str, sqnr: float | str) -> dict[str, Any]:
+    plan = next((p for p in result.report.data["plan"] if p["node"] == name), {})
+    return {"node": name, "op": plan.get("op"), "module": plan.get("module"), "source": plan.get("source"),
+            "isolated_sqnr_db": sqnr}  # fmt: skip

@@ -1,0 +1,37 @@
+"""Accuracy budget: the FP32 fallback search meets a tight tolerance with few nodes and bounded trials."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import amplite
+from amplite.converter.verify import parse_tolerance
+from fixtures.zoo import make
+
+
+def test_tight_tolerance_is_reached_with_a_few_nodes_in_bounded_trials() -> None:
+    model, inputs = make("transformer")
+    plain = amplite.convert(model, inputs, level="O2")
+    target = plain.report.outputs[0]["sqnr_db"] + 3.0  # deliberately tighter than the rule-based plan
+    tol = parse_tolerance([f"sqnr>={target:.2f}"], "fp16")
+    assert amplite.convert(model, inputs, level="O2", tolerance=tol).passed is False
+
+    result = amplite.convert(model, inputs, level="O2", tolerance=tol, fallback_search=True)
+    budget = result.report.data["budget"]
+    assert result.passed and budget["passed"] and result.report.outputs[0]["sqnr_db"] >= target
+    moved = [m["node"] for m in budget["moved_to_fp32"]]
+    assert 0 < len(moved) < budget["candidates"]
+    assert budget["trials"] <= 2 * math.log2(budget["candidates"]) + 10
+    plan = {p["node"]: p for p in result.report.data["plan"]}
+    assert all(plan[n]["dtype"] == "float32" and plan[n]["reason"] == f"user:keep node:{n}" for n in moved)
+    assert [s["kind"] for s in budget["steps"][:3]] == ["plan", "worst", "all"]
+
+
+def test_unreachable_budget_stops_with_the_best_plan(cli, model_files, tmp_path: Path) -> None:
+    # With fp16 graph inputs, even an all-FP32 plan keeps the input rounding: 200 dB is out of reach.
+    args = ["-o", tmp_path / "m.pt2", "-l", "O2", "--low-precision-io", "--tolerance", "sqnr>=200"]
+    res = cli("convert", model_files("mlp")["pt2"], *args)
+    assert res.exit_code == 1
+    assert "accuracy budget NOT met" in res.stdout and "even with all" in " ".join(res.stdout.split())
+    assert (tmp_path / "m.pt2").exists()  # the best plan found is still written
