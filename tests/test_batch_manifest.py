@@ -76,7 +76,7 @@ tolerance = { min_sqnr_db = 30 }
             3,
             "unknown tolerance key 'min_sqnr'",
         ),
-        ('[[model]]\npath = "m.pt2"\nformats = ["onnx"]\n', 3, "ONNX"),
+        ('[[model]]\npath = "m.pt2"\nformats = ["tflite"]\n', 3, "output format"),
         ('[[model]]\nname = "a/b"\npath = "m.pt2"\n', 2, "not a valid directory name"),
         ('[defaults]\npath = "m.pt2"\n[[model]]\nname = "x"\npath = "m.pt2"\n', 2, "per model"),
     ],
