@@ -19,11 +19,10 @@ from torch.export import ExportedProgram
 from amplite.converter import data as data_mod
 from amplite.converter import emit
 from amplite.converter import golden as golden_mod
-from amplite.converter.graph_stats import graph_stats, node_compute_dtype, weight_bytes
+from amplite.converter.check_converted import infer_precision, load_converted, report_for_converted
 from amplite.converter.report import Report
 from amplite.converter.verify import DEFAULT_TOLERANCES, OutputMetrics, Tolerance, compare_batches, parse_tolerance
-from amplite.errors import ConfigError, ExportError, InputSpecError, LoadError
-from amplite.passes.graph_utils import cast_dtype, module_path, source_line
+from amplite.errors import ConfigError, ExportError, InputSpecError
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 _NOT_CONVERT_OPTIONS = {"model", "example_inputs", "verify", "tolerance"}
@@ -97,17 +96,6 @@ def _check_options(opts: dict[str, Any]) -> None:
     known = set(inspect.signature(convert).parameters) - _NOT_CONVERT_OPTIONS
     if set(opts) - known:
         raise ConfigError(f"unknown option(s) {sorted(set(opts) - known)}", f"use {', '.join(sorted(known))}")
-
-
-def _load_converted(converted: str | Path | ExportedProgram) -> ExportedProgram:
-    if isinstance(converted, ExportedProgram):
-        return converted
-    from amplite.converter.loading import load_model
-
-    loaded = load_model(converted)
-    if loaded.program is None:
-        raise LoadError(f"--converted {str(converted)!r} is not a .pt2 program", "pass the .pt2 `convert` wrote")
-    return loaded.program
 
 
 def check(
@@ -190,9 +178,9 @@ def check(
         ref_prog, conv_prog = result.original, result.program
         precision = convert_opts.get("precision", "fp16")
     else:
-        ref_prog, conv_prog = result.original, _load_converted(converted)
-        precision = convert_opts.get("precision") or _infer_precision(conv_prog)
-        report = _report_for_converted(result.report.data, conv_prog, converted, precision)
+        ref_prog, conv_prog = result.original, load_converted(converted)
+        precision = convert_opts.get("precision") or infer_precision(conv_prog)
+        report = report_for_converted(result.report.data, conv_prog, converted, precision)
     example = result.inputs
     timings["convert"] = perf_counter() - start
     low = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
@@ -344,53 +332,3 @@ def _model_name(model: Any, report: dict[str, Any]) -> str:
     if path:
         return Path(path).name.split(".")[0]
     return type(model).__name__
-
-
-def _infer_precision(program: ExportedProgram) -> str:
-    """fp16 or bf16: the low dtype the converted graph computes in (fp16 when it has neither)."""
-    stats = graph_stats(program.graph)["nodes_by_dtype"]
-    return "bf16" if stats.get("bfloat16", 0) > stats.get("float16", 0) else "fp16"
-
-
-def _report_for_converted(base: dict[str, Any], conv: ExportedProgram, path: Any, precision: str) -> dict[str, Any]:
-    """A report for a converted file: the reference's facts plus what the converted graph shows."""
-    report = copy.deepcopy(base)
-    low = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
-    plan = []
-    for node in conv.graph.nodes:
-        if node.op != "call_function" or cast_dtype(node) is not None:
-            continue
-        dt = node_compute_dtype(node)
-        if dt is None or not dt.is_floating_point:
-            continue
-        mode = "low" if dt == low else ("fp32" if dt == torch.float32 else "follow")
-        plan.append(
-            {
-                "node": node.name,
-                "op": str(node.target).removeprefix("aten."),
-                "module": module_path(node),
-                "source": source_line(node),
-                "mode": mode,
-                "dtype": str(dt).removeprefix("torch."),
-                "reason": "as found in the converted file",
-            }
-        )
-    report["config"] = {
-        **report["config"],
-        "precision": precision,
-        "level": "converted",
-        "converted": str(path) if not isinstance(path, ExportedProgram) else "program",
-    }
-    report["plan"] = plan
-    report["fp32_nodes"] = [
-        {k: p[k] for k in ("node", "op", "module", "source", "reason")} for p in plan if p["mode"] == "fp32"
-    ]
-    report["graph"]["after"] = graph_stats(conv.graph, low)
-    before = report["weights"]["bytes_before"]
-    after = weight_bytes(conv)
-    report["weights"] = {
-        "bytes_before": before,
-        "bytes_after": after,
-        "ratio": round(after / before, 4) if before else 1.0,
-    }
-    return report

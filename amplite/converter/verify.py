@@ -10,181 +10,46 @@ cosine similarity of at least 0.999 (fp16) / 0.99 (bf16). Integer and bool outpu
 User criteria (``--tolerance``) replace those defaults: ``sqnr>=45``, ``top1>=0.999``, ``max_abs<=1e-2``,
 ``p95_abs<=1e-3``, ``allclose(atol=1e-3,rtol=1e-3)``, each optionally scoped to one output with
 ``NAME:`` (``logits:sqnr>=40``). Scoped criteria replace the unscoped ones for the outputs they name.
+Criteria, their parser and the tolerances live in ``criteria`` (re-exported here).
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from fnmatch import fnmatchcase
-from functools import lru_cache
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from amplite.errors import ConfigError, InputSpecError
+from amplite.converter.criteria import (
+    ALIASES,
+    DEFAULT_TOLERANCES,
+    QUANTILE_METRIC,
+    Criterion,
+    Tolerance,
+    parse_criterion,
+    parse_tolerance,
+)
+from amplite.errors import InputSpecError
 
-#: Canonical metric names a criterion may use, with the aliases the parser accepts.
-ALIASES = {
-    "sqnr": "sqnr_db",
-    "sqnr_db": "sqnr_db",
-    "cos": "cosine",
-    "cosine": "cosine",
-    "max": "max_abs",
-    "max_abs": "max_abs",
-    "mean": "mean_abs",
-    "mean_abs": "mean_abs",
-    "max_rel": "max_rel",
-    "rel": "max_rel",
-    "quantile": "p99_abs",
-    "p99": "p99_abs",
-    "top1": "top1",
-    "top5": "top5",
-    "kl": "kl_div",
-    "kl_div": "kl_div",
-    "mismatch": "mismatch",
-    "nonfinite": "new_nonfinite",
-    "new_nonfinite": "new_nonfinite",
-}
-_INT_METRICS = frozenset({"mismatch"})
-_CRIT = re.compile(r"^(?P<metric>[a-z0-9_.]+|allclose\([^)]*\))\s*(?P<op>>=|<=|>|<)?\s*(?P<thr>[-+\d.eE]+|inf)?$")
-_QUANTILE = re.compile(r"^p(?P<q>\d+(?:\.\d+)?)(?:_abs)?$")
-_CMP = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, "<": lambda a, b: a < b}
-
-
-@dataclass(frozen=True)
-class Criterion:
-    """One pass condition: ``metric op threshold``, optionally for one output only.
-
-    ``allclose(atol=A,rtol=R)`` measures the fraction of elements with ``|out-ref| <= A + R*|ref|``
-    (default condition: ``>= 1``, every element close).
-    """
-
-    metric: str
-    op: str
-    threshold: float
-    output: str | None = None
-    atol: float = 0.0
-    rtol: float = 0.0
-
-    def __str__(self) -> str:
-        metric = (
-            f"allclose(atol={_num(self.atol)},rtol={_num(self.rtol)})" if self.metric == "allclose" else self.metric
-        )
-        return f"{self.output + ':' if self.output else ''}{metric}{self.op}{_num(self.threshold)}"
-
-    def applies_to(self, name: str) -> bool:
-        """Whether this criterion is scoped to output ``name`` (unscoped ones apply to every output)."""
-        if self.output is None:
-            return True
-        key = _output_key(name)
-        return any(fnmatchcase(candidate, self.output) for candidate in (name, key))
-
-    def holds(self, value: float) -> bool:
-        """Whether ``value`` satisfies the condition (NaN never does)."""
-        return not math.isnan(value) and _CMP[self.op](value, self.threshold)
-
-
-def _num(x: float) -> str:
-    """Shortest text that reads back as the same float (``45``, ``0.999``, ``1e-05``)."""
-    short = f"{x:g}"
-    return short if float(short) == x else repr(x)
-
-
-def _output_key(name: str) -> str:
-    """``logits`` for ``output['logits']``, ``0`` for ``output[0]``, ``output`` for ``output``."""
-    m = re.search(r"\[['\"]?([^\]'\"]+)['\"]?\]$", name)
-    return m.group(1) if m else name
-
-
-@lru_cache(maxsize=256)
-def parse_criterion(text: str) -> Criterion:
-    """Parse one criterion such as ``logits:sqnr>=40`` or ``allclose(atol=1e-3,rtol=0)``.
-
-    Raises:
-        ConfigError: For unknown metrics or malformed text.
-    """
-    fix = "write METRIC>=VALUE or METRIC<=VALUE, e.g. sqnr>=45, top1>=0.999, max_abs<=1e-2, logits:sqnr>=40"
-    scope, sep, body = text.strip().rpartition(":") if ":" in text.split("(")[0] else ("", "", text.strip())
-    m = _CRIT.match(body.replace(" ", ""))
-    if not m:
-        raise ConfigError(f"cannot parse tolerance {text!r}", fix)
-    metric, op, thr = m["metric"], m["op"], m["thr"]
-    atol = rtol = 0.0
-    if metric.startswith("allclose("):
-        args = dict(kv.split("=", 1) for kv in metric[9:-1].split(",") if "=" in kv)
-        if not args or set(args) - {"atol", "rtol"}:
-            raise ConfigError(f"cannot parse tolerance {text!r}", "write allclose(atol=1e-3,rtol=1e-3)")
-        atol, rtol = float(args.get("atol", 0)), float(args.get("rtol", 0))
-        metric, op, thr = "allclose", op or ">=", thr or "1"
-    elif (q := _QUANTILE.match(metric)) and 0 < float(q["q"]) <= 100:
-        metric = f"p{q['q']}_abs"
-    elif metric in ALIASES:
-        metric = ALIASES[metric]
-    else:
-        known = ", ".join(sorted(set(ALIASES)))
-        raise ConfigError(f"unknown metric {metric!r} in tolerance {text!r}", f"use {known}, pNN_abs or allclose(...)")
-    if op is None or thr is None:
-        raise ConfigError(f"tolerance {text!r} has no condition", fix)
-    return Criterion(metric, op, float(thr), scope.strip() or None if sep else None, atol, rtol)
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """Pass/fail thresholds.
-
-    Attributes:
-        min_sqnr_db: Lowest acceptable SQNR in dB (default rule for float outputs).
-        min_cosine: Lowest acceptable cosine similarity (default rule for float outputs).
-        max_mismatch: Largest acceptable fraction of differing elements (integer/bool outputs).
-        criteria: User criteria as text (see :func:`parse_criterion`); they replace the default rule.
-    """
-
-    min_sqnr_db: float
-    min_cosine: float
-    max_mismatch: float = 0.01
-    criteria: tuple[str, ...] = ()
-
-    def defaults(self) -> list[Criterion]:
-        """The default rule for float outputs."""
-        return [Criterion("sqnr_db", ">=", self.min_sqnr_db), Criterion("cosine", ">=", self.min_cosine)]
-
-    def criteria_for(self, name: str, floating: bool) -> list[Criterion]:
-        """The criteria output ``name`` is judged by (scoped ones first, then unscoped, then defaults)."""
-        parsed = [parse_criterion(c) for c in self.criteria]
-        scoped = [c for c in parsed if c.output is not None and c.applies_to(name)]
-        chosen = scoped or [c for c in parsed if c.output is None]
-        chosen = [c for c in chosen if floating or c.metric in _INT_METRICS | {"new_nonfinite"}]
-        if not floating:
-            return chosen or [Criterion("mismatch", "<=", self.max_mismatch)]
-        chosen = chosen or self.defaults()
-        if not any(c.metric == "new_nonfinite" for c in chosen):
-            chosen.append(Criterion("new_nonfinite", "<=", 0))
-        return chosen
-
-
-DEFAULT_TOLERANCES: dict[str, Tolerance] = {
-    "fp16": Tolerance(min_sqnr_db=40.0, min_cosine=0.999),
-    "bf16": Tolerance(min_sqnr_db=25.0, min_cosine=0.99),
-}
-
-
-def parse_tolerance(specs: Sequence[str], precision: str = "fp16") -> Tolerance:
-    """The default tolerance of ``precision`` with the user's ``--tolerance`` criteria.
-
-    Each spec holds one criterion or several separated by ``;`` or by commas outside parentheses.
-
-    Raises:
-        ConfigError: For an unknown precision or a criterion that does not parse.
-    """
-    if precision not in DEFAULT_TOLERANCES:
-        raise ConfigError(f"unknown precision {precision!r}", "use fp16 or bf16")
-    parts = [p.strip() for s in specs for p in re.split(r"[;,](?![^()]*\))", s) if p.strip()]
-    criteria = tuple(str(parse_criterion(p)) for p in parts)
-    return Tolerance(**{**asdict(DEFAULT_TOLERANCES[precision]), "criteria": criteria})
+# The criteria and tolerances live in ``criteria``; they stay importable from here.
+__all__ = [
+    "ALIASES",
+    "DEFAULT_TOLERANCES",
+    "Criterion",
+    "OutputMetrics",
+    "Tolerance",
+    "compare",
+    "compare_batches",
+    "json_float",
+    "output_names",
+    "parse_criterion",
+    "parse_tolerance",
+    "run_model",
+    "tensor_metrics",
+]
 
 
 @dataclass
@@ -332,7 +197,7 @@ def tensor_metrics(
     denom = rn * float(om.norm())
     m.cosine = float(torch.dot(rm, om) / denom) if denom > 0 else float(rn == float(om.norm()))
     for c in criteria:
-        if (q := _QUANTILE.match(c.metric)) and c.metric != "p99_abs":
+        if (q := QUANTILE_METRIC.match(c.metric)) and c.metric != "p99_abs":
             m.extra[c.metric] = _quantile(diff, float(q["q"]))
         elif c.metric == "allclose":
             close = diff <= c.atol + c.rtol * rm.abs()

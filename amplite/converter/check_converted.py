@@ -1,0 +1,84 @@
+"""``amplite check --converted``: load an already converted .pt2 and describe it in a report.
+
+The report of a converted file holds the reference's facts (source, graph before, weights before) and what
+the converted graph itself shows: its precision, per-node dtypes (the plan) and weight bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+
+from amplite.converter.graph_stats import graph_stats, node_compute_dtype, weight_bytes
+from amplite.errors import LoadError
+from amplite.passes.graph_utils import cast_dtype, module_path, source_line
+
+
+def load_converted(converted: str | Path | ExportedProgram) -> ExportedProgram:
+    """The program of ``converted`` (a .pt2 path, or a program passed through).
+
+    Raises:
+        LoadError: The file is not a .pt2 program.
+    """
+    if isinstance(converted, ExportedProgram):
+        return converted
+    from amplite.converter.loading import load_model
+
+    loaded = load_model(converted)
+    if loaded.program is None:
+        raise LoadError(f"--converted {str(converted)!r} is not a .pt2 program", "pass the .pt2 `convert` wrote")
+    return loaded.program
+
+
+def infer_precision(program: ExportedProgram) -> str:
+    """fp16 or bf16: the low dtype the converted graph computes in (fp16 when it has neither)."""
+    stats = graph_stats(program.graph)["nodes_by_dtype"]
+    return "bf16" if stats.get("bfloat16", 0) > stats.get("float16", 0) else "fp16"
+
+
+def report_for_converted(base: dict[str, Any], conv: ExportedProgram, path: Any, precision: str) -> dict[str, Any]:
+    """A report for a converted file: the reference's facts plus what the converted graph shows."""
+    report = copy.deepcopy(base)
+    low = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    plan = []
+    for node in conv.graph.nodes:
+        if node.op != "call_function" or cast_dtype(node) is not None:
+            continue
+        dt = node_compute_dtype(node)
+        if dt is None or not dt.is_floating_point:
+            continue
+        mode = "low" if dt == low else ("fp32" if dt == torch.float32 else "follow")
+        plan.append(
+            {
+                "node": node.name,
+                "op": str(node.target).removeprefix("aten."),
+                "module": module_path(node),
+                "source": source_line(node),
+                "mode": mode,
+                "dtype": str(dt).removeprefix("torch."),
+                "reason": "as found in the converted file",
+            }
+        )
+    report["config"] = {
+        **report["config"],
+        "precision": precision,
+        "level": "converted",
+        "converted": str(path) if not isinstance(path, ExportedProgram) else "program",
+    }
+    report["plan"] = plan
+    report["fp32_nodes"] = [
+        {k: p[k] for k in ("node", "op", "module", "source", "reason")} for p in plan if p["mode"] == "fp32"
+    ]
+    report["graph"]["after"] = graph_stats(conv.graph, low)
+    before = report["weights"]["bytes_before"]
+    after = weight_bytes(conv)
+    report["weights"] = {
+        "bytes_before": before,
+        "bytes_after": after,
+        "ratio": round(after / before, 4) if before else 1.0,
+    }
+    return report
