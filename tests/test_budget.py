@@ -24,7 +24,7 @@ def test_tight_tolerance_is_reached_with_a_few_nodes_in_bounded_trials() -> None
     assert 0 < len(moved) < budget["candidates"]
     assert budget["trials"] <= 2 * math.log2(budget["candidates"]) + 10
     plan = {p["node"]: p for p in result.report.data["plan"]}
-    assert all(plan[n]["dtype"] == "float32" and plan[n]["reason"] == f"user:keep node:{n}" for n in moved)
+    assert all(plan[n]["dtype"] == "float32" and plan[n]["reason"] == "budget:isolated-error" for n in moved)
     assert [s["kind"] for s in budget["steps"][:3]] == ["plan", "worst", "all"]
 
 
@@ -35,3 +35,28 @@ def test_unreachable_budget_stops_with_the_best_plan(cli, model_files, tmp_path:
     assert res.exit_code == 1
     assert "accuracy budget NOT met" in res.stdout and "even with all" in " ".join(res.stdout.split())
     assert (tmp_path / "m.pt2").exists()  # the best plan found is still written
+
+
+def test_layerwise_pairs_by_module_after_fusion_renumbers_nodes() -> None:
+    from amplite.converter.layerwise import pair_nodes
+
+    model, inputs = make("transformer")
+    fused = amplite.convert(model, inputs, level="O2", fuse_contractions=True, verify=False)
+    pairs = pair_nodes(fused.original.module().graph, fused.program.module().graph)
+    from amplite.passes.graph_utils import module_path
+
+    calls = [(c, r) for c, r in pairs.items() if c.op == "call_function"]
+    assert calls and all(module_path(c) == module_path(r) for c, r in calls)
+    assert all(c.meta["val"].shape == r.meta["val"].shape for c, r in calls if hasattr(c.meta.get("val"), "shape"))
+
+
+def test_search_needs_verification_and_two_trials() -> None:
+    import pytest
+
+    from amplite.errors import ConfigError
+
+    model, inputs = make("mlp")
+    with pytest.raises(ConfigError, match="needs verification"):
+        amplite.convert(model, inputs, fallback_search=True, verify=False)
+    with pytest.raises(ConfigError, match="at least 2"):
+        amplite.convert(model, inputs, fallback_search=True, max_trials=1)

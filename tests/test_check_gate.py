@@ -80,6 +80,43 @@ def test_convert_report_validates_against_schema() -> None:
         validate(bad)
 
 
+def test_convert_report_with_range_rules_budget_and_onnx_validates(tmp_path: Path) -> None:
+    model, inputs = make("overflow")
+    opts = {"level": "O2", "data_max": 100.0, "fuse_contractions": True}
+    plain = amplite.convert(model, inputs, **opts)
+    tol = parse_tolerance([f"sqnr>={plain.report.outputs[0]['sqnr_db'] + 3:.2f}"])
+    result = amplite.convert(model, inputs, **opts, tolerance=tol, fallback_search=True)
+    result.save(tmp_path / "m.onnx")
+    result.save(tmp_path / "m.pt2")
+    data = result.report.data
+    # every section under test is really there, so the validation below is not vacuous
+    assert data["budget"]["moved_to_fp32"] and data["verification_onnx"]["outputs"]
+    assert [o["format"] for o in data["outputs"]] == ["onnx", "pt2"]
+    assert data["config"]["range_rules"]["data_max"] == 100.0
+    assert any(p["reason"].startswith("range:") for p in data["plan"])
+    assert data["config"]["contract_backend"] and any(p.get("details") for p in data["passes"])
+    assert {"calibration", "save_onnx", "save_pt2"} <= set(data["timings"])
+    validate(data)
+    bad_values = [
+        (("budget", "steps", 0, "kind"), "guess"),
+        (("budget", "moved_to_fp32", 0, "isolated_sqnr_db"), "high"),
+        (("outputs", 0, "format"), "tflite"),
+        (("outputs", 0, "inputs", 0), "x"),
+        (("config", "range_rules", "data_max"), "big"),
+        (("verification_onnx", "runtime"), "tensorrt"),
+        (("passes", 0, "details"), ["not", "a", "mapping"]),
+        (("timings", "save_onnx"), "slow"),
+    ]
+    for path, value in bad_values:
+        doc = json.loads(result.report.to_json())
+        target = doc
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+        with pytest.raises(jsonschema.ValidationError):
+            validate(doc)
+
+
 def test_junit_parses(overflow_checks: dict) -> None:
     res = overflow_checks["O3"]
     root = ET.fromstring(res.files["junit"].read_text())

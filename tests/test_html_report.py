@@ -14,13 +14,17 @@ import select
 import shutil
 import subprocess
 import time
+from html import escape
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from amplite.converter.check import check
+import amplite
+from amplite.converter.check import check, write_reports
 from amplite.converter.html_report import render_html
+from amplite.converter.markdown_report import render_markdown
+from amplite.converter.verify import parse_tolerance
 from fixtures.zoo import make
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
@@ -123,6 +127,66 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
+def budgets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Reports of the real fallback search on the MLP: one that meets a tolerance 3 dB above the rule-based
+    plan, one that cannot (fp16 graph inputs keep their rounding, so 200 dB is out of reach)."""
+    model, inputs = make("mlp")
+    plain = amplite.convert(model, inputs, level="O2", low_precision_io=False)
+    target = plain.report.outputs[0]["sqnr_db"] + 3.0
+    out = {}
+    for key, low_io, spec in (("met", False, f"sqnr>={target:.2f}"), ("missed", True, "sqnr>=200")):
+        result = amplite.convert(model, inputs, level="O2", low_precision_io=low_io,
+                                 tolerance=parse_tolerance([spec], "fp16"), fallback_search=True)  # fmt: skip
+        files = write_reports(result.report.data, tmp_path_factory.mktemp(key))
+        out[key] = {"data": result.report.data, "spec": spec, **files}
+    return out
+
+
+def _budget_table(html: str) -> list[list[str]]:
+    """Rows (cells as text) of the table after 'Moved to FP32' in a report page."""
+    table = html.split("Moved to FP32", 1)[1].split("</table>", 1)[0]
+    return [re.findall(r"<td>(.*?)</td>", row) for row in re.findall(r"<tr>(.*?)</tr>", table)[1:]]
+
+
+def test_budget_section_lists_the_moved_nodes_and_the_search(budgets: dict[str, dict[str, Any]]) -> None:
+    met = budgets["met"]
+    budget, html = met["data"]["budget"], met["html"].read_text()
+    assert budget["passed"] and 0 < len(budget["moved_to_fp32"]) <= budget["candidates"]
+    assert "<h2>Accuracy budget</h2>" in html and 'id="budget-search"' in html
+    rows = _budget_table(html)
+    assert [r[1] for r in rows] == [m["node"] for m in budget["moved_to_fp32"]]
+    assert [r[4] for r in rows] == [m["source"] for m in budget["moved_to_fp32"]]
+    assert all("zoo.py:" in r[4] for r in rows)  # the user's source line, not amplite's
+    assert [float(r[5]) for r in rows] == pytest.approx([m["isolated_sqnr_db"] for m in budget["moved_to_fp32"]],
+                                                        rel=1e-3)  # fmt: skip
+    assert f"<code>{escape(met['spec'].replace('sqnr', 'sqnr_db'))}</code>" in html  # the contract, as parsed
+    md = met["md"].read_text()
+    assert f"met with {len(budget['moved_to_fp32'])} of {budget['candidates']} candidate nodes" in md
+    assert all(f"`{m['node']}`" in md for m in budget["moved_to_fp32"])
+
+    missed = budgets["missed"]
+    assert missed["data"]["budget"]["passed"] is False
+    html = missed["html"].read_text()
+    assert "NOT met" in html and "even with all" in html
+    assert "**NOT met**" in missed["md"].read_text()
+
+
+def test_range_rule_decisions_are_listed_in_the_precision_map() -> None:
+    model, inputs = make("overflow")
+    on = amplite.convert(model, inputs, level="O3", range_rules=True).report.data
+    html = render_html(on)
+    section = html.split("<h3>Range rules</h3>", 1)[1].split("</table>", 1)[0]
+    assert html.index("<h2>Precision map</h2>") < html.index("<h3>Range rules</h3>")
+    decided = [p for p in on["plan"] if p["reason"].startswith("range:")]
+    assert len(decided) >= 2 and f"{len(decided)} node(s) kept in FP32 by them" in section
+    assert all(p["node"] in section and escape(p["reason"]) in section for p in decided)
+    assert "data_max 512," in section
+    off = amplite.convert(model, inputs, level="O3", range_rules=False).report.data
+    assert off["config"]["range_rules"] is None and "Range rules" not in render_html(off)
+    assert "kept by the range rules" in render_markdown(on) and "range rules" not in render_markdown(off)
+
+
+@pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Browser:
     b = Browser(tmp_path_factory.mktemp("chromium-profile"))
     yield b
@@ -145,6 +209,28 @@ def test_reports_render_without_console_errors(reports: dict[str, Path], browser
         assert charts >= 3, name  # plotly drew its SVG layers: the charts rendered
         traces = browser.evaluate(session, "document.getElementById('error-along-graph').data.length")
         assert traces >= 2, name
+
+
+@needs_chromium
+def test_budget_chart_renders_the_search(budgets: dict[str, dict[str, Any]], browser: Browser) -> None:
+    for key, rep in budgets.items():
+        session, errors = browser.load(rep["html"])
+        assert errors == [], (key, errors[:3])
+        chart = browser.evaluate(
+            session,
+            """(() => { const d = document.getElementById('budget-search');
+            return {x: d.data[0].x, colors: d.data[0].marker.color, text: d.data[0].text,
+                    lines: (d.layout.shapes || []).map(s => s.y0),
+                    drawn: d.querySelectorAll('.main-svg .point').length}; })()""",
+        )
+        steps = rep["data"]["budget"]["steps"]
+        assert chart["x"] == [s["trial"] for s in steps] and chart["drawn"] == len(steps), key
+        assert chart["colors"] == ["#087f23" if s["passed"] else "#c62828" for s in steps], key
+        assert all(
+            f"{s['moved']} node(s) moved" in t and s["kind"] in t for s, t in zip(steps, chart["text"], strict=True)
+        )
+        threshold = float(rep["spec"].split(">=")[1])
+        assert chart["lines"] == [pytest.approx(threshold)], key
 
 
 @needs_chromium

@@ -20,7 +20,7 @@ from amplite.converter.pipeline import PipelineOutput, lower_inputs, run_pipelin
 from amplite.converter.report import Report, build_report
 from amplite.converter.tracing import Inputs, summarize_exception
 from amplite.converter.verify import DEFAULT_TOLERANCES, Tolerance, compare, run_model
-from amplite.errors import InputSpecError
+from amplite.errors import ConfigError, InputSpecError
 from amplite.ops import backend_description
 from amplite.passes.range_guard import RangeRules
 from amplite.policy import LEVEL_ENV, Level, PrecisionPolicy, make_overrides, resolve_level
@@ -189,6 +189,10 @@ def convert(
         AmpliteError: For every problem with the inputs, the file or the options (one-line message).
     """
     timings: dict[str, float] = {}
+    if fallback_search and not verify:
+        raise ConfigError("the accuracy-budget search needs verification", "drop --no-verify (verify=False)")
+    if max_trials is not None and max_trials < 2:
+        raise ConfigError(f"max_trials={max_trials} is too small", "allow at least 2 (the worst node alone, then all)")
     lvl = resolve_level(level)
     policy = PrecisionPolicy(precision, lvl, make_overrides(keep_fp32, force_low), low_precision_io)
     start = perf_counter()

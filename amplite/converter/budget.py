@@ -96,6 +96,10 @@ def fallback_search(result: Any, options: dict[str, Any], *, max_trials: int | N
         result.original, result.inputs, **{**options, "keep_fp32": final_keep}, verify=True,
         tolerance=result.tolerance, reference_outputs=result.reference,
     )  # fmt: skip
+    moved = {name for name, _ in ranked[:chosen]}
+    for entry in (*final.report.data["plan"], *final.report.data["fp32_nodes"]):
+        if entry["node"] in moved and entry["reason"] == f"user:keep node:{entry['node']}":
+            entry["reason"] = "budget:isolated-error"  # the search moved it, not the user
     final.report.data["budget"] = {
         "tolerance": asdict(result.tolerance),
         "passed": bool(final.passed),

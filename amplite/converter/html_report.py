@@ -1,9 +1,10 @@
 """report.html: one self-contained page (plotly.js inlined, works offline) for a report.
 
-Sections: verdict, per-output table, error along the graph (accumulated and isolated SQNR per node, and
-the worst per layer), the precision map (nodes by dtype, the FP32 islands with their reasons), the top
-error-introducing nodes with their source lines, range problems, baseline, gradients and golden facts.
-Charts are plotly figures; every text from the model is HTML-escaped.
+Sections: verdict, per-output table, the accuracy-budget search (its trials against the tolerance and the
+nodes it moved to FP32), error along the graph (accumulated and isolated SQNR per node, and the worst per
+layer), the precision map (nodes by dtype, the FP32 islands with their reasons, the range-rule decisions),
+the top error-introducing nodes with their source lines, range problems, baseline, gradients and golden
+facts. Charts are plotly figures; every text from the model is HTML-escaped.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from html import escape
 from typing import Any
 
 from amplite.converter.markdown_report import fmt
+from amplite.converter.verify import parse_criterion
+from amplite.errors import ConfigError
 
+_MARGIN = {"l": 50, "r": 20, "t": 50, "b": 40}
 _CAP_DB = 160.0  # exact values (infinite SQNR) are drawn at this height
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem auto;max-width:1200px;color:#222}
@@ -23,6 +27,12 @@ th{background:#f5f5f5;text-align:left} .pass{color:#087f23;font-weight:600} .fai
 .verdict{font-size:1.3rem;padding:.5rem 1rem;border-radius:4px;display:inline-block}
 .verdict.pass{background:#e8f5e9} .verdict.fail{background:#ffebee} code{font-size:.85em} .muted{color:#777}
 """
+
+
+_OUTPUT_HEAD = ["output", "SQNR dB", "cosine", "max abs", "p99 abs", "max rel", "top-1", "top-5", "KL",
+                "min atol / rtol", "new NaN/Inf", "result"]  # fmt: skip
+_TOP_HEAD = ["#", "node", "op", "module", "source", "dtype", "isolated SQNR", "accumulated SQNR",
+             "introduces NaN/Inf", "FP32 max |x|"]  # fmt: skip
 
 
 def _db(v: Any) -> float | None:
@@ -53,51 +63,23 @@ def _figures(data: dict[str, Any]) -> list[tuple[str, Any]]:
             f"{escape(n['source'])}<br>dtype {n['dtype']}"
             for n in nodes
         ]
-        x = [n["index"] for n in nodes]
-        fig = go.Figure()
-        fig.add_trace(
-            go.Scatter(
-                x=x,
-                y=[_db(n["accumulated"]["sqnr_db"]) for n in nodes],
-                mode="lines+markers",
-                name="accumulated (own activations)",
-                text=hover,
-                hoverinfo="text+y",
-            )
-        )
+        # fmt: off
+        x, fig = [n["index"] for n in nodes], go.Figure()
+        acc = [_db(n["accumulated"]["sqnr_db"]) for n in nodes]
         iso = [_db(n["isolated"]["sqnr_db"]) if n.get("isolated") else None for n in nodes]
-        fig.add_trace(
-            go.Scatter(
-                x=x,
-                y=iso,
-                mode="markers",
-                name="isolated (FP32 inputs)",
-                text=hover,
-                hoverinfo="text+y",
-                marker={"symbol": "diamond"},
-            )
-        )
+        fig.add_trace(go.Scatter(x=x, y=acc, mode="lines+markers", name="accumulated (own activations)", text=hover,
+                                 hoverinfo="text+y"))
+        fig.add_trace(go.Scatter(x=x, y=iso, mode="markers", name="isolated (FP32 inputs)", text=hover,
+                                 hoverinfo="text+y", marker={"symbol": "diamond"}))
         bad = [n for n in nodes if n.get("introduces_nonfinite")]
         if bad:
-            fig.add_trace(
-                go.Scatter(
-                    x=[n["index"] for n in bad],
-                    y=[-20.0] * len(bad),
-                    mode="markers",
-                    name="introduces NaN/Inf",
-                    marker={"symbol": "x", "size": 12, "color": "red"},
-                    text=[escape(n["node"]) for n in bad],
-                    hoverinfo="text",
-                )
-            )
-        fig.update_layout(
-            title="Error along the graph (SQNR, dB; higher is better; exact drawn at 160)",
-            xaxis_title="node (graph order)",
-            xaxis_dtick=max(1, len(nodes) // 20),
-            yaxis_title="SQNR dB",
-            height=420,
-            margin={"l": 50, "r": 20, "t": 50, "b": 40},
-        )
+            fig.add_trace(go.Scatter(x=[n["index"] for n in bad], y=[-20.0] * len(bad), mode="markers",
+                                     name="introduces NaN/Inf", marker={"symbol": "x", "size": 12, "color": "red"},
+                                     text=[escape(n["node"]) for n in bad], hoverinfo="text"))
+        fig.update_layout(title="Error along the graph (SQNR, dB; higher is better; exact drawn at 160)",
+                          xaxis_title="node (graph order)", xaxis_dtick=max(1, len(nodes) // 20),
+                          yaxis_title="SQNR dB", height=420, margin=_MARGIN)
+        # fmt: on
         figs.append(("error-along-graph", fig))
         layers = data["layerwise"].get("layers", [])
         if len(layers) > 1:
@@ -105,12 +87,7 @@ def _figures(data: dict[str, Any]) -> list[tuple[str, Any]]:
             names = [row["layer"] for row in layers]
             lf.add_trace(go.Bar(x=names, y=[_db(r["accumulated_sqnr_db"]) for r in layers], name="worst accumulated"))
             lf.add_trace(go.Bar(x=names, y=[_db(r["isolated_sqnr_db"]) for r in layers], name="worst isolated"))
-            lf.update_layout(
-                title="Worst SQNR per layer (dB)",
-                barmode="group",
-                height=360,
-                margin={"l": 50, "r": 20, "t": 50, "b": 80},
-            )
+            lf.update_layout(title="Worst SQNR per layer (dB)", barmode="group", height=360, margin=_MARGIN | {"b": 80})
             figs.append(("error-per-layer", lf))
     graph = data.get("graph", {})
     if graph.get("after"):
@@ -119,11 +96,96 @@ def _figures(data: dict[str, Any]) -> list[tuple[str, Any]]:
         for when in ("before", "after"):
             counts = graph.get(when, {}).get("nodes_by_dtype", {})
             pf.add_trace(go.Bar(x=dtypes, y=[counts.get(d, 0) for d in dtypes], name=when))
-        pf.update_layout(
-            title="Nodes by compute dtype", barmode="group", height=320, margin={"l": 50, "r": 20, "t": 50, "b": 40}
-        )
+        pf.update_layout(title="Nodes by compute dtype", barmode="group", height=320, margin=_MARGIN)
         figs.append(("precision-map", pf))
+    if data.get("budget", {}).get("steps"):
+        figs.append(("budget-search", _budget_figure(data["budget"])))
     return figs
+
+
+def _sqnr_lines(tolerance: dict[str, Any]) -> list[tuple[float, str]]:
+    """The SQNR thresholds of a tolerance as ``(dB, label)``: its ``sqnr_db`` criteria, else the default rule."""
+    criteria = tolerance.get("criteria") or []
+    if not criteria:
+        default = tolerance.get("min_sqnr_db")
+        return [] if default is None else [(float(default), f"default sqnr_db>={default:g}")]
+    lines = {}
+    for text in criteria:
+        try:
+            c = parse_criterion(text)
+        except ConfigError:  # a report edited by hand: draw what can be read
+            continue
+        if c.metric == "sqnr_db" and c.op in (">=", ">"):
+            lines.setdefault(c.threshold, str(c))
+    return sorted(lines.items())
+
+
+def _budget_figure(budget: dict[str, Any]) -> Any:
+    import plotly.graph_objects as go
+
+    steps, thresholds = budget["steps"], _sqnr_lines(budget.get("tolerance", {}))
+    # exact ("inf") is drawn 10 dB above everything else, so the scale stays readable near the tolerance;
+    # non-finite outputs ("nan/inf") at the floor, marked with an x
+    values = [None if s["worst_sqnr_db"] == "nan/inf" else _db(s["worst_sqnr_db"]) for s in steps]
+    finite = [v for v in values if v is not None and v < _CAP_DB] + [t for t, _ in thresholds]
+    top = min(_CAP_DB, max(finite, default=0.0) + 10)
+    y = [-20.0 if v is None else min(v, top) for v in values]
+    hover = [
+        f"trial {s['trial']}: {escape(s['kind'])}<br>{s['moved']} node(s) moved to FP32<br>"
+        f"worst SQNR {fmt(s['worst_sqnr_db'])} dB: {'pass' if s['passed'] else 'fail'}<br>{s['seconds']} s"
+        for s in steps
+    ]
+    marker = {"size": 11, "color": ["#087f23" if s["passed"] else "#c62828" for s in steps],
+              "symbol": ["x" if s["worst_sqnr_db"] == "nan/inf" else "circle" for s in steps]}  # fmt: skip
+    fig = go.Figure(go.Scatter(x=[s["trial"] for s in steps], y=y, mode="lines+markers", name="worst output",
+                               text=hover, hoverinfo="text", line={"color": "#bbb"}, marker=marker))  # fmt: skip
+    for db, label in thresholds:
+        fig.add_hline(y=db, line_dash="dash", line_color="#555", annotation_text=escape(label))
+    fig.update_layout(title="Accuracy-budget search: worst-output SQNR per trial (dB; green passes, red fails; "
+                      f"exact drawn at {top:.0f})", xaxis_title="trial (0 = the rule-based plan)", xaxis_dtick=1,
+                      yaxis_title="SQNR dB", height=380, showlegend=False, margin=_MARGIN)  # fmt: skip
+    return fig
+
+
+def _budget_section(budget: dict[str, Any], chart: str) -> str:
+    tol = budget.get("tolerance") or {}
+    spec = ", ".join(tol.get("criteria") or []) or f"default (sqnr_db>={tol.get('min_sqnr_db')})"
+    cls, word = ("pass", "met") if budget["passed"] else ("fail", "NOT met")
+    moved = budget["moved_to_fp32"]
+    parts = [
+        f"<h2>Accuracy budget</h2><p>Tolerance <code>{escape(spec)}</code>: <span class='{cls}'>{word}</span> "
+        f"with {len(moved)} of {budget['candidates']} candidate nodes moved to FP32, in {budget['trials']} trials "
+        f"(bound {budget['trial_bound']}), {fmt(budget['seconds'])} s.</p>",
+        f"<p class='fail'>{escape(budget['message'])}</p>" if budget.get("message") else "",
+        chart,
+    ]
+    if moved:
+        rows = [
+            [i, m["node"], m.get("op") or "", m.get("module") or "(root)", m.get("source") or "",
+             fmt(m["isolated_sqnr_db"])]
+            for i, m in enumerate(moved, 1)
+        ]  # fmt: skip
+        parts.append("<p>Moved to FP32, worst isolated error first:</p>")
+        parts.append(_table(["#", "node", "op", "module", "source", "isolated SQNR dB"], rows))
+    return "\n".join(p for p in parts if p)
+
+
+def _range_rules_section(data: dict[str, Any]) -> str:
+    rules = data.get("config", {}).get("range_rules")
+    if not rules:
+        return ""
+    chosen = [p for p in data.get("plan", []) if str(p.get("reason", "")).startswith("range:")]
+    depth = rules.get("max_reduction_depth")
+    text = (
+        f"<h3>Range rules</h3><p>data_max {fmt(rules.get('data_max'), 6)}, "
+        f"weight_max {fmt(rules.get('weight_max'), 6)}, underflow share {fmt(rules.get('underflow_share'))}, "
+        f"max reduction depth {'none' if depth is None else fmt(depth)}: {len(chosen)} node(s) kept in FP32 by "
+        "them.</p>"
+    )
+    if not chosen:
+        return text
+    rows = [[p["node"], p["op"], p["module"] or "(root)", p["source"], p["reason"]] for p in chosen]
+    return text + _table(["node", "op", "module", "source", "reason"], rows)
 
 
 def render_html(data: dict[str, Any]) -> str:
@@ -158,42 +220,13 @@ def render_html(data: dict[str, Any]) -> str:
                 if o["passed"]
                 else ('<span class="fail">FAIL</span> ' + escape("; ".join(failed + o.get("notes", []))))
             )
-            rows.append(
-                [
-                    o["name"],
-                    fmt(o["sqnr_db"]),
-                    fmt(o["cosine"], 7),
-                    fmt(o["max_abs"], 3),
-                    fmt(o.get("p99_abs"), 3),
-                    fmt(o.get("max_rel"), 3),
-                    fmt(o.get("top1")),
-                    fmt(o.get("top5")),
-                    fmt(o.get("kl_div"), 3),
-                    f"{fmt(o.get('min_atol'), 3)} / {fmt(o.get('min_rtol'), 3)}",
-                    o.get("new_nonfinite", 0),
-                    res,
-                ]
-            )
-        parts.append(
-            _table(
-                [
-                    "output",
-                    "SQNR dB",
-                    "cosine",
-                    "max abs",
-                    "p99 abs",
-                    "max rel",
-                    "top-1",
-                    "top-5",
-                    "KL",
-                    "min atol / rtol",
-                    "new NaN/Inf",
-                    "result",
-                ],
-                rows,
-                raw={11},
-            )
-        )
+            rows.append([o["name"], fmt(o["sqnr_db"]), fmt(o["cosine"], 7), fmt(o["max_abs"], 3),
+                         fmt(o.get("p99_abs"), 3), fmt(o.get("max_rel"), 3), fmt(o.get("top1")), fmt(o.get("top5")),
+                         fmt(o.get("kl_div"), 3), f"{fmt(o.get('min_atol'), 3)} / {fmt(o.get('min_rtol'), 3)}",
+                         o.get("new_nonfinite", 0), res])  # fmt: skip
+        parts.append(_table(_OUTPUT_HEAD, rows, raw={11}))
+    if data.get("budget"):
+        parts.append(_budget_section(data["budget"], figs.get("budget-search", "")))
     lw = data.get("layerwise")
     if lw:
         parts.append("<h2>Error along the graph</h2>")
@@ -205,39 +238,12 @@ def render_html(data: dict[str, Any]) -> str:
         parts += [figs.get("error-along-graph", ""), figs.get("error-per-layer", "")]
         parts.append("<h2>Top error-introducing nodes</h2>")
         rows = [
-            [
-                i,
-                e["node"],
-                e["op"],
-                e["module"] or "(root)",
-                e["source"],
-                e["dtype"],
-                fmt(e["isolated"]["sqnr_db"]),
-                fmt(e["accumulated"]["sqnr_db"]),
-                "yes" if e["introduces_nonfinite"] else "",
-                fmt((e.get("range") or {}).get("max_abs"), 3),
-            ]
+            [i, e["node"], e["op"], e["module"] or "(root)", e["source"], e["dtype"], fmt(e["isolated"]["sqnr_db"]),
+             fmt(e["accumulated"]["sqnr_db"]), "yes" if e["introduces_nonfinite"] else "",
+             fmt((e.get("range") or {}).get("max_abs"), 3)]
             for i, e in enumerate(lw["top_introducers"], 1)
-        ]
-        parts.append(
-            _table(
-                [
-                    "#",
-                    "node",
-                    "op",
-                    "module",
-                    "source",
-                    "dtype",
-                    "isolated SQNR",
-                    "accumulated SQNR",
-                    "introduces NaN/Inf",
-                    "FP32 max |x|",
-                ],
-                rows,
-            )
-            if rows
-            else "<p>No node introduces error.</p>"
-        )
+        ]  # fmt: skip
+        parts.append(_table(_TOP_HEAD, rows) if rows else "<p>No node introduces error.</p>")
     parts.append("<h2>Precision map</h2>" + figs.get("precision-map", ""))
     islands = data.get("fp32_nodes", [])
     parts.append(f"<p>{len(islands)} FP32 islands.</p>")
@@ -248,6 +254,7 @@ def render_html(data: dict[str, Any]) -> str:
                 [[p["node"], p["op"], p["module"] or "(root)", p["source"], p["reason"]] for p in islands],
             )
         )
+    parts.append(_range_rules_section(data))
     ranges = data.get("ranges")
     if ranges and lw:
         bad = [e for e in lw["nodes"] if e.get("range") and (e["range"]["overflow"] or e["range"]["flush_to_zero"])]
@@ -255,23 +262,13 @@ def render_html(data: dict[str, Any]) -> str:
             f"<h2>Range in {escape(ranges['dtype'])}</h2><p>largest |value| in FP32: {fmt(ranges['max_abs'], 4)}</p>"
         )
         if bad:
-            parts.append(
-                _table(
-                    ["node", "op", "computes in", "max |x|", "overflow", "flush to zero", "subnormal"],
-                    [
-                        [
-                            e["node"],
-                            e["op"],
-                            e["dtype"],
-                            fmt(e["range"]["max_abs"], 4),
-                            fmt(e["range"]["overflow"], 3),
-                            fmt(e["range"]["flush_to_zero"], 3),
-                            fmt(e["range"]["subnormal"], 3),
-                        ]
-                        for e in bad
-                    ],
-                )
-            )
+            rows = [
+                [e["node"], e["op"], e["dtype"], fmt(e["range"]["max_abs"], 4), fmt(e["range"]["overflow"], 3),
+                 fmt(e["range"]["flush_to_zero"], 3), fmt(e["range"]["subnormal"], 3)]
+                for e in bad
+            ]  # fmt: skip
+            head = ["node", "op", "computes in", "max |x|", "overflow", "flush to zero", "subnormal"]
+            parts.append(_table(head, rows))
     base = data.get("baseline")
     if base:
         parts.append(

@@ -25,6 +25,20 @@ def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def budget_line(budget: dict[str, Any], names: int = 5) -> str:
+    """One line on the accuracy-budget search: verdict, nodes moved to FP32, trials and time."""
+    tol = budget.get("tolerance") or {}
+    spec = ", ".join(tol.get("criteria") or []) or f"sqnr_db>={tol.get('min_sqnr_db')}"
+    moved = [m["node"] for m in budget.get("moved_to_fp32", [])]
+    shown = ", ".join(f"`{_cell(n)}`" for n in moved[:names]) + (", …" if len(moved) > names else "")
+    text = (
+        f"**Accuracy budget** (`{_cell(spec)}`): {'met' if budget['passed'] else '**NOT met**'} with "
+        f"{len(moved)} of {budget['candidates']} candidate nodes moved to FP32{f' ({shown})' if moved else ''}, "
+        f"{budget['trials']} trials (bound {budget['trial_bound']}), {fmt(budget['seconds'], 3)} s."
+    )
+    return text + (f" {_cell(budget['message'])}" if budget.get("message") else "")
+
+
 def render_markdown(data: dict[str, Any], top_n: int = 5) -> str:
     """The Markdown summary of a report (from ``amplite check`` or ``amplite convert``)."""
     cfg = data.get("config", {})
@@ -51,6 +65,8 @@ def render_markdown(data: dict[str, Any], top_n: int = 5) -> str:
         lines.append("")
     if check.get("reasons"):
         lines += ["**Why it failed:**", ""] + [f"- {_cell(r)}" for r in check["reasons"][:10]] + [""]
+    if data.get("budget"):
+        lines += [budget_line(data["budget"]), ""]
     top = data.get("layerwise", {}).get("top_introducers", [])[:top_n]
     if top:
         lines += [
@@ -69,9 +85,11 @@ def render_markdown(data: dict[str, Any], top_n: int = 5) -> str:
     graph = data.get("graph", {}).get("after", {})
     if graph:
         by_dtype = ", ".join(f"{k} {v}" for k, v in graph.get("nodes_by_dtype", {}).items())
+        by_range = sum(1 for p in data.get("fp32_nodes", []) if str(p.get("reason", "")).startswith("range:"))
         lines.append(
             f"**Precision map:** {by_dtype}; {graph.get('casts', 0)} casts; "
-            f"{len(data.get('fp32_nodes', []))} FP32 islands."
+            f"{len(data.get('fp32_nodes', []))} FP32 islands"
+            + (f", {by_range} of them kept by the range rules." if cfg.get("range_rules") else ".")
         )
     ranges = data.get("ranges")
     if ranges and ranges.get("overflowing_nodes"):

@@ -43,16 +43,22 @@ def _layer(path: str) -> str:
 
 
 def pair_nodes(ref: torch.fx.Graph, conv: torch.fx.Graph) -> dict[torch.fx.Node, torch.fx.Node]:
-    """Map converted nodes to reference nodes: by name and op first, then by (op, module path, occurrence).
+    """Map converted nodes to reference nodes: by name, op, module path and shape first, then by
+    (op, module path, occurrence).
 
-    Amplite's own casts (pure dtype casts without a namesake in the reference) stay unpaired.
+    A name alone is not enough: re-export renumbers nodes when a pass removed some (fusion replaces
+    ``linear`` nodes), so ``linear_4`` may be another module's linear in the converted graph. Amplite's own
+    casts (pure dtype casts without a namesake in the reference) stay unpaired.
     """
     by_name = {n.name: n for n in ref.nodes}
     pairs: dict[torch.fx.Node, torch.fx.Node] = {}
     for n in conv.nodes:
         r = by_name.get(n.name)
-        if r is not None and r.op == n.op and (r.target == n.target or n.op in ("placeholder", "get_attr")):
-            pairs[n] = r
+        if r is None or r.op != n.op or not (r.target == n.target or n.op in ("placeholder", "get_attr")):
+            continue
+        if n.op == "call_function" and (module_path(r) != module_path(n) or not _same_shape(r, n)):
+            continue
+        pairs[n] = r
     taken = set(pairs.values())
 
     def key(n: torch.fx.Node) -> tuple[str, Any, str]:
@@ -69,6 +75,16 @@ def pair_nodes(ref: torch.fx.Graph, conv: torch.fx.Graph) -> dict[torch.fx.Node,
         if queue:
             pairs[n] = queue.pop(0)
     return pairs
+
+
+def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    if isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor):
+        try:
+            return tuple(va.shape) == tuple(vb.shape)
+        except (TypeError, RuntimeError):  # symbolic sizes: no verdict
+            return True
+    return True
 
 
 class _Runner:
