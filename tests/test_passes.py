@@ -174,3 +174,30 @@ def test_graph_outputs_keep_their_dtype_unless_low_io() -> None:
     policy = PrecisionPolicy("fp16", Level.O1)
     gm, _ = PassManager([AnnotatePrecision(policy), InsertCasts(low_precision_io=True), CleanupCasts()])(gm)
     assert gm(torch.randn(2, 8)).dtype == torch.float16
+
+
+class Tied(nn.Module):
+    """An LM-style model whose output head shares the embedding's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 16)
+        self.head = nn.Linear(16, 100, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(ids)))
+
+
+def test_tied_weights_stay_tied_and_are_stored_low_once() -> None:
+    import amplite
+
+    model = Tied().eval()
+    ids = torch.randint(0, 100, (2, 8))
+    result = amplite.convert(model, (ids,), level="O2")
+    state = result.program.state_dict
+    low = [v for v in state.values() if v.dtype == torch.float16]
+    assert low and all(v.dtype == torch.float16 for v in state.values())
+    assert result.report.data["weights"]["ratio"] <= 0.5
+    assert model.embed.weight.dtype == torch.float32 and model.head.weight is model.embed.weight
+    assert result.passed

@@ -20,6 +20,20 @@ from amplite.passes.graph_utils import cast_dtype, retype
 _LOW = (torch.float16, torch.bfloat16)
 
 
+def _aliases(gm: torch.fx.GraphModule) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every (module, attribute) that holds each tensor, tied duplicates and unread names included."""
+    found: dict[int, list[tuple[nn.Module, str]]] = defaultdict(list)
+    for _name, module in gm.named_modules(remove_duplicate=False):
+        for store in ("_parameters", "_buffers"):
+            for attr, t in getattr(module, store, {}).items():
+                if isinstance(t, torch.Tensor) and (module, attr) not in found[id(t)]:
+                    found[id(t)].append((module, attr))
+        for attr, t in vars(module).items():
+            if isinstance(t, torch.Tensor) and not attr.startswith("_") and (module, attr) not in found[id(t)]:
+                found[id(t)].append((module, attr))  # plain tensor constants (lifted_tensor_0 …)
+    return found
+
+
 def _owner(gm: torch.fx.GraphModule, target: str) -> tuple[nn.Module, str]:
     path, _, attr = target.rpartition(".")
     return (gm.get_submodule(path) if path else gm), attr
@@ -32,14 +46,21 @@ class StoreLowPrecisionParams:
 
     def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
         counters: Counter[str] = Counter()
-        readers: dict[str, list[torch.fx.Node]] = defaultdict(list)
+        # Group readers by the tensor object, not the attribute path: tied weights (an embedding shared with
+        # the LM head) are one tensor under several names and must stay one tensor, stored once.
+        readers: dict[int, list[torch.fx.Node]] = defaultdict(list)
+        tensors: dict[int, torch.Tensor] = {}
         for node in gm.graph.nodes:
             if node.op == "get_attr":
-                readers[node.target].append(node)
-        for target, nodes in readers.items():
-            owner, attr = _owner(gm, target)
-            tensor = getattr(owner, attr, None)
-            if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32:
+                owner, attr = _owner(gm, node.target)
+                tensor = getattr(owner, attr, None)
+                if isinstance(tensor, torch.Tensor):
+                    readers[id(tensor)].append(node)
+                    tensors[id(tensor)] = tensor
+        aliases = _aliases(gm)
+        for key, nodes in readers.items():
+            tensor = tensors[key]
+            if tensor.dtype != torch.float32:
                 continue
             users = [u for n in nodes for u in n.users]
             wanted = {cast_dtype(u) for u in users}
@@ -48,11 +69,15 @@ class StoreLowPrecisionParams:
             dtype = next(iter(wanted))
             low = tensor.detach().to(dtype)  # a new tensor: never write into the shared storage
             if isinstance(tensor, nn.Parameter):
-                setattr(owner, attr, nn.Parameter(low, requires_grad=tensor.requires_grad))
-            elif attr in getattr(owner, "_buffers", {}):
-                owner._buffers[attr] = low
-            else:
-                setattr(owner, attr, low)
+                low = nn.Parameter(low, requires_grad=tensor.requires_grad)
+            for owner, attr in aliases.get(key, [_owner(gm, nodes[0].target)]):
+                if attr in getattr(owner, "_parameters", {}):
+                    owner._parameters[attr] = low
+                elif attr in getattr(owner, "_buffers", {}):
+                    owner._buffers[attr] = low
+                else:
+                    setattr(owner, attr, low)
+            counters["aliases_kept_tied"] += max(0, len(aliases.get(key, [])) - 1)
             for node in nodes:
                 node.meta["val"] = retype(node.meta.get("val"), dtype)
                 for user in list(node.users):
