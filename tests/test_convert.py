@@ -170,3 +170,22 @@ def test_fused_transformer_round_trips_and_reports_fusions(tmp_path: Path) -> No
     torch.testing.assert_close(fused.module()(x), plain.module()(x), atol=2e-3, rtol=2e-2)
     loaded = torch.export.load(str(fused.save(tmp_path / "fused.pt2")))
     torch.testing.assert_close(loaded.module()(x), fused.module()(x))
+
+
+class WithConstants(torch.nn.Module):
+    """Tensors created in forward become lifted constants (``lifted_tensor_N``) in the export."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * torch.tensor([1.0, 2.0, 3.0, 4.0]) + torch.tensor([0.5, 0.5, 0.5, 0.5])
+
+
+def test_lifted_constants_survive_re_export() -> None:
+    model = WithConstants().eval()
+    x = torch.randn(2, 4)
+    result = amplite.convert(model, (x,), level="O2")
+    assert result.passed
+    torch.testing.assert_close(result.module()(x), model(x), atol=1e-2, rtol=1e-2)

@@ -87,7 +87,24 @@ def strip_export_checks(gm: torch.fx.GraphModule) -> None:
             gm.graph.erase_node(node)
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
+    _rename_lifted_constants(gm)
     gm.recompile()
+
+
+def _rename_lifted_constants(gm: torch.fx.GraphModule) -> None:
+    """Give tensor constants that export lifted (``lifted_tensor_N``) names of amplite's own.
+
+    Re-exporting a module that still holds attributes named ``lifted_tensor_N`` makes torch lift them
+    under the same names again, and the program's ``.module()`` then fails (``lifted_tensor_0 is not a
+    buffer``; seen with transformers' DynamicCache). Distinct names avoid the collision.
+    """
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and isinstance(node.target, str) and node.target.startswith("lifted_tensor_"):
+            new = "amplite_constant_" + node.target.removeprefix("lifted_tensor_")
+            if not hasattr(gm, new):
+                setattr(gm, new, getattr(gm, node.target))
+                delattr(gm, node.target)
+            node.target = new
 
 
 def lower_inputs(inputs: Inputs, dtype: torch.dtype) -> Inputs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import io
 import logging
@@ -41,7 +42,7 @@ def export_model(
         ExportError: Naming the failing operation and the user's source line; the original exception
             is chained for ``--debug``.
     """
-    args, kwargs = inputs
+    args, kwargs = copy.deepcopy(inputs)  # tracing may mutate stateful inputs (caches); keep the caller's intact
     dynamic = batch_dynamic_shapes(model, args, kwargs) if dynamic_batch else None
     # torch.export prints partial graphs and internal warnings to stderr; keep them for --debug
     # (the amplite logger at DEBUG level) instead of burying the one-line error under them.

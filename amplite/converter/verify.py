@@ -15,6 +15,7 @@ Criteria, their parser and the tolerances live in ``criteria`` (re-exported here
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -246,7 +247,11 @@ def _judge(
 
 
 def run_model(model: Any, inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
-    """Run a module or callable on ``(args, kwargs)`` without autograd."""
-    args, kwargs = inputs
+    """Run a module or callable on a copy of ``(args, kwargs)`` without autograd.
+
+    The copy matters: models may update their inputs in place (a KV cache appends this step's keys), and
+    every run must see the same inputs.
+    """
+    args, kwargs = copy.deepcopy(inputs)
     with torch.no_grad():
         return model(*args, **kwargs)
