@@ -229,7 +229,7 @@ def fresh_name(taken: set[str], base: str, *alternatives: str) -> str:
     return f"{base}_{n}"
 
 
-class _ReadCollector(cst.CSTVisitor):
+class ReadCollector(cst.CSTVisitor):
     """Names read by a statement: attribute names and keyword names are not variables."""
 
     def __init__(self) -> None:
@@ -249,7 +249,7 @@ class _ReadCollector(cst.CSTVisitor):
 
 def names_read(node: cst.CSTNode) -> set[str]:
     """Variable names used in ``node`` (over-approximated: targets are included)."""
-    collector = _ReadCollector()
+    collector = ReadCollector()
     node.visit(collector)
     return collector.names
 
@@ -261,7 +261,7 @@ def count_variable(node: cst.CSTNode, name: str) -> int:
     return counter.count
 
 
-class _VariableCounter(_ReadCollector):
+class _VariableCounter(ReadCollector):
     def __init__(self, name: str) -> None:
         super().__init__()
         self.name = name

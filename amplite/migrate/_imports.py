@@ -10,7 +10,7 @@ from __future__ import annotations
 import libcst as cst
 
 from amplite.migrate._blocks import BlockEditMixin
-from amplite.migrate._cst import code_of, dotted_name, matches_prefix, torch_binding
+from amplite.migrate._cst import ReadCollector, code_of, dotted_name, matches_prefix, torch_binding
 
 
 def imports_from(node: cst.Import | cst.ImportFrom, modules: tuple[str, ...], *, parents: bool = False) -> bool:
@@ -36,12 +36,8 @@ def imports_from(node: cst.Import | cst.ImportFrom, modules: tuple[str, ...], *,
     )
 
 
-class _UsedNames(cst.CSTVisitor):
+class _UsedNames(ReadCollector):
     """Variable names read outside import statements (attribute and keyword names do not count)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: set[str] = set()
 
     def visit_Import(self, node: cst.Import) -> bool:
         return False
@@ -51,17 +47,6 @@ class _UsedNames(cst.CSTVisitor):
 
     def visit_AssignTarget(self, node: cst.AssignTarget) -> bool:
         return not isinstance(node.target, cst.Name)  # rebinding (`amp = None`) is not a use
-
-    def visit_Name(self, node: cst.Name) -> None:
-        self.names.add(node.value)
-
-    def visit_Attribute(self, node: cst.Attribute) -> bool:
-        node.value.visit(self)
-        return False
-
-    def visit_Arg(self, node: cst.Arg) -> bool:
-        node.value.visit(self)
-        return False
 
 
 def _bound_name(alias: cst.ImportAlias, from_import: bool) -> str:
