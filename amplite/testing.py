@@ -10,8 +10,8 @@
     def test_model_bf16(amplite_check):  # the fixture keeps the reports under tmp_path/amplite
         amplite_check(MyModel().eval(), (torch.randn(2, 16),), precision="bf16", tolerance=["sqnr>=30"])
 
-The fixture is registered when pytest loads ``amplite.testing`` (the ``amplite`` pytest11 entry point, or
-``pytest_plugins = ["amplite.testing"]`` in a conftest.py).
+The fixture is registered when pytest loads ``amplite.testing``: ``pytest_plugins = ["amplite.testing"]``
+in a conftest.py (there is deliberately no pytest11 entry point: it would import torch in every pytest run).
 """
 
 from __future__ import annotations
