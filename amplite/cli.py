@@ -127,6 +127,9 @@ def convert(
     data_max: DataMaxOpt = 512.0,
     max_reduction_depth: DepthOpt = 4096,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip numeric verification.")] = False,
+    no_fold_batchnorm: Annotated[
+        bool, typer.Option("--no-fold-batchnorm", help="Keep BatchNorm (FP32) instead of folding it into convs.")
+    ] = False,
     tolerance: ToleranceOpt = [],  # noqa: B006
     max_trials: Annotated[int | None, typer.Option("--max-trials", help="Bound on the FP32 fallback search.")] = None,
     debug: DebugOpt = False,
@@ -157,7 +160,7 @@ def convert(
             fuse_contractions=fuse_contractions, verify=not no_verify, range_rules=range_rules,
             data_max=data_max, max_reduction_depth=max_reduction_depth,
             tolerance=parse_tolerance(tolerance, precision) if tolerance else None,
-            fallback_search=bool(tolerance), max_trials=max_trials,
+            fallback_search=bool(tolerance), max_trials=max_trials, fold_batchnorm=not no_fold_batchnorm,
         )  # fmt: skip
         for fmt, path in targets:
             result.save(path, format=fmt, external_data=True if external_data else None, opset=opset)

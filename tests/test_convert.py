@@ -147,7 +147,14 @@ def test_report_schema_basics() -> None:
     assert data["schema"] == "amplite.report" and data["schema_version"] == 1
     assert data["versions"]["torch"] == torch.__version__
     names = [p["name"] for p in data["passes"]]
-    assert names == ["range_guard", "annotate_precision", "insert_casts", "cleanup_casts", "store_low_params"]
+    assert names == [
+        "fold_batchnorm",
+        "range_guard",
+        "annotate_precision",
+        "insert_casts",
+        "cleanup_casts",
+        "store_low_params",
+    ]
     assert data["graph"]["after"]["casts"] >= 1
     reasons = {n["op"]: n["reason"] for n in data["fp32_nodes"]}
     assert reasons["pow.Tensor_Scalar"] == "fp32-list:transcendental"

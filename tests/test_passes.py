@@ -201,3 +201,51 @@ def test_tied_weights_stay_tied_and_are_stored_low_once() -> None:
     assert result.report.data["weights"]["ratio"] <= 0.5
     assert model.embed.weight.dtype == torch.float32 and model.head.weight is model.embed.weight
     assert result.passed
+
+
+class ConvBnTwice(nn.Module):
+    """conv1 → bn1 folds; conv2's output is also returned, so bn2 cannot be folded into it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, bias=False), nn.BatchNorm2d(8)
+        for bn in (self.bn1, self.bn2):
+            with torch.no_grad():
+                bn.running_mean.uniform_(-1, 1)
+                bn.running_var.uniform_(0.5, 2)
+                bn.weight.uniform_(0.5, 2)
+                bn.bias.uniform_(-1, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.conv2(torch.relu(self.bn1(self.conv1(x))))
+        return self.bn2(y), y
+
+
+def test_fold_batchnorm_removes_foldable_norms_exactly() -> None:
+    from amplite.passes.fold_batchnorm import FoldBatchNorm
+
+    model = ConvBnTwice().eval()
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 3, 12, 12)
+    gm = graph_module(model, x)
+    result = FoldBatchNorm()(gm)
+    gm.recompile()
+    assert result.counters["folded"] == 1 and result.counters["kept:input-not-a-single-use-conv"] == 1
+    assert len([n for n in gm.graph.nodes if n.target is aten.batch_norm.default]) == 1
+    for got, want in zip(gm(x), model(x), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(v, snapshot[k]) for k, v in model.state_dict().items())
+
+
+def test_folding_removes_the_fp32_islands_around_convs() -> None:
+    import amplite
+    from fixtures.zoo import make
+
+    model, inputs = make("cnn")
+    folded = amplite.convert(model, inputs, level="O2")
+    kept = amplite.convert(model, inputs, level="O2", fold_batchnorm=False)
+    assert folded.passed and kept.passed
+    assert not [n for n in folded.program.graph.nodes if n.target is aten.batch_norm.default]
+    assert folded.report.data["graph"]["after"]["casts"] < kept.report.data["graph"]["after"]["casts"]
+    assert folded.report.data["weights"]["ratio"] <= kept.report.data["weights"]["ratio"]

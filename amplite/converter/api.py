@@ -154,6 +154,7 @@ def convert(
     fallback_search: bool = False,
     max_trials: int | None = None,
     reference_outputs: Any = None,
+    fold_batchnorm: bool = True,
 ) -> ConversionResult:
     """Convert a model to mixed precision ahead of time and verify it.
 
@@ -181,6 +182,8 @@ def convert(
             FP32 (ranked by their isolated error, then bisected); see ``amplite.converter.budget``.
         max_trials: Bound on the search's conversions (default 2·log2(candidates) + 10).
         reference_outputs: The FP32 model's outputs on ``example_inputs`` when already known (skips that run).
+        fold_batchnorm: Fold inference-mode BatchNorm into the preceding convolution (removes the FP32
+            island and its casts around each conv; the model must be in eval mode, as for any export).
 
     Returns:
         The converted program, its report and the inputs used. The user's model is not modified.
@@ -233,6 +236,7 @@ def convert(
         fuse_contractions=fuse_contractions,
         range_rules=rules,
         calibration=batches,
+        fold_batchnorm=fold_batchnorm,
     )
     timings.update(out.timings)
 
@@ -260,6 +264,7 @@ def convert(
         "dynamic_batch": dynamic_batch,
         "fuse_contractions": fuse_contractions,
         "range_rules": vars(rules) if rules else None,
+        "fold_batchnorm": fold_batchnorm,
     }
     if fuse_contractions:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -285,7 +290,7 @@ def convert(
             precision=precision, level=lvl, keep_fp32=list(keep_fp32), force_low=list(force_low),
             low_precision_io=low_precision_io, dynamic_batch=dynamic_batch, fuse_contractions=fuse_contractions,
             range_rules=range_rules, data_max=data_max, max_reduction_depth=max_reduction_depth,
-            calibration=calibration,
+            calibration=calibration, fold_batchnorm=fold_batchnorm,
         )  # fmt: skip
         result = search(result, options, max_trials=max_trials)
         result.report.data["source"] = report.data["source"]

@@ -25,6 +25,7 @@ from amplite.converter.tracing import Inputs, export_model
 from amplite.passes.annotate_precision import AnnotatePrecision
 from amplite.passes.base import Pass, PassManager, PassRecord
 from amplite.passes.cleanup_casts import CleanupCasts
+from amplite.passes.fold_batchnorm import FoldBatchNorm
 from amplite.passes.graph_utils import module_path, retype, source_line
 from amplite.passes.insert_casts import InsertCasts
 from amplite.passes.range_guard import RangeGuard, RangeRules
@@ -125,6 +126,7 @@ def run_pipeline(
     fuse_contractions: bool = False,
     range_rules: RangeRules | None = None,
     calibration: Iterable[Inputs] | None = None,
+    fold_batchnorm: bool = True,
 ) -> PipelineOutput:
     """Export ``model`` (unless it already is a program) and rewrite it under ``policy``.
 
@@ -136,6 +138,7 @@ def run_pipeline(
         fuse_contractions: Run the contraction-fusion pass last.
         range_rules: Apply these range rules (None: no range rules).
         calibration: Batches for the range rules (default: the example inputs).
+        fold_batchnorm: Fold inference-mode BatchNorm into the preceding convolution first.
     """
     timings: dict[str, float] = {}
     start = perf_counter()
@@ -152,13 +155,17 @@ def run_pipeline(
             val = node.meta.get("val")
             if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dtype == torch.float32:
                 node.meta["val"] = retype(val, policy.low_dtype)
+    records: list[PassRecord] = []
+    if fold_batchnorm:  # before calibration: folding changes the conv outputs the ranges describe
+        gm, records = PassManager([FoldBatchNorm()])(gm)
     ranges = None
     if range_rules is not None:
         calib_start = perf_counter()
         ranges = collect_ranges(gm, calibration if calibration is not None else [inputs])
         timings["calibration"] = perf_counter() - calib_start
     passes = build_passes(policy, fuse_contractions=fuse_contractions, ranges=ranges, range_rules=range_rules)
-    gm, records = PassManager(passes)(gm)
+    gm, rest = PassManager(passes)(gm)
+    records += rest
     plan = collect_plan(gm)
     timings["passes"] = perf_counter() - start
 
