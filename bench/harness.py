@@ -7,8 +7,8 @@ Usage::
 
 Every (model, job) runs in a fresh subprocess: its peak RSS is its own, a crash or a hang (killed after
 ``--timeout`` seconds) costs one row, not the run. Models that need ``transformers`` are listed as skipped
-when it is not installed (``pip install -e '.[bench]'``). ``--quick`` runs three fixtures and DistilBERT (about
-7 minutes on 2 CPU cores).
+when it is not installed (``pip install -e '.[bench]'``). ``--quick`` runs three fixtures and DistilBERT (3 to
+7 minutes on 2 CPU cores, by load).
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def render_only(json_path: Path, out: Path) -> None:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fixtures + DistilBERT (about 7 min on 2 cores)")
+    ap.add_argument("--quick", action="store_true", help="3 fixtures + DistilBERT (3-7 min on 2 cores)")
     ap.add_argument("--models", help=f"comma-separated, from: {', '.join(CASES)}")
     ap.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated, from: {', '.join(JOBS)}")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS.md")
