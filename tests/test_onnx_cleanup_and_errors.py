@@ -252,7 +252,7 @@ def test_disk_full_leaves_nothing(tmp_path: Path, mlp_program, monkeypatch: pyte
 def test_unwritable_destination(tmp_path: Path, mlp_program) -> None:
     with pytest.raises(EmitError):
         save_onnx(mlp_program, tmp_path / "missing" / "m.onnx")
-    if os.geteuid() == 0:
+    if os.geteuid() == 0:  # root ignores directory permissions: the read-only case cannot be set up
         pytest.skip("root can write to read-only directories")
     ro = tmp_path / "ro"
     ro.mkdir()
