@@ -8,8 +8,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
+# soft_wrap: never break a line (paths, node lists) at the console width; CI logs and
+# pipes are 80 columns wide and users copy paths from them. Tables still fit the width.
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def print_check(res: Any) -> None:

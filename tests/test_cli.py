@@ -199,6 +199,7 @@ def test_check_gate_exit_codes_junit_and_golden(cli, model_files, tmp_path: Path
     res = cli("check", pt2, "--level", "O3", "--report", tmp_path / "o3", "--junit", tmp_path / "o3.xml")
     assert res.exit_code == 1, res.stdout + res.stderr
     assert "1. pow_1 (pow.Tensor_Scalar)" in res.stdout and "introduces NaN/Inf" in res.stdout
+    assert f"json: {tmp_path / 'o3' / 'report.json'}" in res.stdout  # long paths are never wrapped
     suite = ET.parse(tmp_path / "o3.xml").getroot()
     assert suite.find(".//testcase/failure") is not None
     assert {p.name for p in (tmp_path / "o3").iterdir()} >= {"report.json", "report.md", "report.html"}
