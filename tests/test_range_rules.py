@@ -82,8 +82,11 @@ def test_long_reductions_stay_fp32_even_at_o3() -> None:
     assert converted.passed  # an fp16 running sum of 8192 terms in [0, 1) would stagnate near 2048
 
 
-def test_value_range_tracks_max_and_percentile() -> None:
+def test_value_range_tracks_largest_finite_magnitude() -> None:
     r = ValueRange()
-    r.update(torch.cat([torch.ones(9999), torch.tensor([1000.0])]))
-    r.update(torch.tensor([float("inf"), 3.0]))
-    assert r.max_abs == 1000.0 and r.p999_abs == 3.0
+    r.update(torch.cat([torch.ones(9999), torch.tensor([-1000.0])]))
+    r.update(torch.tensor([float("inf"), float("nan"), 3.0]))  # non-finite values are ignored
+    r.update(torch.tensor([]))
+    assert r.max_abs == 1000.0
+    r.update(torch.tensor([-2048.0], dtype=torch.float16))
+    assert r.max_abs == 2048.0

@@ -17,22 +17,19 @@ from torch.fx._pytree import tree_flatten_spec
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
-#: High percentile recorded beside the maximum (outliers vs. the bulk of the values).
-PERCENTILE = 0.999
-_SAMPLE = 1 << 16  # the percentile comes from a strided sample of at most 64K values (~65 above p99.9)
-
 
 @dataclass
 class ValueRange:
     """Range of one node's value over all calibration batches.
 
+    Only the maximum is kept: every range rule is a threshold on the largest finite |value| (one
+    overflow is one Inf), and it costs a single ``aminmax`` pass per value.
+
     Attributes:
-        max_abs: Largest |value| seen.
-        p999_abs: Largest 99.9th percentile of |value| over the batches.
+        max_abs: Largest finite |value| seen.
     """
 
     max_abs: float = 0.0
-    p999_abs: float = 0.0
 
     def update(self, t: torch.Tensor) -> None:
         """Fold one tensor into the range (non-finite values are ignored)."""
@@ -46,10 +43,6 @@ class ValueRange:
                 return
             biggest = float(a.abs().max())
         self.max_abs = max(self.max_abs, biggest)
-        sample = a[:: a.numel() // _SAMPLE + 1] if a.numel() > _SAMPLE else a
-        sample = sample.abs().float()
-        k = max(1, int(PERCENTILE * sample.numel()))
-        self.p999_abs = max(self.p999_abs, float(sample.kthvalue(k).values))
 
 
 def max_abs(t: torch.Tensor) -> float:

@@ -68,16 +68,19 @@ class PassManager:
     def __call__(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[PassRecord]]:
         """Run every pass on ``gm``; return the final module and one record per pass."""
         records: list[PassRecord] = []
+        modified = False
         for p in self.passes:
             start = perf_counter()
             result = p(gm)
             gm = result.graph_module
             if result.modified:
+                modified = True
                 if self.lint:
                     gm.graph.lint()
-                gm.recompile()
             details = dict(getattr(result, "details", None) or {})
             records.append(PassRecord(p.name, result.modified, dict(result.counters), perf_counter() - start, details))
+        if modified:  # passes work on the graph; its Python code is regenerated once, for whoever runs it next
+            gm.recompile()
         return gm, records
 
 
