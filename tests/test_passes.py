@@ -249,3 +249,22 @@ def test_folding_removes_the_fp32_islands_around_convs() -> None:
     assert not [n for n in folded.program.graph.nodes if n.target is aten.batch_norm.default]
     assert folded.report.data["graph"]["after"]["casts"] < kept.report.data["graph"]["after"]["casts"]
     assert folded.report.data["weights"]["ratio"] <= kept.report.data["weights"]["ratio"]
+
+
+def test_o1_stores_folded_constants_low_but_keeps_user_weights_fp32() -> None:
+    import amplite
+    from fixtures.zoo import make
+
+    model, inputs = make("cnn")
+    result = amplite.convert(model, inputs, level="O1")
+    state = result.program.state_dict
+    folded = {k: v for k, v in state.items() if "amplite_folded_" in k}
+    user = {k: v for k, v in state.items() if "amplite_folded_" not in k}
+    assert folded and all(v.dtype == torch.float16 for v in folded.values())
+    assert user and all(v.dtype == torch.float32 for v in user.values())  # O1: the user's weights stay FP32
+    # Each conv reads its folded weight and bias directly: no cast node in front of them.
+    convs = [n for n in result.program.graph.nodes if n.target is aten.conv2d.default]
+    assert convs and all(a.op == "placeholder" for c in convs for a in c.args[1:3])
+    unfused = amplite.convert(model, inputs, level="O1", fold_batchnorm=False)
+    torch.testing.assert_close(result.module()(*inputs[0]), unfused.module()(*inputs[0]), atol=2e-2, rtol=2e-2)
+    assert result.passed

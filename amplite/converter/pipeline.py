@@ -25,7 +25,7 @@ from amplite.converter.tracing import Inputs, export_model
 from amplite.passes.annotate_precision import AnnotatePrecision
 from amplite.passes.base import Pass, PassManager, PassRecord
 from amplite.passes.cleanup_casts import CleanupCasts
-from amplite.passes.fold_batchnorm import FoldBatchNorm
+from amplite.passes.fold_batchnorm import FOLDED_PREFIX, FoldBatchNorm
 from amplite.passes.graph_utils import module_path, retype, source_line
 from amplite.passes.insert_casts import InsertCasts
 from amplite.passes.range_guard import RangeGuard, RangeRules
@@ -72,6 +72,8 @@ def build_passes(
     ]
     if policy.level in (Level.O2, Level.O3):
         passes.append(StoreLowPrecisionParams())
+    else:  # O1: the user's weights stay FP32; constants amplite derived (folded BatchNorm) need not
+        passes.append(StoreLowPrecisionParams(prefix=FOLDED_PREFIX))
     if fuse_contractions:
         from amplite.passes.fuse_contractions import FuseContractions
 

@@ -20,6 +20,9 @@ import torch.fx
 from amplite.passes.base import PassResult
 from amplite.passes.graph_utils import fake_value
 
+#: Name prefix of the tensors this pass creates (``store_low_params`` may store them low at O1 too).
+FOLDED_PREFIX = "amplite_folded_"
+
 aten = torch.ops.aten
 _CONVS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default}
 _BN = aten.batch_norm.default
@@ -80,8 +83,8 @@ class FoldBatchNorm:
         bias0 = b.detach().double() if b is not None else torch.zeros_like(mean_t)
         new_b = (bias0 - mean_t) * scale + (beta_t.detach().double() if beta_t is not None else 0.0)
         new_b = new_b.to(w.dtype)
-        index = sum(1 for n in dir(gm) if n.startswith("amplite_folded_") and n.endswith("_weight"))
-        names = (f"amplite_folded_{index}_weight", f"amplite_folded_{index}_bias")
+        index = sum(1 for n in dir(gm) if n.startswith(FOLDED_PREFIX) and n.endswith("_weight"))
+        names = (f"{FOLDED_PREFIX}{index}_weight", f"{FOLDED_PREFIX}{index}_bias")
         for attr, value in zip(names, (new_w, new_b), strict=True):
             gm.register_parameter(attr, torch.nn.Parameter(value, requires_grad=False))
         with gm.graph.inserting_before(conv):

@@ -1,9 +1,14 @@
-"""Pass 4 (O2 and up): store in low precision the weights that are only ever used in low precision.
+"""Pass 4: store in low precision the weights that are only ever used in low precision.
 
-Guarantees afterwards: every floating-point parameter, buffer or constant whose every reader was a cast
-to one low dtype is stored in that dtype (a NEW tensor: the module the graph came from shares storage
-with the user's model and must not change), those casts are gone, and everything else is untouched
-(weights read in FP32, e.g. by norms, stay FP32).
+At O2 and up it covers every tensor; at O1 only the constants amplite itself created (the folded
+BatchNorm weights, ``prefix="amplite_folded_"``): the user's parameters stay FP32 master copies there, but
+a derived constant that is cast to fp16 on every forward gains nothing from being stored in FP32 — the
+stored copy rounds exactly as the run-time cast did.
+
+Guarantees afterwards: every floating-point parameter, buffer or constant (whose attribute path starts
+with ``prefix``, when given) whose every reader was a cast to one low dtype is stored in that dtype (a
+NEW tensor: the module the graph came from shares storage with the user's model and must not change),
+those casts are gone, and everything else is untouched (weights read in FP32, e.g. by norms, stay FP32).
 """
 
 from __future__ import annotations
@@ -40,9 +45,16 @@ def _owner(gm: torch.fx.GraphModule, target: str) -> tuple[nn.Module, str]:
 
 
 class StoreLowPrecisionParams:
-    """Replace FP32 weights that are only cast to a low dtype by low-precision copies."""
+    """Replace FP32 weights that are only cast to a low dtype by low-precision copies.
+
+    Args:
+        prefix: Only tensors whose attribute path starts with this (None: every tensor).
+    """
 
     name = "store_low_params"
+
+    def __init__(self, prefix: str | None = None) -> None:
+        self.prefix = prefix
 
     def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
         counters: Counter[str] = Counter()
@@ -51,7 +63,7 @@ class StoreLowPrecisionParams:
         readers: dict[int, list[torch.fx.Node]] = defaultdict(list)
         tensors: dict[int, torch.Tensor] = {}
         for node in gm.graph.nodes:
-            if node.op == "get_attr":
+            if node.op == "get_attr" and (self.prefix is None or str(node.target).startswith(self.prefix)):
                 owner, attr = _owner(gm, node.target)
                 tensor = getattr(owner, attr, None)
                 if isinstance(tensor, torch.Tensor):
