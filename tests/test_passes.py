@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from amplite.converter.pipeline import strip_export_checks
@@ -268,3 +269,32 @@ def test_o1_stores_folded_constants_low_but_keeps_user_weights_fp32() -> None:
     unfused = amplite.convert(model, inputs, level="O1", fold_batchnorm=False)
     torch.testing.assert_close(result.module()(*inputs[0]), unfused.module()(*inputs[0]), atol=2e-2, rtol=2e-2)
     assert result.passed
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.gamma = nn.Parameter(torch.rand(16) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(x) * self.gamma  # mul and add mix the fp16 linear output with FP32 tensors
+
+
+def test_mixed_dtype_elementwise_ops_promote_in_kernel_without_a_cast() -> None:
+    import amplite
+
+    model = Residual()
+    x = torch.randn(4, 16)
+    result = amplite.convert(model, (x,), level="O1")
+    graph = result.program.graph
+    mul = next(n for n in graph.nodes if n.target is aten.mul.Tensor)
+    dtypes = sorted(str(a.meta["val"].dtype) for a in mul.args)
+    assert dtypes == ["torch.float16", "torch.float32"]  # the fp16 linear output is read as it is
+    assert mul.args[0].target is aten.linear.default
+    assert count_casts(graph) == 3  # x, fc.weight and fc.bias to fp16; nothing back to FP32
+    counters = next(p for p in result.report.data["passes"] if p["name"] == "insert_casts")["counters"]
+    assert counters["promotions_in_kernel"] == 1
+    with torch.no_grad():
+        want = x + F.linear(x.half(), model.fc.weight.half(), model.fc.bias.half()).float() * model.gamma
+    assert torch.equal(result.module()(x), want)  # exactly the explicit-cast result

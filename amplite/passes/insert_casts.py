@@ -1,10 +1,13 @@
 """Pass 2: make the plan real by inserting casts.
 
 Guarantees afterwards: every node planned by ``annotate_precision`` receives its floating-point operands
-in its compute dtype (zero-dim operands of ``follow`` nodes excepted: torch's promotion already ignores
-them); there is at most ONE cast per (value, dtype), shared by all consumers and placed before the first
-of them; graph outputs keep their original dtype unless ``low_precision_io`` is set; every node's
-``meta['val']`` carries its new dtype. FP64 values are never touched.
+in its compute dtype, with two exceptions where torch's own promotion gives the same result: zero-dim
+operands of ``follow`` nodes (promotion ignores them), and the narrower operands of a ``follow`` node in
+``op_tables.PROMOTING_OPS`` (``add``/``mul``/``where``…: the kernel widens each element as it reads it,
+so no FP32 copy is written; counter ``promotions_in_kernel``). There is at most ONE cast per (value,
+dtype), shared by all consumers and placed before the first of them; graph outputs keep their original
+dtype unless ``low_precision_io`` is set; every node's ``meta['val']`` carries its new dtype.
+FP64 values are never touched.
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ import torch
 import torch.fx
 from torch.fx.node import map_arg
 
+from amplite import op_tables
 from amplite.passes.base import PassResult
 from amplite.passes.graph_utils import dtypes_of, fake_value, make_cast, retype
+
+_PROMOTING = frozenset(op_tables.PROMOTING_OPS)
 
 
 class InsertCasts:
@@ -60,9 +66,11 @@ class InsertCasts:
             plan = node.meta.get("amplite_precision")
             if node.op == "call_function" and plan and plan["dtype"] is not None:
                 compute, follow = plan["dtype"], plan["mode"] == "follow"
+                promotes = follow and compute == torch.float32 and op_tables.op_name(node.target) in _PROMOTING
 
                 def fix(
-                    arg: Any, compute: torch.dtype = compute, follow: bool = follow, node: torch.fx.Node = node
+                    arg: Any, compute: torch.dtype = compute, follow: bool = follow, node: torch.fx.Node = node,
+                    promotes: bool = promotes,
                 ) -> Any:
                     if not isinstance(arg, torch.fx.Node):
                         return arg
@@ -71,6 +79,9 @@ class InsertCasts:
                     if not isinstance(dt, torch.dtype) or not dt.is_floating_point or dt == compute:
                         return arg
                     if dt == torch.float64 or (follow and isinstance(val, torch.Tensor) and val.dim() == 0):
+                        return arg
+                    if promotes:
+                        counters["promotions_in_kernel"] += 1
                         return arg
                     return cast_of(arg, compute, node)
 
