@@ -10,15 +10,30 @@ from amplite.converter.verify import parse_tolerance
 from fixtures.zoo import make
 
 
-def test_tight_tolerance_is_reached_with_a_few_nodes_in_bounded_trials() -> None:
+def test_tight_tolerance_is_reached_with_a_few_nodes_in_bounded_trials(monkeypatch) -> None:
+    from amplite.converter import calibration, pipeline
+
     model, inputs = make("transformer")
     plain = amplite.convert(model, inputs, level="O2")
     target = plain.report.outputs[0]["sqnr_db"] + 3.0  # deliberately tighter than the rule-based plan
     tol = parse_tolerance([f"sqnr>={target:.2f}"], "fp16")
     assert amplite.convert(model, inputs, level="O2", tolerance=tol).passed is False
 
+    calls = {"export": 0, "calibrate": 0}
+
+    def counting(real, key):
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return real(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(pipeline, "export_model", counting(pipeline.export_model, "export"))
+    monkeypatch.setattr(pipeline, "collect_ranges", counting(calibration.collect_ranges, "calibrate"))
     result = amplite.convert(model, inputs, level="O2", tolerance=tol, fallback_search=True)
     budget = result.report.data["budget"]
+    # Trials rerun only the passes: one export + one re-export for the first plan, one re-export for the
+    # chosen plan; calibration runs for the first plan and the final conversion, never per trial.
+    assert calls == {"export": 3, "calibrate": 2}
     assert result.passed and budget["passed"] and result.report.outputs[0]["sqnr_db"] >= target
     moved = [m["node"] for m in budget["moved_to_fp32"]]
     assert 0 < len(moved) < budget["candidates"]

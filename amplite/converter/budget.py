@@ -3,9 +3,11 @@
 Candidates are the converted graph's low-precision nodes ranked by the error each one *introduces*
 (the isolated "shadow" error of the layer-wise analysis). The search tries the worst node alone, then
 all candidates (if even that fails, it stops: no subset can do better, and it reports the best plan
-found), then bisects on how many of the ranked candidates to keep in FP32. Every trial reuses the FP32
-program (no new export) and the cached FP32 reference outputs; only the converted model runs. Trials
-are bounded by ``2·log2(N) + 10`` for N candidates (or ``max_trials``).
+found), then bisects on how many of the ranked candidates to keep in FP32. A trial reruns only the
+passes, on the FP32 program (no export), with the calibrated ranges and FP32 reference outputs of the
+first conversion, and runs the rewritten module: nothing is re-exported until the plan is chosen, and
+that plan alone is converted and verified in full. Trials are bounded by ``2·log2(N) + 10`` for N
+candidates (or ``max_trials``).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from typing import Any
 import torch
 
 from amplite.converter.layerwise import analyze
-from amplite.converter.pipeline import lower_inputs
+from amplite.converter.pipeline import lower_inputs, rewrite
 from amplite.converter.verify import compare, run_model
-from amplite.policy import PRECISIONS
+from amplite.passes.range_guard import RangeRules
+from amplite.policy import PRECISIONS, PrecisionPolicy, make_overrides
 
 
 @dataclass
@@ -57,17 +60,22 @@ def fallback_search(result: Any, options: dict[str, Any], *, max_trials: int | N
     bound = max_trials if max_trials is not None else 2 * math.ceil(math.log2(max(n, 2))) + 10
     steps = [Step(0, "plan", 0, False, _worst(result.report.outputs), 0.0)]
     cache: dict[int, tuple[bool, Any]] = {}
+    config = result.report.data["config"]
+    rules = RangeRules(**config["range_rules"]) if config.get("range_rules") else None
+    ranges = result.pipeline.ranges  # calibrated once, by the conversion that missed the tolerance
 
     def trial(k: int, kind: str) -> bool:
         if k in cache:
             return cache[k][0]
         t0 = perf_counter()
         keep = [*options.get("keep_fp32", []), *(f"node:{name}" for name, _ in ranked[:k])]
-        trial_result = convert(
-            result.original, result.inputs, **{**options, "keep_fp32": keep}, verify=False,
-            reference_outputs=result.reference,
-        )  # fmt: skip
-        metrics = compare(result.reference, run_model(trial_result.module(), run_inputs), result.tolerance)
+        policy = PrecisionPolicy(options["precision"], options["level"], make_overrides(keep, options["force_low"]),
+                                 options["low_precision_io"])  # fmt: skip
+        module = rewrite(
+            result.original, result.inputs, policy, fuse_contractions=options["fuse_contractions"],
+            range_rules=rules, fold_batchnorm=options["fold_batchnorm"], ranges=ranges,
+        ).module  # fmt: skip
+        metrics = compare(result.reference, run_model(module, run_inputs), result.tolerance)
         ok = all(m.passed for m in metrics)
         cache[k] = (ok, keep)
         worst = _worst([m.to_dict() for m in metrics])

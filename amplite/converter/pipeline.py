@@ -45,6 +45,7 @@ class PipelineOutput:
         records: One record per pass (counters and time).
         plan: One entry per planned node: name, op, module, source, mode, dtype, reason.
         timings: Seconds spent in ``export``, ``passes`` and ``reexport``.
+        ranges: The calibrated value ranges (None without range rules), for reuse.
     """
 
     original: ExportedProgram
@@ -52,6 +53,7 @@ class PipelineOutput:
     records: list[PassRecord] = field(default_factory=list)
     plan: list[dict[str, Any]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    ranges: Mapping[str, ValueRange] | None = None
 
 
 def build_passes(
@@ -119,6 +121,73 @@ def lower_inputs(inputs: Inputs, dtype: torch.dtype) -> Inputs:
     return pytree.tree_map(low, inputs)
 
 
+@dataclass
+class Rewrite:
+    """The rewritten (not yet re-exported) module and what the passes recorded.
+
+    Attributes:
+        module: The rewritten GraphModule (callable like the model; no export metadata).
+        records: One record per pass.
+        plan: The precision decision of every planned node.
+        ranges: The calibrated value ranges the range rules used (None without range rules).
+        timings: Seconds in ``calibration`` (when run) and ``passes`` (calibration included).
+    """
+
+    module: torch.fx.GraphModule
+    records: list[PassRecord]
+    plan: list[dict[str, Any]]
+    ranges: Mapping[str, ValueRange] | None
+    timings: dict[str, float]
+
+
+def rewrite(
+    original: ExportedProgram,
+    inputs: Inputs,
+    policy: PrecisionPolicy,
+    *,
+    fuse_contractions: bool = False,
+    range_rules: RangeRules | None = None,
+    calibration: Iterable[Inputs] | None = None,
+    fold_batchnorm: bool = True,
+    ranges: Mapping[str, ValueRange] | None = None,
+) -> Rewrite:
+    """Run amplite's passes on a fresh ``original.module()`` (the program itself is not touched).
+
+    Args:
+        original: The FP32 program.
+        inputs: Example inputs ``(args, kwargs)`` (calibration batch by default).
+        policy: The precision policy.
+        fuse_contractions: Run the contraction-fusion pass last.
+        range_rules: Apply these range rules (None: no range rules).
+        calibration: Batches for the range rules (default: the example inputs).
+        fold_batchnorm: Fold inference-mode BatchNorm into the preceding convolution first.
+        ranges: Value ranges from an earlier ``rewrite`` of the same program with the same
+            ``fold_batchnorm`` and batches: calibration is skipped (the budget search's trials).
+    """
+    timings: dict[str, float] = {}
+    start = perf_counter()
+    gm = original.module()
+    strip_export_checks(gm)
+    if policy.low_precision_io:
+        for node in gm.graph.nodes:
+            val = node.meta.get("val")
+            if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dtype == torch.float32:
+                node.meta["val"] = retype(val, policy.low_dtype)
+    records: list[PassRecord] = []
+    if fold_batchnorm:  # before calibration: folding changes the conv outputs the ranges describe
+        gm, records = PassManager([FoldBatchNorm()])(gm)
+    if range_rules is None:
+        ranges = None
+    elif ranges is None:
+        calib_start = perf_counter()
+        ranges = collect_ranges(gm, calibration if calibration is not None else [inputs])
+        timings["calibration"] = perf_counter() - calib_start
+    passes = build_passes(policy, fuse_contractions=fuse_contractions, ranges=ranges, range_rules=range_rules)
+    gm, rest = PassManager(passes)(gm)
+    timings["passes"] = perf_counter() - start
+    return Rewrite(gm, records + rest, collect_plan(gm), ranges, timings)
+
+
 def run_pipeline(
     model: torch.nn.Module | ExportedProgram,
     inputs: Inputs,
@@ -130,7 +199,7 @@ def run_pipeline(
     calibration: Iterable[Inputs] | None = None,
     fold_batchnorm: bool = True,
 ) -> PipelineOutput:
-    """Export ``model`` (unless it already is a program) and rewrite it under ``policy``.
+    """Export ``model`` (unless it already is a program), rewrite it under ``policy``, re-export.
 
     Args:
         model: The FP32 model or its ExportedProgram.
@@ -149,33 +218,16 @@ def run_pipeline(
     if policy.level is Level.O0:
         return PipelineOutput(original, original, timings=timings | {"passes": 0.0, "reexport": 0.0})
 
-    start = perf_counter()
-    gm = original.module()
-    strip_export_checks(gm)
-    if policy.low_precision_io:
-        for node in gm.graph.nodes:
-            val = node.meta.get("val")
-            if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dtype == torch.float32:
-                node.meta["val"] = retype(val, policy.low_dtype)
-    records: list[PassRecord] = []
-    if fold_batchnorm:  # before calibration: folding changes the conv outputs the ranges describe
-        gm, records = PassManager([FoldBatchNorm()])(gm)
-    ranges = None
-    if range_rules is not None:
-        calib_start = perf_counter()
-        ranges = collect_ranges(gm, calibration if calibration is not None else [inputs])
-        timings["calibration"] = perf_counter() - calib_start
-    passes = build_passes(policy, fuse_contractions=fuse_contractions, ranges=ranges, range_rules=range_rules)
-    gm, rest = PassManager(passes)(gm)
-    records += rest
-    plan = collect_plan(gm)
-    timings["passes"] = perf_counter() - start
-
+    done = rewrite(
+        original, inputs, policy, fuse_contractions=fuse_contractions, range_rules=range_rules,
+        calibration=calibration, fold_batchnorm=fold_batchnorm,
+    )  # fmt: skip
+    timings.update(done.timings)
     start = perf_counter()
     export_inputs = lower_inputs(inputs, policy.low_dtype) if policy.low_precision_io else inputs
-    converted = export_model(gm, export_inputs, dynamic_batch=dynamic_batch, what="the converted model")
+    converted = export_model(done.module, export_inputs, dynamic_batch=dynamic_batch, what="the converted model")
     timings["reexport"] = perf_counter() - start
-    return PipelineOutput(original, converted, records, plan, timings)
+    return PipelineOutput(original, converted, done.records, done.plan, timings, done.ranges)
 
 
 def collect_plan(gm: torch.fx.GraphModule) -> list[dict[str, Any]]:
