@@ -14,7 +14,7 @@ from typing import Any
 
 from amplite.batch import summary as summ
 from amplite.batch.keys import job_key, parse_shard, select_shard, shard_of
-from amplite.batch.manifest import Job, ManifestError, jobs_from_paths, parse_manifest
+from amplite.batch.manifest import Job, ManifestError, parse_manifest
 from amplite.batch.progress import Progress
 from amplite.batch.runner import (
     DEFAULT_TIMEOUT,
@@ -22,6 +22,7 @@ from amplite.batch.runner import (
     default_workers,
     iter_convert_many,
 )
+from amplite.batch.sources import jobs_from_paths
 from amplite.batch.summary import BatchResult, JobResult, MergeError
 
 __all__ = [

@@ -7,7 +7,6 @@ relative to the manifest's directory. See docs/batch.md for the format.
 
 from __future__ import annotations
 
-import glob as globlib
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -43,14 +42,13 @@ JOB_KEYS: dict[str, str] = {
     "timeout": "seconds (a positive number)",
     "max_memory_gb": "GiB of address space for the worker (a positive number)",
 }
-_MODEL_ONLY = ("name", "path")
+MODEL_ONLY = ("name", "path")
 _LISTS = ("inputs", "keep_fp32", "force_low", "formats")
 _BOOLS = ("trust_pickle", "dynamic_batch", "low_precision_io", "fuse_contractions", "verify")
 _STRINGS = ("path", "inputs_file", "precision", "model_factory")
 _TOLERANCE_KEYS = ("min_sqnr_db", "min_cosine", "max_mismatch")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 #: File suffixes taken from a directory source (self-contained: they store their example inputs).
-DIR_SUFFIXES = (".pt2",)
 
 
 class ManifestError(ConfigError):
@@ -103,7 +101,7 @@ class Job:
         """
         data = dict(data)
         line = int(data.pop("line", 0) or 0)
-        return _make_job(data, base or Path.cwd(), lambda key: line, where="job")
+        return make_job(data, base or Path.cwd(), lambda key: line, where="job")
 
 
 def _line_finder(text: str, model_index: int | None) -> Any:
@@ -180,7 +178,7 @@ def _check_value(key: str, value: Any) -> Any:
     raise KeyError(key)
 
 
-def _make_job(data: dict[str, Any], base: Path, line_of: Any, *, where: str) -> Job:
+def make_job(data: dict[str, Any], base: Path, line_of: Any, *, where: str) -> Job:
     """Validate a merged (defaults + entry) mapping into a Job."""
     for key in data:
         if key not in JOB_KEYS:
@@ -285,7 +283,7 @@ def parse_manifest(path: str | Path, defaults: Mapping[str, Any] | None = None) 
     shared = doc.get("defaults", {})
     if not isinstance(shared, dict):
         raise _fail(where, 0, "defaults", "must be a table", "write [defaults] followed by key = value lines")
-    for key in _MODEL_ONLY:
+    for key in MODEL_ONLY:
         if key in shared:
             raise _fail(where, top(key), key, "is per model, not a default", "move it into a [[model]] entry")
     entries = doc.get("model", [])
@@ -296,7 +294,7 @@ def parse_manifest(path: str | Path, defaults: Mapping[str, Any] | None = None) 
     for i, entry in enumerate(entries):
         line_of = _line_finder(text, i)
         jobs.append(
-            _make_job(
+            make_job(
                 {**(defaults or {}), **shared, **entry}, base, _combined(line_of, top, entry), where=where
             )
         )
@@ -320,44 +318,3 @@ def check_unique(jobs: Sequence[Job], where: str = "batch") -> None:
                 'give each [[model]] a unique name = "..."',
             )
         seen[job.name] = job
-
-
-def jobs_from_paths(source: str | Path, defaults: Mapping[str, Any] | None = None) -> list[Job]:
-    """Jobs for every ``.pt2`` in a directory, or every file matching a glob, with shared settings.
-
-    Raises:
-        ManifestError: Nothing matches, or the shared settings are invalid.
-    """
-    src = Path(source).expanduser()
-    if src.is_dir():
-        files = sorted(f for f in src.iterdir() if f.is_file() and f.suffix in DIR_SUFFIXES)
-    else:
-        files = sorted(Path(f) for f in globlib.glob(str(src), recursive=True) if Path(f).is_file())
-    if not files:
-        raise ManifestError(
-            f"no model files match {str(source)!r}",
-            "pass a .toml manifest, a directory of .pt2 files or a glob such as 'zoo/*.pt2'",
-        )
-    names = [safe_name(f) for f in files]
-    if len(set(names)) < len(names):  # same file name in different directories: name by relative path
-        root = Path(*_common_parts(files))
-        names = [re.sub(r"[^A-Za-z0-9_.-]", "-", str(f.relative_to(root).with_suffix(""))) for f in files]
-    shared = dict(defaults or {})
-    for key in _MODEL_ONLY:
-        shared.pop(key, None)
-    jobs = [
-        _make_job({**shared, "path": str(f.resolve()), "name": n}, Path.cwd(), lambda k: 0, where=str(source))
-        for f, n in zip(files, names, strict=True)
-    ]
-    check_unique(jobs, str(source))
-    return jobs
-
-
-def _common_parts(files: Sequence[Path]) -> tuple[str, ...]:
-    parts = [f.resolve().parent.parts for f in files]
-    common: list[str] = []
-    for level in zip(*parts, strict=False):
-        if len(set(level)) != 1:
-            break
-        common.append(level[0])
-    return tuple(common)
