@@ -90,6 +90,28 @@ def test_identity_and_duplicate_casts_removed_but_output_cast_kept() -> None:
     np.testing.assert_array_equal(_run(model, {"x": x})[0], (x.astype(np.float16) * 2).astype(np.float16))
 
 
+def test_cast_read_only_by_shape_is_removed_and_shared_one_rewired() -> None:
+    nodes = [
+        helper.make_node("Cast", ["h"], ["h32"], to=F32),  # read only by Shape: goes
+        helper.make_node("Shape", ["h32"], ["s"]),
+        helper.make_node("Cast", ["x"], ["x16"], to=F16),  # also read by Relu: stays, Size reads x
+        helper.make_node("Size", ["x16"], ["n"]),
+        helper.make_node("Relu", ["x16"], ["r"]),
+    ]
+    outputs = [helper.make_tensor_value_info("s", TensorProto.INT64, [2]),
+               helper.make_tensor_value_info("n", TensorProto.INT64, []), _vi("r", F16)]
+    model = _model(nodes, [_vi("h", F16), _vi("x", F32)], outputs)
+    feeds = {"h": np.ones((2, 3), np.float16), "x": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    before = _run(model, feeds)
+    counts = cleanup_casts(model)
+    assert counts["shape_only"] == 1 and counts["casts_after"] == 1
+    assert _ops(model) == ["Shape", "Cast", "Size", "Relu"]
+    size = next(n for n in model.graph if n.op_type == "Size")
+    assert size.inputs[0].name == "x"
+    for b, a in zip(before, _run(model, feeds), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize(("to", "tdtype"), [(F16, torch.float16), (BF16, torch.bfloat16)])
 def test_initializer_read_only_through_casts_is_stored_low_with_round_to_nearest_even(to: int, tdtype) -> None:
     w = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))

@@ -8,6 +8,7 @@ program performs stay exactly as they were:
   fp32, anything float → fp64): the outer Cast reads ``x`` directly, and disappears when ``T`` is ``x``'s
   dtype (``fp16 → fp32 → fp16``). ``fp32 → fp16 → fp32`` rounds, so it is never touched.
 * ``duplicate``: two Casts of one value to one dtype.
+* ``shape_only``: a Cast read only by Shape/Size (they read the Cast's input instead, same result).
 * ``initializer``: an initializer whose only readers are Casts to one narrower dtype, directly or through pure data
   movement (Slice, Gather, Reshape, ...), is stored in that dtype (converted lazily, tensor by tensor, when
   the model is written, with the same round-to-nearest-even as the Cast it replaces).
@@ -31,6 +32,8 @@ _EXACT = {
     (ir.DataType.FLOAT, ir.DataType.DOUBLE),
 }
 _FLOATS = {ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE}
+#: Ops that read only their input's shape: a Cast in front of them changes nothing.
+_SHAPE_OPS = {"Shape", "Size"}
 #: Ops that only move data (input 0): a Cast commutes with them exactly.
 MOVEMENT = {"Slice", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Gather", "Expand", "Flatten", "Identity"}
 
@@ -47,11 +50,13 @@ def count_casts(model: ir.Model, *, functions: bool = False) -> int:
     return sum(1 for node in ir.traversal.RecursiveGraphIterator(model.graph) if is_cast(node))
 
 
-def _target(node: ir.Node) -> ir.DataType:
+def cast_target(node: ir.Node) -> ir.DataType:
+    """The ``to`` dtype of a Cast."""
     return ir.DataType(node.attributes["to"].as_int())
 
 
-def _removable(node: ir.Node) -> bool:
+def removable(node: ir.Node) -> bool:
+    """Whether ``node``'s first output may disappear (it is not a graph output, whose name must stay)."""
     return not node.outputs[0].is_graph_output()
 
 
@@ -61,7 +66,7 @@ def _drop(graph: ir.Graph, node: ir.Node, replacement: ir.Value) -> None:
     graph.remove(node, safe=True)
 
 
-def _lazy_cast(tensor: ir.TensorProtocol, dtype: ir.DataType, name: str) -> ir.LazyTensor:
+def lazy_cast(tensor: ir.TensorProtocol, dtype: ir.DataType, name: str) -> ir.LazyTensor:
     """``tensor`` converted to ``dtype`` on demand (no second copy of the weights until written)."""
 
     def convert() -> ir.TensorProtocol:
@@ -74,9 +79,9 @@ def _cast_readers(value: ir.Value) -> list[ir.Node] | None:
     """The Casts that read ``value``, looking through data movement on input 0; None if another reader."""
     casts = []
     for node, index in value.uses():
-        if is_cast(node) and _removable(node):
+        if is_cast(node) and removable(node):
             casts.append(node)
-        elif node.op_type in MOVEMENT and node.domain == "" and index == 0 and _removable(node):
+        elif node.op_type in MOVEMENT and node.domain == "" and index == 0 and removable(node):
             inner = _cast_readers(node.outputs[0])
             if not inner:
                 return None
@@ -101,14 +106,14 @@ def fold_initializer_casts(graph: ir.Graph, counts: Counter) -> None:
         if tensor is None or value.dtype not in _FLOATS or value.is_graph_input() or value.is_graph_output():
             continue
         casts = _cast_readers(value)
-        targets = {_target(n) for n in casts or ()}
+        targets = {cast_target(n) for n in casts or ()}
         if not casts or len(targets) != 1 or next(iter(targets)) not in _FLOATS:
             continue
         dtype = targets.pop()
         if dtype.itemsize >= value.dtype.itemsize:  # widening would save a Cast but grow the file
             continue
         new = ir.Value(name=name, type=ir.TensorType(dtype), shape=value.shape,
-                       const_value=_lazy_cast(tensor, dtype, name))
+                       const_value=lazy_cast(tensor, dtype, name))
         graph.initializers.pop(name)
         graph.register_initializer(new)
         ir.convenience.replace_all_uses_with(value, new)
@@ -124,10 +129,19 @@ def _cleanup_once(graph: ir.Graph, counts: Counter) -> bool:
     for node in list(graph):
         if not is_cast(node) or node.graph is not graph:
             continue
-        x, to = node.inputs[0], _target(node)
+        x, to = node.inputs[0], cast_target(node)
         if x is None:
             continue
-        if x.dtype == to and _removable(node):
+        shape_reads = [(use.node, use.idx) for use in node.outputs[0].uses() if use.node.op_type in _SHAPE_OPS
+                       and use.node.domain in ("", "ai.onnx")]
+        for reader, index in shape_reads:  # a shape does not depend on the dtype
+            reader.replace_input_with(index, x)
+            changed = True
+        if shape_reads and not node.outputs[0].uses() and removable(node):
+            graph.remove(node, safe=True)
+            counts["shape_only"] += 1
+            continue
+        if x.dtype == to and removable(node):
             _drop(graph, node, x)
             counts["identity"] += 1
             changed = True
@@ -135,18 +149,18 @@ def _cleanup_once(graph: ir.Graph, counts: Counter) -> bool:
         inner = x.producer()
         if inner is not None and is_cast(inner) and inner.inputs[0] is not None:
             source = inner.inputs[0]
-            if (source.dtype, _target(inner)) in _EXACT:
-                if source.dtype == to and _removable(node):
+            if (source.dtype, cast_target(inner)) in _EXACT:
+                if source.dtype == to and removable(node):
                     _drop(graph, node, source)
                 else:
                     node.replace_input_with(0, source)
-                if not x.uses() and _removable(inner):
+                if not x.uses() and removable(inner):
                     graph.remove(inner, safe=True)
                 counts["round_trip"] += 1
                 changed = True
                 continue
         key = (id(x), int(to))
-        if key in seen and _removable(node):
+        if key in seen and removable(node):
             _drop(graph, node, seen[key])
             counts["duplicate"] += 1
             changed = True
@@ -160,9 +174,9 @@ def cleanup_casts(model: ir.Model) -> dict[str, int]:
 
     Returns:
         Counters: ``casts_before``, ``casts_after``, and one per rule (``identity``, ``round_trip``,
-        ``duplicate``, ``initializer``).
+        ``duplicate``, ``shape_only``, ``initializer``).
     """
-    counts: Counter = Counter({"identity": 0, "round_trip": 0, "duplicate": 0, "initializer": 0})
+    counts: Counter = Counter({"identity": 0, "round_trip": 0, "duplicate": 0, "shape_only": 0, "initializer": 0})
     before = count_casts(model)
     graph = model.graph
     fold_initializer_casts(graph, counts)

@@ -1,7 +1,8 @@
 """ONNX output: ``torch.onnx.export(dynamo=True)`` of a converted program, portable to any ONNX runtime.
 
 * Casts and FP32 islands come from the converted program unchanged; :mod:`onnx_cleanup` then removes only
-  exact redundancies and stores initializers read only in low precision in that precision.
+  exact redundancies and stores initializers read only in low precision in that precision, and
+  :mod:`onnx_norm` runs LayerNorm islands on the low dtype with FP32 statistics (``stash_type=1``).
 * ``amplite::contract`` becomes ``amplite.Contract`` (or ``amplite.ContractBias`` when it has a bias), opset
   domain ``amplite`` version 1, each with a model-local function body (Cast → Einsum → scale/bias → Cast,
   FP32 inside) so every runtime can run it, while a runtime with a kernel registered for the domain claims
@@ -41,6 +42,9 @@ from torch.export import ExportedProgram
 
 from amplite.converter.emit import check_writable
 from amplite.converter.onnx_cleanup import cleanup_casts, count_casts, set_io_dtype
+from amplite.converter.onnx_errors import export_failure
+from amplite.converter.onnx_norm import MODES as LAYERNORM_MODES
+from amplite.converter.onnx_norm import stash_layernorms
 from amplite.errors import ConfigError, EmitError, ExportError
 
 DOMAIN = "amplite"
@@ -68,7 +72,8 @@ class OnnxInfo:
         casts: Cast nodes in the main graph after clean-up.
         casts_in_functions: Cast nodes inside the ``amplite`` function bodies (per definition).
         contract_nodes: ``amplite`` domain nodes in the graph.
-        cleanup: Counters of the Cast clean-up (see :func:`amplite.converter.onnx_cleanup.cleanup_casts`).
+        cleanup: Counters of the Cast clean-up (see :func:`amplite.converter.onnx_cleanup.cleanup_casts`),
+            plus ``layernorm_stash`` (see :func:`amplite.converter.onnx_norm.stash_layernorms`).
         inputs: ``(name, dtype)`` of each graph input; ``outputs`` likewise.
         checker: ``"passed"``: ``onnx.checker`` full check (strict shape inference) of the written file.
         timings: Seconds in ``export``, ``optimize`` and ``save_and_check``.
@@ -157,38 +162,12 @@ def _quiet_exporter() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _missing_ops(exc: BaseException) -> list[str]:
-    """Names of ops the exporter found no ONNX translation for, from its exception chain (it stops at one)."""
-    text, seen = "", set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        text += f"\n{exc}"
-        exc = exc.__cause__ or exc.__context__
-    found = re.findall(r"No ONNX function found for <OpOverload\(op='([^']+)', overload='([^']+)'\)>", text)
-    return sorted({f"{op}.{overload}" for op, overload in found})
-
-
-def _scan_missing(program: ExportedProgram, table: dict[Any, Any]) -> list[str]:
-    """Every op of ``program`` without an ONNX translation (private exporter API: best effort, [] on failure)."""
-    try:
-        from torch.onnx._internal.exporter import _fx_passes, _registration
-
-        registry = _registration.ONNXRegistry.from_torchlib()
-        decomposed = _fx_passes.decompose_with_registry(program, registry)
-        return sorted({
-            str(n.target) for n in decomposed.graph.nodes
-            if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-            and n.target not in table and not registry.is_registered(n.target)
-        })
-    except Exception:  # the scan only improves the message; the exporter's own finding stands
-        return []
-
-
 def export_model(program: ExportedProgram, *, opset: int = DEFAULT_OPSET) -> ir.Model:
     """Translate ``program`` to an ONNX IR model (no optimisation, functions not yet attached).
 
     Raises:
-        ExportError: An op has no ONNX translation, or the exporter failed.
+        ExportError: An op has no ONNX translation (all named), or the exporter failed (its step and the
+            innermost cause named).
         ConfigError: The opset cannot express the model.
     """
     table = {}
@@ -202,30 +181,33 @@ def export_model(program: ExportedProgram, *, opset: int = DEFAULT_OPSET) -> ir.
                 opset_version=opset, custom_translation_table=table,
             )
     except Exception as exc:
-        missing = _missing_ops(exc)
-        if missing:
-            missing = sorted(set(missing) | set(_scan_missing(program, table)))
-            raise ExportError(
-                f"no ONNX translation for {', '.join(missing)}", "save as .pt2 instead (--format pt2)"
-            ) from exc
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if opset < 18:
-            raise ConfigError(f"the model cannot be exported at opset {opset}: {first}",
-                              "use --opset 18 or newer (default 20)") from exc
-        raise ExportError(f"ONNX export failed: {first}", "save as .pt2 instead (--format pt2)") from exc
+        raise export_failure(exc, program, table, opset) from exc
     return onnx_program.model
 
 
 def prepare_model(
-    program: ExportedProgram, *, precision: str = "fp16", low_precision_io: bool = False, opset: int | None = None
+    program: ExportedProgram, *, precision: str = "fp16", low_precision_io: bool = False, opset: int | None = None,
+    layernorm_stash: str = "exact",
 ) -> tuple[ir.Model, dict[str, Any]]:
     """Export, attach the ``amplite`` functions, clean up casts and optimise (without inlining).
 
+    Args:
+        program: The converted ExportedProgram.
+        precision: ``fp16`` or ``bf16``.
+        low_precision_io: Make FP32 graph inputs and outputs the low dtype.
+        opset: Default-domain opset (None: 20 for fp16, 22 for bf16).
+        layernorm_stash: Run LayerNorm islands on the low dtype with FP32 statistics (``stash_type=1``)
+            where that removes Casts: ``"exact"`` where scale and bias are exact in the low dtype,
+            ``"round"`` rounding them too, ``"off"`` (:mod:`amplite.converter.onnx_norm`).
+
     Returns:
-        The model and a dict with ``cleanup`` counters and ``timings``.
+        The model and a dict with ``cleanup`` counters (``layernorm_stash`` among them) and ``timings``.
     """
     if precision not in _LOW:
         raise ConfigError(f"precision {precision!r} is not fp16 or bf16", "pass --precision fp16 or bf16")
+    if layernorm_stash not in LAYERNORM_MODES:
+        raise ConfigError(f"LayerNorm stash mode {layernorm_stash!r} is not one of {', '.join(LAYERNORM_MODES)}",
+                          "pass exact (the default), round or off")
     if opset is not None and precision == "bf16" and opset < MIN_OPSET_BF16:
         raise ConfigError(f"opset {opset} has no bfloat16 Cast (added in opset {MIN_OPSET_BF16})",
                           "use --opset 18 or newer (default 20), or --precision fp16")
@@ -252,9 +234,11 @@ def prepare_model(
         set_io_dtype(model, _LOW[precision])
     first = cleanup_casts(model)
     onnxscript.optimizer.optimize_ir(model, inline=False)  # folding, CSE, dead code; functions kept
+    stashed = stash_layernorms(model, layernorm_stash)
     second = cleanup_casts(model)  # the optimiser's folding can expose more
     cleanup = {k: first[k] + second[k] for k in first} | {"casts_before": first["casts_before"],
-                                                           "casts_after": second["casts_after"]}
+                                                           "casts_after": second["casts_after"],
+                                                           "layernorm_stash": stashed}
     timings["optimize"] = perf_counter() - start
     return model, {"cleanup": cleanup, "timings": timings}
 
@@ -308,6 +292,7 @@ def save_onnx(
     low_precision_io: bool = False,
     external_data: bool | None = None,
     opset: int | None = None,
+    layernorm_stash: str = "exact",
 ) -> OnnxInfo:
     """Export a converted program to ONNX and write it atomically, checked.
 
@@ -319,16 +304,21 @@ def save_onnx(
             has low-precision I/O).
         external_data: Force (True) or forbid (False) external data; None decides by size (> ~1.9 GiB).
         opset: Default-domain opset (None: 20 for fp16, 22 for bf16, where Conv/GRU/pooling gained bf16).
+        layernorm_stash: Rewrite ``Cast → LayerNorm(FP32) → Cast`` islands as one low-precision
+            LayerNormalization with FP32 statistics (``stash_type=1``) where that removes Casts: ``"exact"``
+            only where scale and bias are exact in the low dtype, ``"round"`` rounding them, or ``"off"``.
 
     Returns:
         What was written, with Cast counts and clean-up counters.
 
     Raises:
-        ConfigError: Opset too old for the model. ExportError: An op has no ONNX translation (named).
+        ConfigError: Opset too old for the model, or an unknown ``layernorm_stash``.
+        ExportError: An op has no ONNX translation (named), or the exporter failed (cause named).
         EmitError: The destination cannot be written (nothing is left behind).
     """
     dest = check_writable(path)
-    model, extra = prepare_model(program, precision=precision, low_precision_io=low_precision_io, opset=opset)
+    model, extra = prepare_model(program, precision=precision, low_precision_io=low_precision_io, opset=opset,
+                                 layernorm_stash=layernorm_stash)
     size = _initializer_bytes(model)
     if external_data is False and size > EXTERNAL_DATA_THRESHOLD:
         raise ConfigError(f"the weights take {size / 2**30:.2f} GiB, over protobuf's 2 GiB limit",
