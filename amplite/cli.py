@@ -111,6 +111,14 @@ def convert(
     ] = None,
     external_data: Annotated[bool, typer.Option("--external-data", help="ONNX weights in a .data file.")] = False,
     opset: Annotated[int | None, typer.Option("--opset", help="ONNX opset (default 20 fp16, 22 bf16).")] = None,
+    onnx_layernorm: Annotated[
+        str,
+        typer.Option(
+            "--onnx-layernorm",
+            help="ONNX: FP32 LayerNorm islands become one low-precision LayerNormalization (FP32 statistics) "
+            "when scale/bias are exact in the low dtype (exact), always, rounding them (round), or never (off).",
+        ),
+    ] = "exact",
     precision: Precision = "fp16",
     level: LevelOpt = None,
     input: InputOpt = [],  # noqa: B006
@@ -147,8 +155,14 @@ def convert(
         dest = output or model.with_name(f"{model.name.split('.')[0]}.{precision}.{lvl.value}.pt2")
         emit.check_writable(dest)
         targets = emit.plan_outputs(dest, format)
-        if (opset is not None or external_data) and "onnx" not in dict(targets):
-            raise ConfigError("--opset and --external-data apply to ONNX output", "add --format onnx (or -o X.onnx)")
+        if (opset is not None or external_data or onnx_layernorm != "exact") and "onnx" not in dict(targets):
+            raise ConfigError("--opset, --external-data and --onnx-layernorm apply to ONNX output",
+                              "add --format onnx (or -o X.onnx)")  # fmt: skip
+        if onnx_layernorm != "exact":
+            from amplite.converter.onnx_norm import MODES
+
+            if onnx_layernorm not in MODES:
+                raise ConfigError(f"unknown --onnx-layernorm {onnx_layernorm!r}", f"use one of: {', '.join(MODES)}")
         for _fmt, path in targets:
             emit.check_writable(path)
         report_path = report or dest.with_name(dest.name.removesuffix(dest.suffix) + ".report.json")
@@ -163,7 +177,8 @@ def convert(
             fallback_search=bool(tolerance), max_trials=max_trials, fold_batchnorm=not no_fold_batchnorm,
         )  # fmt: skip
         for fmt, path in targets:
-            result.save(path, format=fmt, external_data=True if external_data else None, opset=opset)
+            result.save(path, format=fmt, external_data=True if external_data else None, opset=opset,
+                        layernorm_stash=onnx_layernorm)  # fmt: skip
         result.report.save(report_path)
         print_summary(result.report.data, [p for _, p in targets], report_path)
         onnx_ok = (result.report.data.get("verification_onnx") or {}).get("passed")

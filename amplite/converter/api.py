@@ -61,6 +61,7 @@ class ConversionResult:
         format: str | None = None,
         external_data: bool | None = None,
         opset: int | None = None,
+        layernorm_stash: str = "exact",
     ) -> Path:
         """Save the converted model; the format (``pt2`` or ``onnx``) comes from the suffix unless given.
 
@@ -72,6 +73,9 @@ class ConversionResult:
             format: ``pt2`` or ``onnx`` (default: from the suffix).
             external_data: ONNX only: force (True) or forbid (False) external weights; None decides by size.
             opset: ONNX only: default-domain opset (None: 20 for fp16, 22 for bf16).
+            layernorm_stash: ONNX only: write FP32 LayerNorm islands as one low-precision
+                ``LayerNormalization`` (FP32 statistics via ``stash_type``) when scale and bias are exact
+                in the low dtype (``exact``), always, rounding them (``round``), or never (``off``).
 
         Raises:
             ConfigError: Unknown format or an opset too old. ExportError: an op has no ONNX translation.
@@ -80,7 +84,7 @@ class ConversionResult:
         fmt = emit.format_for(path, format)
         start = perf_counter()
         if fmt == "onnx":
-            out, entry = self._save_onnx(path, external_data, opset)
+            out, entry = self._save_onnx(path, external_data, opset, layernorm_stash)
         else:
             out = emit.save_program(self.program, path)
             entry = {"format": "pt2", "path": str(out), "bytes": out.stat().st_size}
@@ -89,7 +93,9 @@ class ConversionResult:
         self.report.data["outputs"] = [*saved, entry]
         return out
 
-    def _save_onnx(self, path: str | Path, external_data: bool | None, opset: int | None) -> tuple[Path, dict]:
+    def _save_onnx(
+        self, path: str | Path, external_data: bool | None, opset: int | None, layernorm_stash: str
+    ) -> tuple[Path, dict]:
         from amplite.converter.onnx_export import save_onnx  # onnx/onnxscript import in ~2 s: only when used
         from amplite.converter.onnx_verify import verify_onnx
 
@@ -101,6 +107,7 @@ class ConversionResult:
             low_precision_io=cfg["low_precision_io"],
             external_data=external_data,
             opset=opset,
+            layernorm_stash=layernorm_stash,
         )
         out = Path(info.path)
         if self.tolerance is not None and self.reference is not None:
