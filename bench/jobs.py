@@ -153,6 +153,9 @@ def amplite_job(case: Case, precision: str, level: str, work: Path, budget: floa
         return res | oc.run_ort(work / "amplite.onnx", inputs, ref, logits=case.logits, time_it=True)
 
     out["onnx"] = attempt(onnx_side)
+    if precision == "fp16" and "fp32_ops" in out["onnx"]:  # onnxconverter-common with amplite's FP32 op types
+        out["occ_same"] = attempt(lambda: oc.occ_same_fp32_ops(model, inputs, work, out["onnx"]["fp32_ops"], ref,
+                                                               logits=case.logits))
     if torch.cuda.is_available():
         def cuda() -> dict[str, Any]:
             gpu, gpu_inputs = module.to("cuda"), to_device(inputs, "cuda")

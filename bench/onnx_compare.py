@@ -3,6 +3,10 @@ ONNX output, and ONNX Runtime (CPU) runs of each.
 
 Cast nodes are counted the same way for every file: ``Cast`` nodes of the default domain in the main graph
 and its subgraphs (model-local function bodies are not counted; amplite reports those separately).
+
+onnxconverter-common runs twice: with its defaults (the issue's baseline: norms, softmax and reductions in
+fp16), and keeping in FP32 the op types amplite's own file of the same configuration keeps in FP32
+(:func:`occ_same_fp32_ops`, like for like at op-type granularity).
 """
 
 from __future__ import annotations
@@ -26,14 +30,18 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def one_line(exc: BaseException, limit: int = 400) -> str:
-    """``Type: first line`` of an exception and of its direct cause (the exporter wraps the real error),
-    shortened to ``limit`` characters."""
+    """``Type: first line`` of an exception and of its direct cause (the exporter wraps the real error; an
+    amplite error names its own), shortened to ``limit`` characters."""
 
     def first(e: BaseException) -> str:
         lines = [ln.strip() for ln in ANSI.sub("", str(e)).strip().splitlines() if ln.strip()]
         return f"{type(e).__name__}: {lines[0] if lines else ''}".strip()
 
-    text = first(exc) + (f" — cause: {first(exc.__cause__)}" if exc.__cause__ is not None else "")
+    from amplite.errors import AmpliteError
+
+    # amplite's own one-line errors already name their cause
+    cause = exc.__cause__ if not isinstance(exc, AmpliteError) else None
+    text = first(exc) + (f" — cause: {first(cause)}" if cause is not None else "")
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -115,14 +123,53 @@ def run_ort(path: Path, inputs: tuple[tuple, dict], reference: Any, *, logits: b
     return result
 
 
-def onnxconverter_common_fp16(fp32_path: Path, path: Path) -> dict[str, Any]:
-    """``convert_float_to_float16(keep_io_types=True)`` on the FP32 export: seconds, bytes, casts, checker."""
+#: ONNX op types that amplite's FP32 groups (``amplite.op_tables.FP32_OPS``: reductions, softmax, norms,
+#: losses, transcendental functions, upsampling) become in a ``torch.onnx`` export. Elementwise arithmetic
+#: (Add, Mul, Where, ...) is not among them: amplite keeps single nodes of it in FP32 (O1's residual adds,
+#: the parts of a decomposed norm), and blocking an op type in onnxconverter-common blocks every node of it.
+FP32_GROUP_OPS = frozenset({
+    "Softmax", "LogSoftmax",
+    "ReduceMean", "ReduceSum", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSumExp", "ReduceSumSquare", "CumSum",
+    "LayerNormalization", "GroupNormalization", "InstanceNormalization", "BatchNormalization", "RMSNormalization",
+    "Exp", "Log", "Pow", "Sqrt", "Reciprocal", "Acos", "Asin", "Cosh", "Sinh", "Tan", "Softplus",
+    "Resize", "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss",
+})
+
+
+def fp32_ops(path: Path) -> dict[str, int]:
+    """Op types (with node counts) that compute in FP32 in an ONNX file: every float input and output is
+    float32. Casts, constants and shape ops are left out."""
+    import onnx
+
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(path), load_external_data=False))
+    graph = model.graph
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in [*graph.input, *graph.output, *graph.value_info]}
+    types |= {init.name: init.data_type for init in graph.initializer}
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+    counts: dict[str, int] = {}
+    for node in graph.node:
+        if node.op_type in ("Cast", "CastLike", "Constant", "Shape", "Size"):
+            continue
+        seen = [types.get(v) for v in [*node.input, *node.output] if types.get(v) in floats]
+        if seen and all(t == onnx.TensorProto.FLOAT for t in seen):
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def onnxconverter_common_fp16(fp32_path: Path, path: Path, op_block_list: list[str] | None = None) -> dict[str, Any]:
+    """``convert_float_to_float16(keep_io_types=True)`` on the FP32 export: seconds, bytes, casts, checker.
+
+    ``op_block_list``: op types kept in FP32 on top of onnxconverter-common's default block list (None: its
+    default alone).
+    """
     import onnx
     from onnxconverter_common import float16
 
+    blocked = None if op_block_list is None else sorted(set(float16.DEFAULT_OP_BLOCK_LIST) | set(op_block_list))
     start = perf_counter()
     with quiet():
-        converted = float16.convert_float_to_float16(onnx.load(str(fp32_path)), keep_io_types=True)
+        converted = float16.convert_float_to_float16(onnx.load(str(fp32_path)), keep_io_types=True,
+                                                     op_block_list=blocked)
     seconds = perf_counter() - start
     onnx.save(converted, str(path))
     result: dict[str, Any] = {"convert_s": seconds, "bytes": file_bytes(path), "casts": count_casts(path)}
@@ -134,6 +181,20 @@ def onnxconverter_common_fp16(fp32_path: Path, path: Path) -> dict[str, Any]:
     return result
 
 
+def occ_same_fp32_ops(model: torch.nn.Module, inputs: tuple[tuple, dict], work: Path, amplite_fp32_ops: dict[str, int],
+                      reference: Any, *, logits: bool) -> dict[str, Any]:
+    """onnxconverter-common keeping in FP32 the op types amplite's ONNX file keeps in FP32 (of
+    :data:`FP32_GROUP_OPS`): the FP32 dynamo export of ``model``, converted, counted and run in ONNX Runtime.
+
+    ``amplite_fp32_ops``: :func:`fp32_ops` of amplite's file of the same configuration.
+    """
+    blocked = sorted(op for op in amplite_fp32_ops if op in FP32_GROUP_OPS)
+    fp32, path = work / "fp32_for_occ.onnx", work / "occ_same.onnx"
+    export_fp32(model, inputs, fp32)
+    res = onnxconverter_common_fp16(fp32, path, op_block_list=blocked) | {"blocked": blocked}
+    return res | run_ort(path, inputs, reference, logits=logits, time_it=False)
+
+
 def amplite_onnx(program: Any, path: Path, precision: str) -> dict[str, Any]:
     """amplite's ONNX output of a converted program (``amplite.converter.onnx_export.save_onnx``)."""
     from amplite.converter.onnx_export import save_onnx
@@ -142,4 +203,4 @@ def amplite_onnx(program: Any, path: Path, precision: str) -> dict[str, Any]:
     with quiet():
         info = save_onnx(program, path, precision=precision)
     return {"export_s": perf_counter() - start, "bytes": info.bytes, "casts": count_casts(path),
-            "casts_amplite": info.casts, "checker": info.checker}
+            "casts_amplite": info.casts, "checker": info.checker, "cleanup": info.cleanup, "fp32_ops": fp32_ops(path)}

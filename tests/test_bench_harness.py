@@ -60,6 +60,7 @@ def test_harness_run_on_a_fixture(tmp_path) -> None:
     assert recs["onnx"]["fp32"]["casts"] == 0 and "accuracy" in recs["onnx"]["fp32"]
     if importlib.util.find_spec("onnxconverter_common"):
         assert recs["onnx"]["occ"]["casts"] >= 1
+        assert amp["occ_same"]["casts"] >= 1  # onnxconverter-common keeping amplite's FP32 op types
     else:  # not installed (bench extra): the row carries the import error instead of numbers
         assert "onnxconverter_common" in recs["onnx"]["occ"]["error"]
     md = out.read_text()
@@ -70,6 +71,8 @@ def test_harness_run_on_a_fixture(tmp_path) -> None:
                    "| SQNR dB | max abs | top-1 | NaN/Inf |", "| Cast nodes | MiB | size / FP32 |"):
         assert column in md
     assert "| fx-mlp | fp16 | 0 | 5 | not run | – | 2 | 0.40 |" in md
+    if importlib.util.find_spec("onnxconverter_common"):
+        assert "| onnxconverter-common fp16, FP32 ops of amplite fp16:O2 |" in md
     assert data["meta"]["versions"]["torch"] == torch.__version__
     again = tmp_path / "again.md"  # --render rebuilds the same tables from the JSON alone
     harness.main(["--render", "--json", str(js), "--out", str(again)])
