@@ -12,13 +12,14 @@ module as ``amplite_folded_<n>_weight`` / ``_bias``. The user's tensors are neve
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import torch
 import torch.fx
 
 from amplite.passes.base import PassResult
-from amplite.passes.graph_utils import fake_value
+from amplite.passes.graph_utils import fake_value, static_fake
 
 #: Name prefix of the tensors this pass creates (``store_low_params`` may store them low at O1 too).
 FOLDED_PREFIX = "amplite_folded_"
@@ -83,7 +84,7 @@ class FoldBatchNorm:
         bias0 = b.detach().double() if b is not None else torch.zeros_like(mean_t)
         new_b = (bias0 - mean_t) * scale + (beta_t.detach().double() if beta_t is not None else 0.0)
         new_b = new_b.to(w.dtype)
-        index = sum(1 for n in dir(gm) if n.startswith(FOLDED_PREFIX) and n.endswith("_weight"))
+        index = next(i for i in itertools.count() if not hasattr(gm, f"{FOLDED_PREFIX}{i}_weight"))
         names = (f"{FOLDED_PREFIX}{index}_weight", f"{FOLDED_PREFIX}{index}_bias")
         for attr, value in zip(names, (new_w, new_b), strict=True):
             gm.register_parameter(attr, torch.nn.Parameter(value, requires_grad=False))
@@ -91,9 +92,7 @@ class FoldBatchNorm:
             w_node, b_node = (gm.graph.get_attr(a) for a in names)
         for node, value in ((w_node, new_w), (b_node, new_b)):
             src = fake_value(conv.args[1])
-            node.meta["val"] = (
-                src.fake_mode.from_tensor(value) if hasattr(src, "fake_mode") else value
-            )
+            node.meta["val"] = static_fake(src.fake_mode, value) if hasattr(src, "fake_mode") else value
         args = list(conv.args)
         while len(args) < 3:
             args.append(None)

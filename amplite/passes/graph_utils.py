@@ -98,10 +98,18 @@ def _retype_tensor(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     static = all(isinstance(s, int) for s in (*val.shape, *val.stride()))
     if mode is None or not static:
         return val.to(dtype)  # symbolic shapes need the fake mode's shape environment
-    # Building the fake tensor from a meta tensor skips a dispatch through the fake mode: ~8x faster,
-    # which matters when a pass retypes thousands of nodes.
-    meta = torch.empty_strided(val.shape, val.stride(), dtype=dtype, device="meta")
-    return mode.fake_tensor_converter.from_meta_and_device(mode, meta, val.device)
+    return static_fake(mode, val, dtype)
+
+
+def static_fake(mode: Any, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A fake tensor of ``mode`` with ``like``'s static shape, strides and device (and ``dtype``).
+
+    Building it from a meta tensor skips a dispatch through the fake mode (~8x faster than ``.to``, which
+    matters when a pass retypes thousands of nodes), and unlike ``mode.from_tensor`` it never allocates
+    symbolic sizes, which would send every later retype of the value down the slow path.
+    """
+    meta = torch.empty_strided(like.shape, like.stride(), dtype=dtype or like.dtype, device="meta")
+    return mode.fake_tensor_converter.from_meta_and_device(mode, meta, like.device)
 
 
 def numel(node: Any) -> int | None:
