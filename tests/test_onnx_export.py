@@ -304,6 +304,19 @@ def test_failure_message_from_a_synthetic_exception_chain() -> None:
                          "## Exception summary\n\n<class 'torch._dynamo.exc.Unsupported'>: data-dependent branch\n")
     assert describe(alone) == ("translating the graph to ONNX", "Unsupported: data-dependent branch", None)
     assert "opset 16" in str(export_failure(alone, mlp_program, {}, 16))  # old opsets are blamed first
+    # A decomposition failure of an SDPA program that is not a view (GPT-2's DynamicCache constants) gets
+    # no attention advice.
+    sdpa_program = torch.export.export(BiasedAttention(sdpa=True).eval(), (torch.randn(1, 8, 8),))
+    spec = RuntimeError("Failed to decompose the FX graph for ONNX compatibility. This is step 2/3 of exporting "
+                        "the model to ONNX. Next steps:")
+    spec.__cause__ = RuntimeError("SpecViolationError: Constant tensor lifted_tensor_48 is not in the constants "
+                                  "dictionary.")
+    err = export_failure(spec, sdpa_program, {}, 20)
+    assert "lifted_tensor_48" in err.problem and err.fix == "save as .pt2 instead (--format pt2)"
+    view = RuntimeError("While executing %view : [num_users=1] = call_function[target=torch.ops.aten.view.default]")
+    view.__cause__ = ValueError("Cannot view a tensor with shape torch.Size([2, 8]) as a tensor with shape (16,)")
+    spec.__cause__ = view
+    assert "attn_implementation" in export_failure(spec, sdpa_program, {}, 20).fix
 
 
 @pytest.mark.slow

@@ -100,9 +100,9 @@ def export_failure(exc: BaseException, program: ExportedProgram, table: dict[Any
 
     An op without a translation is named (with every other such op of the program); an opset below 18
     is blamed on the opset; otherwise the message names the exporter's step and the innermost cause, and
-    the fix suggests eager attention when the program has ``scaled_dot_product_attention`` (the usual
-    reason the decomposition re-traces a view it cannot take: the fused CPU kernels lay out their output
-    differently from the decomposed op).
+    the fix suggests eager attention when a view failed in the decomposition of a program with
+    ``scaled_dot_product_attention`` (the usual reason the decomposition re-traces a view it cannot take:
+    the fused CPU kernels lay out their output differently from the decomposed op).
     """
     missing = missing_ops(exc)
     if missing:
@@ -115,6 +115,7 @@ def export_failure(exc: BaseException, program: ExportedProgram, table: dict[Any
     where = f" while {step}" if step else ""
     at = f" (at {op})" if op and op not in cause else ""
     fix = _PT2
-    if step == STEPS[2] and _uses_sdpa(program):
+    reshaped = bool(op and op.split(".")[1:2] in (["view"], ["_unsafe_view"], ["reshape"])) or "Cannot view" in cause
+    if step == STEPS[2] and reshaped and _uses_sdpa(program):
         fix += ', or convert a model without scaled_dot_product_attention (e.g. attn_implementation="eager")'
     return ExportError(f"ONNX export failed{where}: {cause}{at}", fix)
