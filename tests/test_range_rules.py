@@ -80,6 +80,12 @@ def test_long_reductions_stay_fp32_even_at_o3() -> None:
     assert result.counters["kept_fp32:range:reduction-depth"] == 1
     converted = amplite.convert(LongSum(), (x,), level="O3", range_rules=True, data_max=1e9)
     assert converted.passed  # an fp16 running sum of 8192 terms in [0, 1) would stagnate near 2048
+    # bf16 needs no calibration run for it (the depth rule reads shapes), yet keeps the sum FP32 all the same
+    bf16 = amplite.convert(LongSum(), (x,), level="O3", precision="bf16", range_rules=True)
+    assert "calibration" not in bf16.report.data["timings"]
+    assert [n["reason"] for n in bf16.report.fp32_nodes if n["reason"].startswith("range:")] == [
+        "range:reduction-depth 8192>4096"]
+    assert "calibration" in converted.report.data["timings"]
 
 
 def test_value_range_tracks_largest_finite_magnitude() -> None:

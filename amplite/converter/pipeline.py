@@ -178,6 +178,8 @@ def rewrite(
         gm, records = PassManager([FoldBatchNorm()])(gm)
     if range_rules is None:
         ranges = None
+    elif ranges is None and policy.low_dtype != torch.float16:
+        ranges = {}  # bf16 has FP32's range: only the depth rule applies, and it needs shapes, not values
     elif ranges is None:
         calib_start = perf_counter()
         ranges = collect_ranges(gm, calibration if calibration is not None else [inputs])
