@@ -319,9 +319,9 @@ def test_failure_message_from_a_synthetic_exception_chain() -> None:
     assert "attn_implementation" in export_failure(spec, sdpa_program, {}, 20).fix
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # ~9 s; BiasedAttention above covers the same failure in the default suite
 def test_t5_small_export_failure_is_explained(tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers")  # a bench extra, not installed by `make test`
     from bench.corpus import t5_small
 
     model, inputs = t5_small()
