@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -33,28 +34,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from amplite.ops import cutensor_backend
 from amplite.ops.contract import backend_description
 from amplite.passes.fuse_contractions import FuseContractions
+from bench.autocast_count import cuda_latency
 
 CONTRACT = torch.ops.amplite.contract.default
 
 
 def timeit(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
-    """Median milliseconds per call."""
+    """Median milliseconds per call (CUDA events on CUDA, wall clock otherwise)."""
+    if device.type == "cuda":
+        return cuda_latency(fn, warmup=warmup, runs=iters)["median_ms"]
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def matmul_peak(device: torch.device, n: int, warmup: int, iters: int) -> float:
