@@ -20,10 +20,12 @@ demo: install
 		-o build/demo/transformer.fp16.pt2 --report build/demo/report.json
 
 test: install
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -n 2 tests
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 
 bench: install
 	$(PY) bench/bench_convert.py

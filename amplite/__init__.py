@@ -6,14 +6,13 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 import amplite.ops  # noqa: F401  (registers amplite::contract for torch.export.load)
+from amplite.api import ConversionResult, convert
 from amplite.batch import BatchResult, JobResult, convert_many, iter_convert_many
-from amplite.converter.api import ConversionResult, convert
-from amplite.converter.check import CheckResult, check
 from amplite.errors import AmpliteError
+from amplite.gate import CheckResult, check
 from amplite.policy import Level, PrecisionPolicy
+from amplite.version import __version__
 
 __all__ = [
     "AmpliteError",

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from amplite.converter.check import CheckResult
-    from amplite.converter.verify import Tolerance
+    from amplite.gate import CheckResult
+    from amplite.verify.compare import Tolerance
 
 __all__ = ["amplite_check", "assert_mixed_precision_close"]
 
@@ -62,7 +62,7 @@ def assert_mixed_precision_close(
     Raises:
         AssertionError: When an output is outside tolerance, with the metrics and the worst nodes.
     """
-    from amplite.converter.check import check
+    from amplite.gate import check
 
     opts = dict(options)
     if converted is None:

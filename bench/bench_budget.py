@@ -57,8 +57,8 @@ import onnx
 import torch
 
 import amplite
-from amplite.converter.onnx_export import save_onnx
-from amplite.converter.verify import parse_tolerance
+from amplite.onnx.export import save_onnx
+from amplite.verify.compare import parse_tolerance
 from bench.bench_onnx import fp32_nodes
 from fixtures.zoo import make
 

@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import amplite
-from amplite.converter.layerwise import analyze
-from amplite.converter.verify import DEFAULT_TOLERANCES, compare, run_model
+from amplite.verify.compare import DEFAULT_TOLERANCES, compare, run_model
+from amplite.verify.layerwise import analyze
 from fixtures.zoo import make
 
 

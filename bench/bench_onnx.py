@@ -31,7 +31,7 @@ import onnx
 import torch
 
 import amplite
-from amplite.converter.onnx_export import save_onnx
+from amplite.onnx.export import save_onnx
 from fixtures.zoo import FIXTURES, make
 
 

@@ -196,8 +196,8 @@ def occ_same_fp32_ops(model: torch.nn.Module, inputs: tuple[tuple, dict], work: 
 
 
 def amplite_onnx(program: Any, path: Path, precision: str) -> dict[str, Any]:
-    """amplite's ONNX output of a converted program (``amplite.converter.onnx_export.save_onnx``)."""
-    from amplite.converter.onnx_export import save_onnx
+    """amplite's ONNX output of a converted program (``amplite.onnx.export.save_onnx``)."""
+    from amplite.onnx.export import save_onnx
 
     start = perf_counter()
     with quiet():

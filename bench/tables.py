@@ -257,7 +257,7 @@ def _onnx(models: dict[str, Any]) -> list[str]:
             "adding the op types that amplite's file of that configuration keeps in FP32, among those of its FP32 "
             "groups (Softmax, reductions, norms, Exp/Log/Pow/Sqrt/Reciprocal, Resize, losses; not elementwise "
             "arithmetic, which amplite keeps in FP32 node by node): the same FP32 islands by op type. amplite: "
-            "`amplite.converter.onnx_export.save_onnx` of the converted program.", "",
+            "`amplite.onnx.export.save_onnx` of the converted program.", "",
             *table(["model", "file", "Cast nodes", "MiB", "size / FP32", "onnx.checker", "ONNX Runtime (CPU)"], rows)]
 
 

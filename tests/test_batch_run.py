@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from amplite.batch import BatchResult, JobResult, convert_many, run_batch
-from amplite.converter.verify import DEFAULT_TOLERANCES
+from amplite.verify.compare import DEFAULT_TOLERANCES
 from fixtures.write_fixtures import write
 from fixtures.zoo import make
 from tests.batch_models.broken import INPUTS, write_state_dict

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 import amplite
-from amplite.converter.verify import parse_tolerance
+from amplite.verify.compare import parse_tolerance
 from fixtures.zoo import make
 
 
@@ -53,7 +53,7 @@ def test_unreachable_budget_stops_with_the_best_plan(cli, model_files, tmp_path:
 
 
 def test_layerwise_pairs_by_module_after_fusion_renumbers_nodes() -> None:
-    from amplite.converter.layerwise import pair_nodes
+    from amplite.verify.layerwise import pair_nodes
 
     model, inputs = make("transformer")
     fused = amplite.convert(model, inputs, level="O2", fuse_contractions=True, verify=False)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from amplite.converter.check import check
 from amplite.errors import AmpliteError, ConfigError, InputSpecError
+from amplite.gate import check
 from fixtures.zoo import make
 
 

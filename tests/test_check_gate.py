@@ -10,12 +10,12 @@ import jsonschema
 import pytest
 
 import amplite
-from amplite.converter.check import check, write_reports
-from amplite.converter.junit import github_annotations, junit_xml, publish_github
-from amplite.converter.markdown_report import render_markdown
-from amplite.converter.report import Report
-from amplite.converter.verify import parse_tolerance
 from amplite.errors import ConfigError
+from amplite.gate import check, write_reports
+from amplite.report.document import Report
+from amplite.report.junit import github_annotations, junit_xml, publish_github
+from amplite.report.markdown import render_markdown
+from amplite.verify.compare import parse_tolerance
 from fixtures.zoo import make
 
 SCHEMA = json.loads((Path(amplite.__file__).parent / "schemas" / "report.schema.json").read_text())

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import amplite
-from amplite.converter import golden as golden_mod
-from amplite.converter.check import check, make_golden
 from amplite.errors import AmpliteError, InputSpecError
+from amplite.gate import check, make_golden
+from amplite.verify import golden as golden_mod
 from fixtures.zoo import make
 
 

@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 
 import amplite
-from amplite.converter.check import check, write_reports
-from amplite.converter.html_report import render_html
-from amplite.converter.markdown_report import render_markdown
-from amplite.converter.verify import parse_tolerance
+from amplite.gate import check, write_reports
+from amplite.report.html import render_html
+from amplite.report.markdown import render_markdown
+from amplite.verify.compare import parse_tolerance
 from fixtures.zoo import make
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import amplite
-from amplite.converter import layerwise
-from amplite.converter.gradcheck import gradient_check
-from amplite.converter.layerwise import analyze, node_error, pair_nodes
-from amplite.converter.ranges import range_stats, recommend_loss_scale
 from amplite.passes.graph_utils import cast_dtype
+from amplite.verify import layerwise
+from amplite.verify.gradcheck import gradient_check
+from amplite.verify.layerwise import analyze, node_error, pair_nodes
+from amplite.verify.ranges import range_stats, recommend_loss_scale
 from fixtures.zoo import make
 
 

@@ -17,12 +17,12 @@ from onnx import TensorProto, helper
 from torch import nn
 
 import amplite
-from amplite.converter import onnx_export
-from amplite.converter.onnx_cleanup import cleanup_casts
-from amplite.converter.onnx_export import save_onnx
-from amplite.converter.onnx_verify import CPU, verify_onnx
-from amplite.converter.verify import DEFAULT_TOLERANCES, run_model
 from amplite.errors import ConfigError, EmitError, ExportError
+from amplite.onnx import export as onnx_export
+from amplite.onnx.cleanup import cleanup_casts
+from amplite.onnx.export import save_onnx
+from amplite.onnx.verify import CPU, verify_onnx
+from amplite.verify.compare import DEFAULT_TOLERANCES, run_model
 from fixtures import zoo
 
 F32, F16, BF16 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16

@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 import amplite
-from amplite.converter.onnx_errors import CAUSE_LIMIT, describe, export_failure
-from amplite.converter.onnx_export import OnnxInfo, save_onnx
-from amplite.converter.onnx_verify import CPU, OnnxVerification, verify_onnx
-from amplite.converter.verify import DEFAULT_TOLERANCES, run_model
 from amplite.errors import ExportError
+from amplite.onnx.errors import CAUSE_LIMIT, describe, export_failure
+from amplite.onnx.export import OnnxInfo, save_onnx
+from amplite.onnx.verify import CPU, OnnxVerification, verify_onnx
+from amplite.verify.compare import DEFAULT_TOLERANCES, run_model
 from bench.bench_onnx import fp32_nodes, occ_baseline
 from fixtures import zoo
 
@@ -223,7 +223,7 @@ def test_cuda_provider_verification(tmp_path: Path, precision: str) -> None:
     """On CUDA the low-precision kernels really run: no CPU caveat; bf16 runs or names its missing ops."""
     import onnxruntime as ort
 
-    from amplite.converter.onnx_verify import CUDA
+    from amplite.onnx.verify import CUDA
 
     if CUDA not in ort.get_available_providers():  # CPU-only machines (CI): the CUDA path needs a GPU
         pytest.skip("this onnxruntime build has no CUDAExecutionProvider")

@@ -15,10 +15,10 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import amplite
-from amplite.converter.onnx_cleanup import count_casts
-from amplite.converter.onnx_export import prepare_model
-from amplite.converter.onnx_norm import stash_layernorms
-from amplite.converter.onnx_verify import CPU
+from amplite.onnx.cleanup import count_casts
+from amplite.onnx.export import prepare_model
+from amplite.onnx.norm import stash_layernorms
+from amplite.onnx.verify import CPU
 from fixtures import zoo
 
 F32 = TensorProto.FLOAT

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from amplite.converter.verify import (
+from amplite.errors import ConfigError
+from amplite.verify.compare import (
     DEFAULT_TOLERANCES,
     Criterion,
     Tolerance,
@@ -19,7 +20,6 @@ from amplite.converter.verify import (
     parse_tolerance,
     tensor_metrics,
 )
-from amplite.errors import ConfigError
 
 FP16 = DEFAULT_TOLERANCES["fp16"]
 

@@ -37,7 +37,7 @@ def job_key(job: Job) -> str:
     """
     import torch
 
-    from amplite import __version__
+    from amplite.version import __version__
 
     settings = {k: v for k, v in job.to_dict().items() if k not in RUN_ONLY}
     files = {"model": file_digest(job.path)}

@@ -41,7 +41,7 @@ def convert_job(job: dict[str, Any], out: Path) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         import amplite
-        from amplite.converter.verify import DEFAULT_TOLERANCES, Tolerance
+        from amplite.verify.compare import DEFAULT_TOLERANCES, Tolerance
 
         tol = None
         if job.get("tolerance"):

@@ -31,7 +31,7 @@ PRELOAD = (
     "torch._dynamo",
     "torch.export",
     "amplite",
-    "amplite.converter.api",
+    "amplite.api",
     "amplite.batch.worker",
 )
 _PKG_ROOT = str(Path(__file__).resolve().parents[2])

@@ -1,1 +1,8 @@
-"""Loading, tracing, the conversion pipeline, emitters, verification and the public API."""
+"""The conversion pipeline's machinery: load a model file, trace it, export → passes → re-export, emit.
+
+Modules: ``loading`` (model files by content), ``inputs`` (example inputs), ``tracing`` (torch.export),
+``calibration`` (FP32 value ranges for the range rules), ``pipeline`` (export, the pass sequence,
+re-export), ``graph_stats`` (cast/FLOP/weight counts), ``emit`` (atomic writes, ``.pt2``).
+Layer: imports ``passes``, ``ops``, ``policy``, ``op_tables`` and ``errors`` only; never ``verify``,
+``report``, ``onnx``, the API or the CLI.
+"""

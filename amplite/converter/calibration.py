@@ -6,49 +6,16 @@ precision in the target dtype.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx
 from torch.fx._pytree import tree_flatten_spec
 
+from amplite.passes.range_guard import ValueRange
+
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
-
-
-@dataclass
-class ValueRange:
-    """Range of one node's value over all calibration batches.
-
-    Only the maximum is kept: every range rule is a threshold on the largest finite |value| (one
-    overflow is one Inf), and it costs a single ``aminmax`` pass per value.
-
-    Attributes:
-        max_abs: Largest finite |value| seen.
-    """
-
-    max_abs: float = 0.0
-
-    def update(self, t: torch.Tensor) -> None:
-        """Fold one tensor into the range (non-finite values are ignored)."""
-        a = t.detach().flatten()
-        if a.numel() == 0:
-            return
-        biggest = max_abs(a)
-        if not math.isfinite(biggest):  # rare: only then pay for masking out NaN/Inf
-            a = a[torch.isfinite(a)]
-            if a.numel() == 0:
-                return
-            biggest = float(a.abs().max())
-        self.max_abs = max(self.max_abs, biggest)
-
-
-def max_abs(t: torch.Tensor) -> float:
-    """max |t| in one pass without allocating |t| (aminmax propagates NaN, so the caller sees it)."""
-    lo, hi = torch.aminmax(t)
-    return max(-float(lo), float(hi))
 
 
 class _Recorder(torch.fx.Interpreter):

@@ -154,3 +154,43 @@ def bind_inputs(model: torch.nn.Module, inputs: Inputs) -> Inputs:
             "name each --input after a parameter of forward(), or pass a matching --inputs file",
         ) from None
     return inputs
+
+
+def normalize_inputs(example_inputs: Any) -> Inputs | None:
+    """Accept a tensor, a tuple/list (positional), a dict (keyword) or an explicit ``(args, kwargs)``."""
+    if example_inputs is None:
+        return None
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if (
+        isinstance(example_inputs, tuple)
+        and len(example_inputs) == 2
+        and isinstance(example_inputs[0], (tuple, list))
+        and isinstance(example_inputs[1], dict)
+    ):
+        return tuple(example_inputs[0]), dict(example_inputs[1])
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise InputSpecError(
+        f"example_inputs of type {type(example_inputs).__name__} are not supported",
+        "pass a tensor, a tuple of tensors, a dict of name -> tensor, or (args, kwargs)",
+    )
+
+
+def example_inputs(specs: list[str] | tuple[str, ...], inputs_file: str | Path | None) -> Inputs | None:
+    """Example inputs from an inputs file and/or ``--input`` specs (specs add keyword inputs).
+
+    Args:
+        specs: ``NAME:SHAPE:DTYPE[lo,hi)`` strings (seeded random tensors).
+        inputs_file: A ``torch.save`` tensor/tuple/dict, ``.npz`` or ``.safetensors`` file, or None.
+
+    Returns:
+        ``(args, kwargs)``, or None when neither is given.
+    """
+    inputs = load_inputs_file(inputs_file) if inputs_file is not None else None
+    if specs:
+        _, named = inputs_from_specs(list(specs))
+        inputs = ((), named) if inputs is None else (inputs[0], {**inputs[1], **named})
+    return inputs

@@ -21,7 +21,7 @@ from torch import nn
 from torch.export import ExportedProgram
 
 from amplite.converter.tracing import summarize_exception
-from amplite.errors import LoadError
+from amplite.errors import InputSpecError, LoadError
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -256,3 +256,19 @@ def _as_inputs(stored: Any) -> Inputs | None:
     if isinstance(stored, tuple) and len(stored) == 2 and isinstance(stored[1], dict):
         return tuple(stored[0]), dict(stored[1])
     return None
+
+
+def load_any(model: Any, *, trust_pickle: bool = False, model_factory: str | None = None) -> LoadedModel:
+    """Wrap what ``amplite.convert`` was given (a module, a program or a path) as a :class:`LoadedModel`."""
+    from amplite.converter.inputs import normalize_inputs
+
+    if isinstance(model, ExportedProgram):
+        stored = getattr(model, "example_inputs", None)
+        return LoadedModel("pt2", program=model, example_inputs=normalize_inputs(stored) if stored else None)
+    if isinstance(model, nn.Module):
+        return LoadedModel("module", module=model)
+    if isinstance(model, (str, Path)):
+        return load_model(model, trust_pickle=trust_pickle, model_factory=model_factory)
+    raise InputSpecError(
+        f"cannot convert a {type(model).__name__}", "pass an nn.Module, an ExportedProgram or a file path"
+    )

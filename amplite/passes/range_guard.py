@@ -20,6 +20,7 @@ Rules (data in :class:`RangeRules`; defaults and their justification in docs/ran
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,7 +29,6 @@ import torch
 import torch.fx
 
 from amplite import op_tables
-from amplite.converter.calibration import ValueRange, max_abs
 from amplite.passes.base import PassResult
 from amplite.passes.graph_utils import cast_dtype, fake_value
 
@@ -36,6 +36,39 @@ FP16_MAX = 65504.0
 FP16_FLUSH = 2.0**-24  # below half of the smallest subnormal a value rounds to zero (or to 2^-24)
 _SAMPLE = 1 << 20
 _REDUCTIONS = frozenset(op_tables.FP32_OPS["reduction"]) | frozenset(op_tables.FP32_OPS["softmax"])
+
+
+@dataclass
+class ValueRange:
+    """Range of one node's value over all calibration batches.
+
+    Only the maximum is kept: every range rule is a threshold on the largest finite |value| (one
+    overflow is one Inf), and it costs a single ``aminmax`` pass per value.
+
+    Attributes:
+        max_abs: Largest finite |value| seen.
+    """
+
+    max_abs: float = 0.0
+
+    def update(self, t: torch.Tensor) -> None:
+        """Fold one tensor into the range (non-finite values are ignored)."""
+        a = t.detach().flatten()
+        if a.numel() == 0:
+            return
+        biggest = max_abs(a)
+        if not math.isfinite(biggest):  # rare: only then pay for masking out NaN/Inf
+            a = a[torch.isfinite(a)]
+            if a.numel() == 0:
+                return
+            biggest = float(a.abs().max())
+        self.max_abs = max(self.max_abs, biggest)
+
+
+def max_abs(t: torch.Tensor) -> float:
+    """max |t| in one pass without allocating |t| (aminmax propagates NaN, so the caller sees it)."""
+    lo, hi = torch.aminmax(t)
+    return max(-float(lo), float(hi))
 
 
 @dataclass(frozen=True)

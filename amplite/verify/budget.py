@@ -13,17 +13,18 @@ candidates (or ``max_trials``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from time import perf_counter
 from typing import Any
 
 import torch
 
-from amplite.converter.layerwise import analyze
 from amplite.converter.pipeline import lower_inputs, rewrite
-from amplite.converter.verify import compare, run_model
 from amplite.passes.range_guard import RangeRules
 from amplite.policy import PRECISIONS, PrecisionPolicy, make_overrides
+from amplite.verify.compare import compare, run_model
+from amplite.verify.layerwise import analyze
 
 
 @dataclass
@@ -38,20 +39,22 @@ class Step:
     seconds: float
 
 
-def fallback_search(result: Any, options: dict[str, Any], *, max_trials: int | None = None) -> Any:
+def fallback_search(
+    result: Any, options: dict[str, Any], *, convert: Callable[..., Any], max_trials: int | None = None
+) -> Any:
     """Search for a small set of nodes to keep in FP32 so that ``result`` meets its tolerance.
 
     Args:
         result: A verified ``ConversionResult`` that failed its tolerance.
         options: The ``amplite.convert`` keyword arguments that produced it (without inputs/tolerance).
+        convert: ``amplite.convert`` (passed in: this layer never imports the API), used once for the
+            chosen plan's full conversion and verification.
         max_trials: Bound on conversions (default ``2·log2(N) + 10``).
 
     Returns:
         The converted result of the best plan found, with a ``budget`` section in its report. It passes
         when the search succeeded; otherwise it is the all-candidates plan (the most accurate tried).
     """
-    from amplite.converter.api import convert  # the API calls this module: import at use
-
     start = perf_counter()
     low = PRECISIONS[options["precision"]]
     run_inputs = lower_inputs(result.inputs, low) if options.get("low_precision_io") else result.inputs

@@ -13,9 +13,9 @@ import math
 from html import escape
 from typing import Any
 
-from amplite.converter.markdown_report import fmt
-from amplite.converter.verify import parse_criterion
 from amplite.errors import ConfigError
+from amplite.report.markdown import fmt
+from amplite.verify.compare import parse_criterion
 
 _MARGIN = {"l": 50, "r": 20, "t": 50, "b": 40}
 _CAP_DB = 160.0  # exact values (infinite SQNR) are drawn at this height

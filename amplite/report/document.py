@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from amplite import __version__
 from amplite.converter.emit import write_text
-from amplite.converter.verify import OutputMetrics, Tolerance
 from amplite.passes.base import PassRecord
+from amplite.verify.compare import OutputMetrics, Tolerance
+from amplite.version import __version__
 
 SCHEMA = "amplite.report"
 SCHEMA_VERSION = 1

@@ -41,11 +41,11 @@ from onnxscript.values import Op, Opset
 from torch.export import ExportedProgram
 
 from amplite.converter.emit import check_writable
-from amplite.converter.onnx_cleanup import cleanup_casts, count_casts, set_io_dtype
-from amplite.converter.onnx_errors import export_failure
-from amplite.converter.onnx_norm import MODES as LAYERNORM_MODES
-from amplite.converter.onnx_norm import stash_layernorms
 from amplite.errors import ConfigError, EmitError, ExportError
+from amplite.onnx.cleanup import cleanup_casts, count_casts, set_io_dtype
+from amplite.onnx.errors import export_failure
+from amplite.onnx.norm import MODES as LAYERNORM_MODES
+from amplite.onnx.norm import stash_layernorms
 
 DOMAIN = "amplite"
 DOMAIN_VERSION = 1
@@ -72,8 +72,8 @@ class OnnxInfo:
         casts: Cast nodes in the main graph after clean-up.
         casts_in_functions: Cast nodes inside the ``amplite`` function bodies (per definition).
         contract_nodes: ``amplite`` domain nodes in the graph.
-        cleanup: Counters of the Cast clean-up (see :func:`amplite.converter.onnx_cleanup.cleanup_casts`),
-            plus ``layernorm_stash`` (see :func:`amplite.converter.onnx_norm.stash_layernorms`).
+        cleanup: Counters of the Cast clean-up (see :func:`amplite.onnx.cleanup.cleanup_casts`),
+            plus ``layernorm_stash`` (see :func:`amplite.onnx.norm.stash_layernorms`).
         inputs: ``(name, dtype)`` of each graph input; ``outputs`` likewise.
         checker: ``"passed"``: ``onnx.checker`` full check (strict shape inference) of the written file.
         timings: Seconds in ``export``, ``optimize`` and ``save_and_check``.
@@ -198,7 +198,7 @@ def prepare_model(
         opset: Default-domain opset (None: 20 for fp16, 22 for bf16).
         layernorm_stash: Run LayerNorm islands on the low dtype with FP32 statistics (``stash_type=1``)
             where that removes Casts: ``"exact"`` where scale and bias are exact in the low dtype,
-            ``"round"`` rounding them too, ``"off"`` (:mod:`amplite.converter.onnx_norm`).
+            ``"round"`` rounding them too, ``"off"`` (:mod:`amplite.onnx.norm`).
 
     Returns:
         The model and a dict with ``cleanup`` counters (``layernorm_stash`` among them) and ``timings``.

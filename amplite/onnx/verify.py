@@ -22,7 +22,7 @@ import onnx.inliner
 import torch
 from torch.utils import _pytree as pytree
 
-from amplite.converter.verify import OutputMetrics, Tolerance, output_names, tensor_metrics
+from amplite.verify.compare import OutputMetrics, Tolerance, output_names, tensor_metrics
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -49,7 +49,7 @@ class OnnxVerification:
         not_runnable: ``"not runnable on <provider>: <ops>"`` when ``runnable`` is False.
         unsupported_ops: ``Op(dtype, ...)`` entries with no kernel on the provider.
         caveat: Why the numbers may not reflect the low precision (CPU provider with fp16).
-        metrics: Per-output metrics (``amplite.converter.verify.OutputMetrics``).
+        metrics: Per-output metrics (``amplite.verify.compare.OutputMetrics``).
         tolerance: The thresholds applied.
         seconds: Session creation plus run time.
         notes: Anything else worth knowing (a provider that failed to start, ...).
@@ -204,10 +204,10 @@ def verify_onnx(
     """Run ``path`` in ONNX Runtime on ``inputs`` and compare with the FP32 ``reference`` outputs.
 
     Args:
-        path: A ``.onnx`` written by :func:`amplite.converter.onnx_export.save_onnx`.
+        path: A ``.onnx`` written by :func:`amplite.onnx.export.save_onnx`.
         reference: The FP32 model's outputs on ``inputs`` (any pytree; tensor leaves are compared in order).
         inputs: ``(args, kwargs)``; float inputs are cast to the dtype each graph input declares.
-        tolerance: Pass thresholds (``amplite.converter.verify.DEFAULT_TOLERANCES[precision]``).
+        tolerance: Pass thresholds (``amplite.verify.compare.DEFAULT_TOLERANCES[precision]``).
         provider: Force an execution provider (default: CUDA when usable, else CPU).
 
     Returns:

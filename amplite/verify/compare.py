@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from amplite.converter.criteria import (
+from amplite.errors import InputSpecError
+from amplite.verify.criteria import (
     ALIASES,
     DEFAULT_TOLERANCES,
     QUANTILE_METRIC,
@@ -33,7 +34,6 @@ from amplite.converter.criteria import (
     parse_criterion,
     parse_tolerance,
 )
-from amplite.errors import InputSpecError
 
 # The criteria and tolerances live in ``criteria``; they stay importable from here.
 __all__ = [

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from amplite.converter.verify import json_float
+from amplite.verify.compare import json_float
 
 
 @dataclass

@@ -33,10 +33,10 @@ import torch.fx
 from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
-from amplite.converter.node_errors import NodeError, node_error
-from amplite.converter.shadow import Inputs, Recorder, Shadow, flat_inputs, pair_nodes
-from amplite.converter.verify import json_float
 from amplite.passes.graph_utils import cast_dtype
+from amplite.verify.compare import json_float
+from amplite.verify.node_errors import NodeError, node_error
+from amplite.verify.shadow import Inputs, Recorder, Shadow, flat_inputs, pair_nodes
 
 # NodeError, node_error, pair_nodes and flat_inputs live in node_errors/shadow; they stay importable from here.
 __all__ = ["Inputs", "LayerwiseResult", "NodeError", "analyze", "flat_inputs", "node_error", "pair_nodes"]

@@ -1,4 +1,10 @@
-"""The library API: ``amplite.convert`` and its result. The CLI only calls this."""
+"""The library API: ``amplite.convert`` and its result.
+
+``convert`` reads as the pipeline's stages, each a function below it: resolve the configuration,
+load, run the FP32 reference, export and rewrite (``amplite.converter.pipeline``), verify, report,
+and, when asked, the accuracy-budget search (``amplite.verify.budget``). Layer: this module may use
+every package below it (converter, passes, ops, verify, report, onnx); none of them imports it.
+"""
 
 from __future__ import annotations
 
@@ -14,16 +20,17 @@ from torch.export import ExportedProgram
 
 from amplite.converter import emit
 from amplite.converter.graph_stats import graph_stats, weight_bytes
-from amplite.converter.inputs import bind_inputs
-from amplite.converter.loading import LoadedModel, load_model, torchscript_to_program
+from amplite.converter.inputs import bind_inputs, example_inputs, normalize_inputs
+from amplite.converter.loading import LoadedModel, load_any, torchscript_to_program
 from amplite.converter.pipeline import PipelineOutput, lower_inputs, run_pipeline
-from amplite.converter.report import Report, build_report
 from amplite.converter.tracing import Inputs, summarize_exception
-from amplite.converter.verify import DEFAULT_TOLERANCES, Tolerance, compare, run_model
 from amplite.errors import ConfigError, InputSpecError
 from amplite.ops import backend_description
 from amplite.passes.range_guard import RangeRules
 from amplite.policy import LEVEL_ENV, Level, PrecisionPolicy, make_overrides, resolve_level
+from amplite.report.document import Report, build_report
+from amplite.verify.budget import fallback_search as search_budget
+from amplite.verify.compare import DEFAULT_TOLERANCES, Tolerance, compare, parse_tolerance, run_model
 
 
 @dataclass
@@ -96,8 +103,8 @@ class ConversionResult:
     def _save_onnx(
         self, path: str | Path, external_data: bool | None, opset: int | None, layernorm_stash: str
     ) -> tuple[Path, dict]:
-        from amplite.converter.onnx_export import save_onnx  # onnx/onnxscript import in ~2 s: only when used
-        from amplite.converter.onnx_verify import verify_onnx
+        from amplite.onnx.export import save_onnx  # onnx/onnxscript import in ~2 s: only when used
+        from amplite.onnx.verify import verify_onnx
 
         cfg = self.report.data["config"]
         info = save_onnx(
@@ -114,29 +121,6 @@ class ConversionResult:
             checked = verify_onnx(out, self.reference, self.inputs, self.tolerance)
             self.report.data["verification_onnx"] = checked.to_dict()
         return out, {"format": "onnx", **info.to_dict()}
-
-
-def normalize_inputs(example_inputs: Any) -> Inputs | None:
-    """Accept a tensor, a tuple/list (positional), a dict (keyword) or an explicit ``(args, kwargs)``."""
-    if example_inputs is None:
-        return None
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,), {}
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if (
-        isinstance(example_inputs, tuple)
-        and len(example_inputs) == 2
-        and isinstance(example_inputs[0], (tuple, list))
-        and isinstance(example_inputs[1], dict)
-    ):
-        return tuple(example_inputs[0]), dict(example_inputs[1])
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    raise InputSpecError(
-        f"example_inputs of type {type(example_inputs).__name__} are not supported",
-        "pass a tensor, a tuple of tensors, a dict of name -> tensor, or (args, kwargs)",
-    )
 
 
 def convert(
@@ -165,6 +149,10 @@ def convert(
 ) -> ConversionResult:
     """Convert a model to mixed precision ahead of time and verify it.
 
+    The body is the pipeline: resolve the configuration, load the model, run the FP32 reference,
+    export and rewrite (:func:`amplite.converter.pipeline.run_pipeline`), verify, build the report, and
+    (when asked and needed) search the accuracy budget.
+
     Args:
         model: An ``nn.Module``, an ``ExportedProgram``, or a path to a model file.
         example_inputs: Tensor, tuple (positional), dict (keyword, e.g. for ``transformers`` models) or
@@ -179,14 +167,14 @@ def convert(
         trust_pickle: Allow unpickling a whole pickled module (runs code from the file).
         model_factory: ``module:callable`` building the model for a state-dict file.
         verify: Compare the converted model with the FP32 one on the example inputs.
-        tolerance: Verification thresholds (default: by precision, see ``amplite.converter.verify``).
+        tolerance: Verification thresholds (default: by precision, see ``amplite.verify.compare``).
         range_rules: Keep FP32 what calibrated ranges say would overflow or lose precision (None: on at
             O1/O2, off at O0/O3, the speed baseline). See ``amplite.passes.range_guard``.
         data_max: Largest |activation| kept in fp16 by the range rules.
         max_reduction_depth: Longest reduction the range rules allow in low precision.
         calibration: Batches (each like ``example_inputs``) for the range rules; default the example inputs.
         fallback_search: When verification fails the tolerance, search for the fewest nodes to move back to
-            FP32 (ranked by their isolated error, then bisected); see ``amplite.converter.budget``.
+            FP32 (ranked by their isolated error, then bisected); see ``amplite.verify.budget``.
         max_trials: Bound on the search's conversions (default 2·log2(candidates) + 10).
         reference_outputs: The FP32 model's outputs on ``example_inputs`` when already known (skips that run).
         fold_batchnorm: Fold inference-mode BatchNorm into the preceding convolution (removes the FP32
@@ -198,15 +186,75 @@ def convert(
     Raises:
         AmpliteError: For every problem with the inputs, the file or the options (one-line message).
     """
+    options = dict(
+        precision=precision, level=level, keep_fp32=list(keep_fp32), force_low=list(force_low),
+        low_precision_io=low_precision_io, dynamic_batch=dynamic_batch, fuse_contractions=fuse_contractions,
+        range_rules=range_rules, data_max=data_max, max_reduction_depth=max_reduction_depth,
+        calibration=calibration, fold_batchnorm=fold_batchnorm,
+    )  # fmt: skip
     timings: dict[str, float] = {}
+    cfg = _resolve(options, verify, fallback_search, max_trials, tolerance)
+    start = perf_counter()
+    loaded = load_any(model, trust_pickle=trust_pickle, model_factory=model_factory)
+    subject, reference, inputs = _subject(loaded, example_inputs, reference_outputs)
+    timings["load"] = perf_counter() - start
+    ref_out = reference_outputs if reference_outputs is not None else _reference_outputs(reference, inputs)
+
+    out = run_pipeline(
+        subject,
+        inputs,
+        cfg.policy,
+        dynamic_batch=dynamic_batch,
+        fuse_contractions=fuse_contractions,
+        range_rules=cfg.rules,
+        calibration=None if calibration is None else [b for b in map(normalize_inputs, calibration) if b is not None],
+        fold_batchnorm=fold_batchnorm,
+    )
+    timings.update(out.timings)
+    metrics = _verify(out, ref_out, inputs, cfg, timings) if verify else None
+    report = _report(loaded, out, options, cfg, metrics, timings, explicit_level=level is not None)
+    result = ConversionResult(out.converted, report, out.original, inputs, out, ref_out, cfg.tolerance)
+    if fallback_search and result.passed is False:
+        result = search_budget(result, {**options, "level": cfg.level}, convert=convert, max_trials=max_trials)
+        result.report.data["source"] = report.data["source"]
+    return result
+
+
+@dataclass
+class _Config:
+    """The resolved configuration of one conversion."""
+
+    level: Level
+    policy: PrecisionPolicy
+    rules: RangeRules | None
+    tolerance: Tolerance | None  # None when verification does not run
+
+
+def _resolve(
+    options: dict[str, Any], verify: bool, fallback_search: bool, max_trials: int | None, tolerance: Tolerance | None
+) -> _Config:
+    """Check the options against each other and resolve level, policy, range rules and tolerance."""
     if fallback_search and not verify:
         raise ConfigError("the accuracy-budget search needs verification", "drop --no-verify (verify=False)")
     if max_trials is not None and max_trials < 2:
         raise ConfigError(f"max_trials={max_trials} is too small", "allow at least 2 (the worst node alone, then all)")
-    lvl = resolve_level(level)
-    policy = PrecisionPolicy(precision, lvl, make_overrides(keep_fp32, force_low), low_precision_io)
-    start = perf_counter()
-    loaded = _load(model, trust_pickle, model_factory)
+    lvl = resolve_level(options["level"])
+    overrides = make_overrides(options["keep_fp32"], options["force_low"])
+    policy = PrecisionPolicy(options["precision"], lvl, overrides, options["low_precision_io"])
+    use_ranges = options["range_rules"] if options["range_rules"] is not None else lvl in (Level.O1, Level.O2)
+    rules = (
+        RangeRules(data_max=options["data_max"], max_reduction_depth=options["max_reduction_depth"])
+        if use_ranges
+        else None
+    )
+    tol = (tolerance or DEFAULT_TOLERANCES[options["precision"]]) if verify else None
+    return _Config(lvl, policy, rules, tol)
+
+
+def _subject(
+    loaded: LoadedModel, example_inputs: Any, reference_outputs: Any
+) -> tuple[nn.Module | ExportedProgram, Any, Inputs]:
+    """What to export, what computes the FP32 reference, and the example inputs to use."""
     inputs = normalize_inputs(example_inputs) or loaded.example_inputs
     if inputs is None:
         raise InputSpecError(
@@ -214,97 +262,82 @@ def convert(
             "pass --input NAME:SHAPE:DTYPE (repeatable) or --inputs FILE",
         )
     if loaded.scripted is not None:
-        reference: Any = loaded.scripted
-        subject: nn.Module | ExportedProgram = torchscript_to_program(loaded.scripted, inputs)
-        inputs = (inputs[0] + tuple(inputs[1].values()), {})
-    elif loaded.program is not None:
-        subject = loaded.program
+        program = torchscript_to_program(loaded.scripted, inputs)
+        return program, loaded.scripted, (inputs[0] + tuple(inputs[1].values()), {})
+    if loaded.program is not None:
         # Unlifting costs a fraction of an export: skip it when the caller already has the FP32 outputs
         # (the budget search converts the same program once per trial).
-        reference = loaded.program.module() if reference_outputs is None else None
-    else:
-        subject = reference = loaded.module
-        bind_inputs(loaded.module, inputs)
-    timings["load"] = perf_counter() - start
+        return loaded.program, loaded.program.module() if reference_outputs is None else None, inputs
+    bind_inputs(loaded.module, inputs)
+    return loaded.module, loaded.module, inputs
 
+
+def _reference_outputs(reference: Any, inputs: Inputs) -> Any:
+    """The FP32 model's outputs on the example inputs (a mismatch is the user's input error)."""
     try:
-        ref_out = reference_outputs if reference_outputs is not None else run_model(reference, inputs)
+        return run_model(reference, inputs)
     except Exception as exc:
         raise InputSpecError(
             f"the example inputs do not fit the model: {summarize_exception(exc)}",
             "give inputs with the shapes and dtypes forward() expects (--input NAME:SHAPE:DTYPE)",
         ) from exc
 
-    use_ranges = range_rules if range_rules is not None else lvl in (Level.O1, Level.O2)
-    rules = RangeRules(data_max=data_max, max_reduction_depth=max_reduction_depth) if use_ranges else None
-    batches = [b for b in map(normalize_inputs, calibration) if b is not None] if calibration is not None else None
-    out = run_pipeline(
-        subject,
-        inputs,
-        policy,
-        dynamic_batch=dynamic_batch,
-        fuse_contractions=fuse_contractions,
-        range_rules=rules,
-        calibration=batches,
-        fold_batchnorm=fold_batchnorm,
-    )
-    timings.update(out.timings)
 
-    metrics = None
-    tol = tolerance or DEFAULT_TOLERANCES[precision]
-    if verify:
-        start = perf_counter()
-        run_inputs = lower_inputs(inputs, policy.low_dtype) if low_precision_io else inputs
-        metrics = compare(ref_out, run_model(out.converted.module(), run_inputs), tol)
-        timings["verify"] = perf_counter() - start
+def _verify(out: PipelineOutput, ref_out: Any, inputs: Inputs, cfg: _Config, timings: dict[str, float]) -> list:
+    """Run the converted program on the example inputs and compare it with the FP32 outputs."""
+    start = perf_counter()
+    run_inputs = lower_inputs(inputs, cfg.policy.low_dtype) if cfg.policy.low_precision_io else inputs
+    metrics = compare(ref_out, run_model(out.converted.module(), run_inputs), cfg.tolerance)
+    timings["verify"] = perf_counter() - start
+    return metrics
 
+
+def _report(
+    loaded: LoadedModel,
+    out: PipelineOutput,
+    options: dict[str, Any],
+    cfg: _Config,
+    metrics: list | None,
+    timings: dict[str, float],
+    *,
+    explicit_level: bool,
+) -> Report:
+    """The conversion report: configuration, plan, pass records, graph and weight statistics, metrics."""
     warnings = []
-    if lvl is Level.O3:
+    if cfg.level is Level.O3:
         warnings.append(
             "O3 runs everything in low precision, norms and softmax included: a speed baseline, "
             "not an accuracy-preserving setting"
         )
     config = {
-        "precision": precision,
-        "level": lvl.value,
-        "level_source": "argument" if level is not None else (LEVEL_ENV if _env_level() else "default"),
-        "keep_fp32": list(keep_fp32),
-        "force_low": list(force_low),
-        "low_precision_io": low_precision_io,
-        "dynamic_batch": dynamic_batch,
-        "fuse_contractions": fuse_contractions,
-        "range_rules": vars(rules) if rules else None,
-        "fold_batchnorm": fold_batchnorm,
+        "precision": options["precision"],
+        "level": cfg.level.value,
+        "level_source": "argument" if explicit_level else (LEVEL_ENV if _env_level() else "default"),
+        "keep_fp32": options["keep_fp32"],
+        "force_low": options["force_low"],
+        "low_precision_io": options["low_precision_io"],
+        "dynamic_batch": options["dynamic_batch"],
+        "fuse_contractions": options["fuse_contractions"],
+        "range_rules": vars(cfg.rules) if cfg.rules else None,
+        "fold_batchnorm": options["fold_batchnorm"],
     }
-    if fuse_contractions:
+    if options["fuse_contractions"]:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         config["contract_backend"] = backend_description(device)
-    report = build_report(
+    low = cfg.policy.low_dtype
+    return build_report(
         source={"path": loaded.path, "format": loaded.kind},
         config=config,
         records=out.records,
         plan=out.plan,
-        stats_before=graph_stats(out.original.graph, policy.low_dtype),
-        stats_after=graph_stats(out.converted.graph, policy.low_dtype),
+        stats_before=graph_stats(out.original.graph, low),
+        stats_after=graph_stats(out.converted.graph, low),
         weights=(weight_bytes(out.original), weight_bytes(out.converted)),
         metrics=metrics,
-        tolerance=tol if verify else None,
+        tolerance=cfg.tolerance,
         timings=timings,
         warnings=warnings,
     )
-    result = ConversionResult(out.converted, report, out.original, inputs, out, ref_out, tol if verify else None)
-    if fallback_search and verify and result.passed is False:
-        from amplite.converter.budget import fallback_search as search
-
-        options = dict(
-            precision=precision, level=lvl, keep_fp32=list(keep_fp32), force_low=list(force_low),
-            low_precision_io=low_precision_io, dynamic_batch=dynamic_batch, fuse_contractions=fuse_contractions,
-            range_rules=range_rules, data_max=data_max, max_reduction_depth=max_reduction_depth,
-            calibration=calibration, fold_batchnorm=fold_batchnorm,
-        )  # fmt: skip
-        result = search(result, options, max_trials=max_trials)
-        result.report.data["source"] = report.data["source"]
-    return result
 
 
 def _env_level() -> bool:
@@ -313,14 +346,4 @@ def _env_level() -> bool:
     return bool(os.environ.get(LEVEL_ENV))
 
 
-def _load(model: Any, trust_pickle: bool, model_factory: str | None) -> LoadedModel:
-    if isinstance(model, ExportedProgram):
-        stored = getattr(model, "example_inputs", None)
-        return LoadedModel("pt2", program=model, example_inputs=normalize_inputs(stored) if stored else None)
-    if isinstance(model, nn.Module):
-        return LoadedModel("module", module=model)
-    if isinstance(model, (str, Path)):
-        return load_model(model, trust_pickle=trust_pickle, model_factory=model_factory)
-    raise InputSpecError(
-        f"cannot convert a {type(model).__name__}", "pass an nn.Module, an ExportedProgram or a file path"
-    )
+__all__ = ["ConversionResult", "convert", "example_inputs", "normalize_inputs", "parse_tolerance"]

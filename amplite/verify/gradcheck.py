@@ -4,7 +4,7 @@ The loss is the user's (``module:function`` taking the model's outputs and retur
 default, the sum of every floating-point output. Each parameter's gradient in the converted model is
 compared with FP32 (SQNR, NaN/Inf), and the FP32 gradients are checked against the low dtype's range: the
 fraction that would underflow to zero in fp16 without loss scaling, and a recommended initial loss scale
-(see :func:`amplite.converter.ranges.recommend_loss_scale`). The check fails only when the converted
+(see :func:`amplite.verify.ranges.recommend_loss_scale`). The check fails only when the converted
 gradients have NaN/Inf that FP32's lack; the SQNR figures are for judgement (gradients of a model with
 low-precision activations are expected to be noisier than its outputs).
 """
@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from amplite.converter.layerwise import node_error
-from amplite.converter.ranges import recommend_loss_scale
 from amplite.converter.tracing import summarize_exception
 from amplite.errors import ConfigError, InputSpecError
+from amplite.verify.layerwise import node_error
+from amplite.verify.ranges import recommend_loss_scale
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 LossFn = Callable[[Any], torch.Tensor]

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from amplite.converter.verify import output_names
 from amplite.errors import AmpliteError, ConfigError, EmitError
+from amplite.verify.compare import output_names
 
 SCHEMA = "amplite.golden"
 SCHEMA_VERSION = 1

@@ -3,39 +3,32 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from amplite.cli import _inputs, _run, app
-from amplite.cli_options import (
-    DataMaxOpt,
+from amplite.cli.app import _inputs, _run, app
+from amplite.cli.options import (
     DataOpt,
     DebugOpt,
-    DepthOpt,
     DynOpt,
     FactoryOpt,
-    FuseOpt,
     InputOpt,
     InputsFile,
-    IoOpt,
-    KeepOpt,
-    LevelOpt,
     LoaderOpt,
-    LowOpt,
     MaxBatchOpt,
     ModelArg,
-    Precision,
     RandomOpt,
-    RangeOpt,
     ToleranceOpt,
     TrustOpt,
     UpdateOpt,
+    conversion_options,
 )
-from amplite.cli_output import out, print_check
+from amplite.cli.output import out, print_check
 
 
 @app.command()
+@conversion_options
 def check(
     model: ModelArg,
     converted: Annotated[Path | None, typer.Option("--converted", help="Check this converted .pt2.")] = None,
@@ -54,21 +47,11 @@ def check(
     report: Annotated[Path | None, typer.Option("--report", help="Directory for report.json/.md/.html.")] = None,
     junit: Annotated[Path | None, typer.Option("--junit", help="Write a JUnit XML file.")] = None,
     name: Annotated[str | None, typer.Option("--name", help="Model name in JUnit and reports.")] = None,
-    precision: Precision = "fp16",
-    level: LevelOpt = None,
     input: InputOpt = [],  # noqa: B006
     inputs: InputsFile = None,
-    keep_fp32: KeepOpt = [],  # noqa: B006
-    force_low: LowOpt = [],  # noqa: B006
-    trust_pickle: TrustOpt = False,
-    model_factory: FactoryOpt = None,
-    dynamic_batch: DynOpt = False,
-    low_precision_io: IoOpt = False,
-    fuse_contractions: FuseOpt = False,
-    range_rules: RangeOpt = None,
-    data_max: DataMaxOpt = 512.0,
-    max_reduction_depth: DepthOpt = 4096,
     debug: DebugOpt = False,
+    *,
+    conversion: dict[str, Any],
 ) -> None:
     """CI accuracy gate: convert (or load --converted), verify on data, compare with golden/baseline.
 
@@ -76,21 +59,17 @@ def check(
     """
 
     def body() -> int:
-        from amplite.converter.check import check as run_check
-        from amplite.converter.junit import publish_github
-        from amplite.converter.markdown_report import render_markdown
+        from amplite.gate import check as run_check
+        from amplite.gate import publish_github_summary
 
         res = run_check(
             model, _inputs(input, inputs), converted=converted, golden=golden, update_golden=update_golden,
             baseline=baseline, baseline_margin_db=baseline_margin, tolerance=tolerance or None, data=data,
             data_loader=data_loader, random_batches=random_batches, input_specs=input, max_batches=max_batches,
             layerwise=not no_layerwise, grad=grad, loss=loss, report_dir=report, junit=junit, name=name,
-            precision=precision, level=level, keep_fp32=keep_fp32, force_low=force_low, trust_pickle=trust_pickle,
-            model_factory=model_factory, dynamic_batch=dynamic_batch, low_precision_io=low_precision_io,
-            fuse_contractions=fuse_contractions, range_rules=range_rules, data_max=data_max,
-            max_reduction_depth=max_reduction_depth,
+            **conversion,
         )  # fmt: skip
-        publish_github(res.report.data, render_markdown(res.report.data))
+        publish_github_summary(res.report.data)
         print_check(res)
         return res.exit_code
 
@@ -116,7 +95,7 @@ def golden(
     """Save inputs and FP32 reference outputs (safetensors + metadata) for `check --golden`."""
 
     def body() -> int:
-        from amplite.converter.check import make_golden
+        from amplite.gate import make_golden
 
         path = make_golden(
             model, _inputs(input, inputs), output=output, update=update_golden, data=data, data_loader=data_loader,

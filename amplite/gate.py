@@ -16,13 +16,13 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from amplite.converter import data as data_mod
 from amplite.converter import emit
-from amplite.converter import golden as golden_mod
-from amplite.converter.check_converted import infer_precision, load_converted, report_for_converted
-from amplite.converter.report import Report
-from amplite.converter.verify import DEFAULT_TOLERANCES, OutputMetrics, Tolerance, compare_batches, parse_tolerance
 from amplite.errors import ConfigError, ExportError, InputSpecError
+from amplite.report.document import Report
+from amplite.verify import data as data_mod
+from amplite.verify import golden as golden_mod
+from amplite.verify.compare import DEFAULT_TOLERANCES, OutputMetrics, Tolerance, compare_batches, parse_tolerance
+from amplite.verify.converted import infer_precision, load_converted, report_for_converted
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 _NOT_CONVERT_OPTIONS = {"model", "example_inputs", "verify", "tolerance"}
@@ -56,7 +56,7 @@ class CheckResult:
 
 def _reference(model: Any, example: Any, opts: dict[str, Any]) -> Any:
     """The FP32 program of ``model`` (an O0 "conversion" exports and loads it, and nothing more)."""
-    from amplite.converter.api import convert
+    from amplite.api import convert
 
     return convert(model, example, level="O0", verify=False, **{k: opts[k] for k in _LOAD_KEYS if k in opts})
 
@@ -91,7 +91,7 @@ def _check_options(opts: dict[str, Any]) -> None:
     """Every ``amplite.convert`` option is a ``check`` option too; anything else is a mistake."""
     import inspect
 
-    from amplite.converter.api import convert
+    from amplite.api import convert
 
     known = set(inspect.signature(convert).parameters) - _NOT_CONVERT_OPTIONS
     if set(opts) - known:
@@ -163,7 +163,7 @@ def check(
     start = perf_counter()
     try:
         if converted is None:
-            from amplite.converter.api import convert
+            from amplite.api import convert
 
             result = convert(model, example_inputs, verify=False, **convert_opts)
         else:
@@ -233,8 +233,8 @@ def check(
         }
     first = batches[0][1]
     if layerwise:
-        from amplite.converter.layerwise import analyze
-        from amplite.converter.ranges import summarize
+        from amplite.verify.layerwise import analyze
+        from amplite.verify.ranges import summarize
 
         start = perf_counter()
         lw = analyze(
@@ -248,7 +248,7 @@ def check(
         report["ranges"] = summarize({e.node: e.range for e in lw.nodes if e.range}, low)
         timings["layerwise"] = perf_counter() - start
     if grad:
-        from amplite.converter.gradcheck import gradient_check
+        from amplite.verify.gradcheck import gradient_check
 
         report["gradients"] = gradient_check(
             ref_gm,
@@ -292,7 +292,7 @@ def check(
     if out_dir is not None:
         res.files = write_reports(res.report.data, out_dir)
     if junit is not None:
-        from amplite.converter.junit import junit_xml
+        from amplite.report.junit import junit_xml
 
         res.files["junit"] = emit.write_text(junit, junit_xml(res.report.data))
     return res
@@ -300,8 +300,8 @@ def check(
 
 def write_reports(data: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
     """Write report.json, report.md and report.html into ``out_dir`` (each atomically)."""
-    from amplite.converter.html_report import render_html
-    from amplite.converter.markdown_report import render_markdown
+    from amplite.report.html import render_html
+    from amplite.report.markdown import render_markdown
 
     d = Path(out_dir)
     d.mkdir(exist_ok=True)
@@ -332,3 +332,11 @@ def _model_name(model: Any, report: dict[str, Any]) -> str:
     if path:
         return Path(path).name.split(".")[0]
     return type(model).__name__
+
+
+def publish_github_summary(report: dict[str, Any]) -> bool:
+    """On GitHub Actions, write the Markdown report to the job summary and annotations (else do nothing)."""
+    from amplite.report.junit import publish_github
+    from amplite.report.markdown import render_markdown
+
+    return publish_github(report, render_markdown(report))

@@ -17,9 +17,9 @@ import torch
 import torch.fx
 
 from amplite import op_tables
-from amplite.converter.node_errors import NodeError, node_error
-from amplite.converter.ranges import range_stats
 from amplite.passes.graph_utils import cast_dtype, module_path, source_line
+from amplite.verify.node_errors import NodeError, node_error
+from amplite.verify.ranges import range_stats
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 

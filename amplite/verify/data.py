@@ -27,8 +27,8 @@ from torch.utils import _pytree as pytree
 
 from amplite.converter.inputs import inputs_from_specs, load_inputs_file
 from amplite.converter.tracing import summarize_exception
-from amplite.converter.verify import output_names
 from amplite.errors import ConfigError, InputSpecError
+from amplite.verify.compare import output_names
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 SUFFIXES = (".pt", ".pth", ".npz", ".safetensors")
@@ -60,7 +60,7 @@ def batches_from_loader(spec: str, max_batches: int = 64) -> list[tuple[str, Inp
     Raises:
         InputSpecError: Bad spec, import failure, a loader that raises, yields nothing or yields non-tensors.
     """
-    from amplite.converter.api import normalize_inputs
+    from amplite.converter.inputs import normalize_inputs
 
     mod_name, _, fn_name = spec.partition(":")
     if not mod_name or not fn_name:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from amplite.converter.onnx_cleanup import cast_target, is_cast, lazy_cast, removable
+from amplite.onnx.cleanup import cast_target, is_cast, lazy_cast, removable
 
 #: Low dtypes with a LayerNormalization kernel in ONNX Runtime's CPU provider (checked by the tests).
 LOW = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)

@@ -1,0 +1,84 @@
+"""The ``amplite`` app and what every command shares: error handling, exit codes, logging, inputs.
+
+Exit codes: 0 success (and verification passed), 1 converted but verification failed (or, for
+``migrate --check``, files would change), 2 bad input or usage, 3 internal error.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from amplite.cli.output import err
+from amplite.errors import AmpliteError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Ahead-of-time mixed precision for PyTorch models, with a verification report.",
+)
+
+
+@contextmanager
+def _logging(debug: bool) -> Iterator[None]:
+    """Quiet torch's internal warnings unless --debug; with --debug, show amplite's debug log."""
+    torch_log, amp_log = logging.getLogger("torch"), logging.getLogger("amplite")
+    saved = torch_log.level, amp_log.level
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    if debug:
+        amp_log.setLevel(logging.DEBUG)
+        amp_log.addHandler(handler)
+    else:
+        torch_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        torch_log.setLevel(saved[0])
+        amp_log.setLevel(saved[1])
+        amp_log.removeHandler(handler)
+
+
+def _run(debug: bool, body: Callable[[], int]) -> None:
+    """Run a command body; turn errors into one line and an exit code."""
+    try:
+        with _logging(debug):
+            code = body()
+    except AmpliteError as exc:
+        if debug:
+            traceback.print_exc()
+        err.print(f"[bold red]error:[/] {exc.one_line()}", soft_wrap=True)
+        raise typer.Exit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        raise typer.Exit(130) from None
+    except Exception as exc:
+        if debug:
+            traceback.print_exc()
+        err.print(
+            f"[bold red]internal error:[/] {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            " — fix: re-run with --debug and report it",
+            soft_wrap=True,
+        )
+        raise typer.Exit(3) from None
+    raise typer.Exit(code)
+
+
+def _inputs(specs: list[str], inputs_file: Path | None) -> Any:
+    """Example inputs from ``--inputs FILE`` and/or ``--input`` specs (specs add keyword inputs)."""
+    from amplite.api import example_inputs
+
+    return example_inputs(specs, inputs_file)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app(prog_name="amplite")

@@ -1,0 +1,77 @@
+"""``amplite batch`` and ``amplite batch merge``: many models, one worker process each (``run_batch``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from amplite.cli.app import _run, app
+from amplite.cli.options import (
+    DebugOpt,
+    DynOpt,
+    FactoryOpt,
+    FuseOpt,
+    InputOpt,
+    InputsFile,
+    IoOpt,
+    KeepOpt,
+    LowOpt,
+    TrustOpt,
+)
+from amplite.cli.output import out
+
+
+@app.command()
+def batch(
+    sources: Annotated[
+        list[str],
+        typer.Argument(help="A manifest (.toml), a directory or glob of models; or `merge SHARD_DIR...`."),
+    ],
+    out_dir: Annotated[Path, typer.Option("--out", "-o", help="Output directory.")],
+    jobs: Annotated[int | None, typer.Option("--jobs", "-j", help="Parallel workers (default: cores/RAM).")] = None,
+    timeout: Annotated[float | None, typer.Option("--timeout", help="Seconds per model before it is killed.")] = None,
+    fail_fast: Annotated[bool, typer.Option("--fail-fast", help="Stop at the first failure.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Skip models already converted alike.")] = False,
+    shard: Annotated[str | None, typer.Option("--shard", help="Run shard i/n of the models (0-based i).")] = None,
+    no_progress: Annotated[bool, typer.Option("--no-progress", help="Plain lines instead of a live display.")] = False,
+    precision: Annotated[str | None, typer.Option("--precision", "-p", help="Default precision.")] = None,
+    level: Annotated[str | None, typer.Option("--level", "-l", help="Default level.")] = None,
+    input: InputOpt = [],  # noqa: B006
+    inputs: InputsFile = None,
+    keep_fp32: KeepOpt = [],  # noqa: B006
+    force_low: LowOpt = [],  # noqa: B006
+    model_factory: FactoryOpt = None,
+    trust_pickle: TrustOpt = False,
+    dynamic_batch: DynOpt = False,
+    low_precision_io: IoOpt = False,
+    fuse_contractions: FuseOpt = False,
+    no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip numeric verification.")] = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Convert many models, each in its own worker process; `amplite batch merge DIR...` joins shard summaries."""
+
+    def body() -> int:
+        from amplite.batch import defaults_from_options, merge_shards, run_batch
+        from amplite.errors import ConfigError
+
+        if sources[0] == "merge":
+            if len(sources) < 2:
+                raise ConfigError("batch merge needs the shard output directories", "amplite batch merge A B -o OUT")
+            result = merge_shards([Path(s) for s in sources[1:]], out_dir)
+        else:
+            if len(sources) != 1:
+                raise ConfigError(f"batch takes one manifest, directory or glob, got {len(sources)}", "quote the glob")
+            defaults = defaults_from_options(
+                precision=precision, level=level, inputs=input, inputs_file=inputs, keep_fp32=keep_fp32,
+                force_low=force_low, model_factory=model_factory, trust_pickle=trust_pickle,
+                dynamic_batch=dynamic_batch, low_precision_io=low_precision_io,
+                fuse_contractions=fuse_contractions, verify=not no_verify,
+            )  # fmt: skip
+            result = run_batch(sources[0], out_dir, defaults=defaults, jobs=jobs, timeout=timeout,
+                               fail_fast=fail_fast, resume=resume, shard=shard, progress=not no_progress)  # fmt: skip
+        out.print(result.describe())
+        return result.exit_code
+
+    _run(debug, body)

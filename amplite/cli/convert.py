@@ -1,0 +1,79 @@
+"""``amplite convert`` and ``amplite inspect``: one library call each (``convert_to_files``, ``convert``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from amplite.cli.app import _inputs, _run, app
+from amplite.cli.options import DebugOpt, InputOpt, InputsFile, ModelArg, ToleranceOpt, conversion_options
+from amplite.cli.output import print_plan, print_summary
+
+
+@app.command()
+@conversion_options
+def convert(
+    model: ModelArg,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Output .pt2 or .onnx path.")] = None,
+    format: Annotated[
+        str | None, typer.Option("--format", help="Comma list of pt2,onnx (default: from -o's suffix).")
+    ] = None,
+    external_data: Annotated[bool, typer.Option("--external-data", help="ONNX weights in a .data file.")] = False,
+    opset: Annotated[int | None, typer.Option("--opset", help="ONNX opset (default 20 fp16, 22 bf16).")] = None,
+    onnx_layernorm: Annotated[
+        str,
+        typer.Option(
+            "--onnx-layernorm",
+            help="ONNX: FP32 LayerNorm islands become one low-precision LayerNormalization (FP32 statistics) "
+            "when scale/bias are exact in the low dtype (exact), always, rounding them (round), or never (off).",
+        ),
+    ] = "exact",
+    input: InputOpt = [],  # noqa: B006
+    inputs: InputsFile = None,
+    report: Annotated[Path | None, typer.Option("--report", help="Report JSON path.")] = None,
+    no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip numeric verification.")] = False,
+    tolerance: ToleranceOpt = [],  # noqa: B006
+    max_trials: Annotated[int | None, typer.Option("--max-trials", help="Bound on the FP32 fallback search.")] = None,
+    debug: DebugOpt = False,
+    *,
+    conversion: dict[str, Any],
+) -> None:
+    """Convert MODEL to mixed precision, verify it and write the model (.pt2 and/or .onnx) and a JSON report."""
+
+    def body() -> int:
+        from amplite.save import convert_to_files
+
+        saved = convert_to_files(
+            model, _inputs(input, inputs), output=output, formats=format, report=report,
+            external_data=external_data, opset=opset, onnx_layernorm=onnx_layernorm, tolerance=tolerance,
+            verify=not no_verify, max_trials=max_trials, **conversion,
+        )  # fmt: skip
+        print_summary(saved.result.report.data, saved.written, saved.report_path)
+        return saved.exit_code
+
+    _run(debug, body)
+
+
+@app.command()
+@conversion_options
+def inspect(
+    model: ModelArg,
+    input: InputOpt = [],  # noqa: B006
+    inputs: InputsFile = None,
+    only: Annotated[str | None, typer.Option("--only", help="Show only low, fp32 or follow nodes.")] = None,
+    debug: DebugOpt = False,
+    *,
+    conversion: dict[str, Any],
+) -> None:
+    """Print the precision plan (node, op, dtype, reason) without writing any file."""
+
+    def body() -> int:
+        from amplite.api import convert as convert_model
+
+        result = convert_model(model, _inputs(input, inputs), verify=False, **conversion)
+        print_plan(result.report.data, only)
+        return 0
+
+    _run(debug, body)

@@ -1,0 +1,102 @@
+"""Options shared by several ``amplite`` commands: typer ``Annotated`` aliases and the conversion options."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+ModelArg = Annotated[Path, typer.Argument(help="Model file: .pt2, TorchScript, state dict or pickled module.")]
+Precision = Annotated[str, typer.Option("--precision", "-p", help="fp16 or bf16.")]
+LevelOpt = Annotated[str | None, typer.Option("--level", "-l", help="O0-O3 (default: $AMPLITE_LEVEL, else O1).")]
+InputOpt = Annotated[
+    list[str], typer.Option("--input", help="NAME:SHAPE:DTYPE[lo,hi), e.g. ids:2x128:int64[0,30522). Repeatable.")
+]
+InputsFile = Annotated[Path | None, typer.Option("--inputs", help="Inputs file (torch.save, .npz, .safetensors).")]
+KeepOpt = Annotated[list[str], typer.Option("--keep-fp32", help="Keep FP32: op:, module:, node: or any glob.")]
+LowOpt = Annotated[list[str], typer.Option("--force-low", help="Force low precision (same patterns).")]
+TrustOpt = Annotated[bool, typer.Option("--trust-pickle", help="Allow unpickling (runs code from the file).")]
+FactoryOpt = Annotated[str | None, typer.Option("--model-factory", help="module:callable for a state dict.")]
+DynOpt = Annotated[bool, typer.Option("--dynamic-batch", help="Make dim 0 of every input dynamic.")]
+IoOpt = Annotated[bool, typer.Option("--low-precision-io", help="Inputs and outputs in the low dtype too.")]
+FuseOpt = Annotated[bool, typer.Option("--fuse-contractions", help="Fuse matmul chains into amplite::contract.")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
+RangeOpt = Annotated[
+    bool | None,
+    typer.Option("--range-rules/--no-range-rules", help="Keep FP32 what calibrated ranges flag (default: O1/O2)."),
+]
+DataMaxOpt = Annotated[float, typer.Option("--data-max", help="Largest |activation| kept in fp16.")]
+DepthOpt = Annotated[int, typer.Option("--max-reduction-depth", help="Longest reduction kept in low precision.")]
+DataOpt = Annotated[Path | None, typer.Option("--data", help="Directory of input batches (.pt/.npz/.safetensors).")]
+LoaderOpt = Annotated[str | None, typer.Option("--data-loader", help="module:function yielding batches.")]
+RandomOpt = Annotated[int, typer.Option("--random-batches", help="Extra seeded random batches from --input.")]
+MaxBatchOpt = Annotated[int, typer.Option("--max-batches", help="Use at most this many batches.")]
+UpdateOpt = Annotated[bool, typer.Option("--update-golden", help="(Re)write the golden directory.")]
+ToleranceOpt = Annotated[
+    list[str],
+    typer.Option("--tolerance", help="Accuracy contract: sqnr>=45, top1>=0.999, logits:max_abs<=1e-2 (repeatable)."),
+]
+NoFoldOpt = Annotated[
+    bool, typer.Option("--no-fold-batchnorm", help="Keep BatchNorm (FP32) instead of folding it into convs.")
+]
+
+#: The conversion options, defined once: every command that converts (convert, inspect, check) takes them
+#: through :func:`conversion_options`. Each maps to the ``amplite.convert`` keyword of the same name, except
+#: ``no_fold_batchnorm`` (``fold_batchnorm=not ...``). Defaults are the API's.
+CONVERSION_PARAMS: tuple[inspect.Parameter, ...] = tuple(
+    inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation)
+    for name, annotation, default in (
+        ("precision", Precision, "fp16"),
+        ("level", LevelOpt, None),
+        ("keep_fp32", KeepOpt, []),
+        ("force_low", LowOpt, []),
+        ("trust_pickle", TrustOpt, False),
+        ("model_factory", FactoryOpt, None),
+        ("dynamic_batch", DynOpt, False),
+        ("low_precision_io", IoOpt, False),
+        ("fuse_contractions", FuseOpt, False),
+        ("range_rules", RangeOpt, None),
+        ("data_max", DataMaxOpt, 512.0),
+        ("max_reduction_depth", DepthOpt, 4096),
+        ("no_fold_batchnorm", NoFoldOpt, False),
+    )
+)
+
+
+def to_api(values: dict[str, Any]) -> dict[str, Any]:
+    """CLI conversion option values -> ``amplite.convert`` keyword arguments."""
+    kwargs = dict(values)
+    kwargs["fold_batchnorm"] = not kwargs.pop("no_fold_batchnorm")
+    kwargs["keep_fp32"] = list(kwargs["keep_fp32"])
+    kwargs["force_low"] = list(kwargs["force_low"])
+    return kwargs
+
+
+def conversion_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Give a command every conversion option; they reach it as one ``conversion`` dict of API keywords.
+
+    The command declares ``conversion: dict`` as its last keyword instead of the options themselves, so a
+    new conversion option added to :data:`CONVERSION_PARAMS` appears on every converting command at once.
+    """
+    names = {p.name for p in CONVERSION_PARAMS}
+    own = [
+        p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        for p in inspect.signature(command, eval_str=True).parameters.values()
+        if p.name != "conversion"
+    ]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        conversion = to_api({k: kwargs.pop(k) for k in names})
+        return command(conversion=conversion, **kwargs)
+
+    debug = [p for p in own if p.name == "debug"]
+    rest = [p for p in own if p.name != "debug"]
+    wrapper.__signature__ = inspect.Signature([*rest, *CONVERSION_PARAMS, *debug])  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in wrapper.__signature__.parameters.values()}
+    del wrapper.__wrapped__  # typer must read the new signature, not the command's
+    return wrapper

@@ -1,0 +1,6 @@
+"""Reports: the conversion/check report document (report.json, schema in ``amplite/schemas``) and its
+renderings: Markdown, HTML (with charts) and JUnit XML plus GitHub annotations.
+
+Layer: imports ``verify`` (metric types), ``converter.emit`` (atomic writes) and below; never the API,
+``onnx`` or the CLI.
+"""

@@ -1,0 +1,103 @@
+"""``convert_to_files``: convert a model and write every requested output (the library call behind
+``amplite convert``).
+
+Destinations are checked before the conversion starts (a bad path fails in a second, not after a
+minute of tracing), and every file is written atomically. Layer: like ``amplite.api``, which it calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from amplite.api import ConversionResult, convert
+from amplite.converter import emit
+from amplite.errors import ConfigError
+from amplite.policy import resolve_level
+from amplite.verify.compare import parse_tolerance
+
+
+@dataclass
+class SavedConversion:
+    """What ``convert_to_files`` wrote.
+
+    Attributes:
+        result: The conversion (``result.report.data`` is report.json).
+        written: The model files, in the order written.
+        report_path: Where report.json went.
+    """
+
+    result: ConversionResult
+    written: list[Path]
+    report_path: Path
+
+    @property
+    def exit_code(self) -> int:
+        """0 converted and verified (also in ONNX Runtime when ONNX was written), 1 verification failed."""
+        onnx_ok = (self.result.report.data.get("verification_onnx") or {}).get("passed")
+        return 1 if self.result.passed is False or onnx_ok is False else 0
+
+
+def default_output(model: str | Path, precision: str, level: str | None) -> Path:
+    """``NAME.<precision>.<level>.pt2`` next to the model file."""
+    model = Path(model)
+    return model.with_name(f"{model.name.split('.')[0]}.{precision}.{resolve_level(level).value}.pt2")
+
+
+def convert_to_files(
+    model: str | Path,
+    example_inputs: Any = None,
+    *,
+    output: str | Path | None = None,
+    formats: str | None = None,
+    report: str | Path | None = None,
+    external_data: bool = False,
+    opset: int | None = None,
+    onnx_layernorm: str = "exact",
+    tolerance: list[str] | None = None,
+    **conversion: Any,
+) -> SavedConversion:
+    """Convert ``model`` and write the converted model(s) and report.json.
+
+    Args:
+        model: Path to the model file.
+        example_inputs: As for :func:`amplite.convert`.
+        output: Destination (default :func:`default_output`); its suffix picks the format.
+        formats: Comma list of ``pt2,onnx`` (default: from ``output``'s suffix).
+        report: report.json path (default: next to the output).
+        external_data: ONNX weights in a ``.data`` file.
+        opset: ONNX opset.
+        onnx_layernorm: ONNX LayerNorm mode (see ``ConversionResult.save``).
+        tolerance: Tolerance specs (``sqnr>=45``...); when given, a failing plan triggers the accuracy-budget
+            search.
+        **conversion: Every other :func:`amplite.convert` keyword.
+
+    Raises:
+        AmpliteError: Bad options or an unwritable destination (raised before converting).
+    """
+    precision = conversion.get("precision", "fp16")
+    dest = Path(output) if output is not None else default_output(model, precision, conversion.get("level"))
+    emit.check_writable(dest)
+    targets = emit.plan_outputs(dest, formats)
+    if (opset is not None or external_data or onnx_layernorm != "exact") and "onnx" not in dict(targets):
+        raise ConfigError("--opset, --external-data and --onnx-layernorm apply to ONNX output",
+                          "add --format onnx (or -o X.onnx)")  # fmt: skip
+    if onnx_layernorm != "exact":
+        from amplite.onnx.norm import MODES  # onnx_ir imports in ~1 s: only when an ONNX option is given
+
+        if onnx_layernorm not in MODES:
+            raise ConfigError(f"unknown --onnx-layernorm {onnx_layernorm!r}", f"use one of: {', '.join(MODES)}")
+    for _fmt, path in targets:
+        emit.check_writable(path)
+    report_path = Path(report) if report is not None else dest.with_name(dest.stem + ".report.json")
+    emit.check_writable(report_path)
+    if tolerance:
+        conversion["tolerance"] = parse_tolerance(tolerance, precision)
+        conversion["fallback_search"] = True
+    result = convert(model, example_inputs, **conversion)
+    for fmt, path in targets:
+        result.save(path, format=fmt, external_data=True if external_data else None, opset=opset,
+                    layernorm_stash=onnx_layernorm)  # fmt: skip
+    result.report.save(report_path)
+    return SavedConversion(result, [p for _, p in targets], report_path)
