@@ -25,6 +25,7 @@ from amplite.converter.loading import LoadedModel, load_any, torchscript_to_prog
 from amplite.converter.pipeline import PipelineOutput, lower_inputs, run_pipeline
 from amplite.converter.tracing import Inputs, summarize_exception
 from amplite.errors import ConfigError, InputSpecError
+from amplite.estimate import DEFAULT_PROFILE, estimate, get_profile
 from amplite.ops import backend_description
 from amplite.passes.range_guard import RangeRules
 from amplite.policy import LEVEL_ENV, Level, PrecisionPolicy, make_overrides, resolve_level
@@ -146,6 +147,7 @@ def convert(
     max_trials: int | None = None,
     reference_outputs: Any = None,
     fold_batchnorm: bool = True,
+    gpu_profile: str = DEFAULT_PROFILE,
 ) -> ConversionResult:
     """Convert a model to mixed precision ahead of time and verify it.
 
@@ -179,6 +181,8 @@ def convert(
         reference_outputs: The FP32 model's outputs on ``example_inputs`` when already known (skips that run).
         fold_batchnorm: Fold inference-mode BatchNorm into the preceding convolution (removes the FP32
             island and its casts around each conv; the model must be in eval mode, as for any export).
+        gpu_profile: GPU whose roofline the report's time estimate uses (``amplite.estimate.PROFILES``:
+            H100, H200, A100, L4, RTX4090). The estimate is labelled as one; it measures nothing.
 
     Returns:
         The converted program, its report and the inputs used. The user's model is not modified.
@@ -190,7 +194,7 @@ def convert(
         precision=precision, level=level, keep_fp32=list(keep_fp32), force_low=list(force_low),
         low_precision_io=low_precision_io, dynamic_batch=dynamic_batch, fuse_contractions=fuse_contractions,
         range_rules=range_rules, data_max=data_max, max_reduction_depth=max_reduction_depth,
-        calibration=calibration, fold_batchnorm=fold_batchnorm,
+        calibration=calibration, fold_batchnorm=fold_batchnorm, gpu_profile=gpu_profile,
     )  # fmt: skip
     timings: dict[str, float] = {}
     cfg = _resolve(options, verify, fallback_search, max_trials, tolerance)
@@ -239,6 +243,7 @@ def _resolve(
     if max_trials is not None and max_trials < 2:
         raise ConfigError(f"max_trials={max_trials} is too small", "allow at least 2 (the worst node alone, then all)")
     lvl = resolve_level(options["level"])
+    get_profile(options["gpu_profile"])  # an unknown profile fails before any work
     overrides = make_overrides(options["keep_fp32"], options["force_low"])
     policy = PrecisionPolicy(options["precision"], lvl, overrides, options["low_precision_io"])
     use_ranges = options["range_rules"] if options["range_rules"] is not None else lvl in (Level.O1, Level.O2)
@@ -325,7 +330,10 @@ def _report(
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         config["contract_backend"] = backend_description(device)
     low = cfg.policy.low_dtype
-    return build_report(
+    start = perf_counter()
+    predicted = estimate(out.original, out.converted, low, profile=options["gpu_profile"])
+    timings["estimate"] = perf_counter() - start
+    report = build_report(
         source={"path": loaded.path, "format": loaded.kind},
         config=config,
         records=out.records,
@@ -338,6 +346,8 @@ def _report(
         timings=timings,
         warnings=warnings,
     )
+    report.data["estimate"] = predicted
+    return report
 
 
 def _env_level() -> bool:

@@ -138,6 +138,10 @@ def amplite_job(case: Case, precision: str, level: str, work: Path, budget: floa
     out["timings"] = data["timings"]
     out["graph"] = {k: data["graph"]["after"][k] for k in ("nodes_by_dtype", "casts", "low_precision_flop_share")}
     out["weights_ratio"] = data["weights"]["ratio"]
+    if data.get("estimate"):  # the report's roofline estimate (default profile H100): an estimate only
+        est = data["estimate"]
+        out["estimate"] = {k: est[k] for k in ("device", "seconds", "ratio_vs_fp32", "ratio_vs_autocast",
+                                               "cast_share", "fp32_island_share")}  # fmt: skip
     out["pt2_bytes"] = (work / "converted.pt2").stat().st_size
     out["verified"] = result.passed
     module = result.module()

@@ -96,7 +96,8 @@ def render(results: dict[str, Any]) -> str:
                      num(ratio(base.get("fp32_pt2_bytes"), 2**20), ".1f"),
                      m.get("skip_reason") or statuses or "all jobs ok"])
     out += table(["model", "what", "attention", "params (M)", "torch.export s", "FP32 .pt2 MiB", "runs"], rows)
-    out += _cost(models) + _graph(models) + _casts(models) + _accuracy(models) + _onnx(models) + _latency(models)
+    out += _cost(models) + _graph(models) + _estimates(models) + _casts(models) + _accuracy(models) + _onnx(models)
+    out += _latency(models)
     out += _cuda(models, meta) + _targets(models) + _failures(models)
     return "\n".join(out)
 
@@ -151,6 +152,26 @@ def _graph(models: dict[str, Any]) -> list[str]:
     head = ["model", "config", "nodes by compute dtype", "casts in graph", "casts per forward", ".pt2 MiB",
             "size / FP32 .pt2", "low-precision FLOP share", "amplite verification"]
     return ["## amplite graph facts and size", "", *table(head, rows)]
+
+
+def _estimates(models: dict[str, Any]) -> list[str]:
+    rows = []
+    for name, cfg, rec in _amp(models):
+        est = (rec or {}).get("estimate")
+        if failed(rec) is not None or not est:
+            continue
+        sec = est["seconds"]
+        rows.append([name, cfg, est["device"], num(sec["fp32"] * 1e3, ".3g"), num(sec["autocast"] * 1e3, ".3g"),
+                     num(sec["amplite"] * 1e3, ".3g"), num(est["ratio_vs_fp32"], ".3f"),
+                     num(est["ratio_vs_autocast"], ".3f"), num(est["cast_share"], ".2f"),
+                     num(est["fp32_island_share"], ".2f")])
+    if not rows:
+        return []
+    head = ["model", "config", "GPU profile", "FP32 ms", "autocast ms", "amplite ms", "amplite / FP32",
+            "amplite / autocast", "cast share", "FP32-island share"]
+    return ["## Estimated GPU time (roofline estimate, not a measurement)", "",
+            "The report's per-node roofline (docs/estimates.md) on the default profile, example batch; "
+            "validated against measurements only where the GPU suite ran.", "", *table(head, rows)]
 
 
 def _casts(models: dict[str, Any]) -> list[str]:

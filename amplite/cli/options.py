@@ -40,6 +40,9 @@ ToleranceOpt = Annotated[
     list[str],
     typer.Option("--tolerance", help="Accuracy contract: sqnr>=45, top1>=0.999, logits:max_abs<=1e-2 (repeatable)."),
 ]
+GpuProfileOpt = Annotated[
+    str, typer.Option("--gpu-profile", help="GPU for the report's time estimate: H100, H200, A100, L4, RTX4090.")
+]
 NoFoldOpt = Annotated[
     bool, typer.Option("--no-fold-batchnorm", help="Keep BatchNorm (FP32) instead of folding it into convs.")
 ]
@@ -63,6 +66,7 @@ CONVERSION_PARAMS: tuple[inspect.Parameter, ...] = tuple(
         ("data_max", DataMaxOpt, 512.0),
         ("max_reduction_depth", DepthOpt, 4096),
         ("no_fold_batchnorm", NoFoldOpt, False),
+        ("gpu_profile", GpuProfileOpt, "H100"),
     )
 )
 

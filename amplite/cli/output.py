@@ -104,6 +104,10 @@ def print_summary(data: dict[str, Any], written: list[Path], report_path: Path) 
         for line in [ort.get("not_runnable"), ort.get("caveat")]:
             if line:
                 out.print(f"  {line}")
+    if data.get("estimate"):
+        from amplite.estimate import summary_line
+
+        out.print(summary_line(data["estimate"]))
     for w in data.get("warnings", []):
         out.print(f"[yellow]warning:[/] {w}")
     for path in written:

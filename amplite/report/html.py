@@ -55,7 +55,9 @@ def _table(headers: list[str], rows: list[list[Any]], raw: set[int] = frozenset(
 def _figures(data: dict[str, Any]) -> list[tuple[str, Any]]:
     import plotly.graph_objects as go
 
-    figs = []
+    figs: list[tuple[str, Any]] = []
+    if data.get("estimate"):
+        figs.append(("estimate", _estimate_figure(data["estimate"])))
     nodes = data.get("layerwise", {}).get("nodes", [])
     if nodes:
         hover = [
@@ -188,6 +190,29 @@ def _range_rules_section(data: dict[str, Any]) -> str:
     return text + _table(["node", "op", "module", "source", "reason"], rows)
 
 
+def _estimate_figure(est: dict[str, Any]) -> Any:
+    import plotly.graph_objects as go
+
+    names = list(est["seconds"])
+    fig = go.Figure(go.Bar(x=names, y=[est["seconds"][k] * 1e3 for k in names]))
+    fig.update_layout(height=280, margin={"t": 30, "b": 30}, yaxis_title="estimated ms per forward",
+                      title=f"Estimated on {est['device']} (roofline; not a measurement)")  # fmt: skip
+    return fig
+
+
+def _estimate_section(est: dict[str, Any], chart: str) -> str:
+    rows = [[n["node"], n["op"], n["dtype"], n["kind"], fmt(n["seconds"] * 1e6, 3), fmt(n["share"] * 100, 3)]
+            for n in est["top_nodes"]]  # fmt: skip
+    return (
+        f"<h2>Estimated GPU time</h2><p class='muted'>{escape(est['label'])}: per-node roofline on "
+        f"{escape(est['device'])} (docs/estimates.md).</p><p>{fmt(est['ratio_vs_fp32'], 3)}× FP32, "
+        f"{fmt(est['ratio_vs_autocast'], 3)}× autocast; casts {fmt(est['cast_share'] * 100, 3)}%, FP32 islands "
+        f"{fmt(est['fp32_island_share'] * 100, 3)}% of the converted model's time.</p>"
+        + chart
+        + _table(["node", "op", "dtype", "kind", "µs", "share %"], rows)
+    )
+
+
 def render_html(data: dict[str, Any]) -> str:
     """The report page as one HTML string (plotly.js included inline)."""
     from plotly.offline import get_plotlyjs
@@ -227,6 +252,8 @@ def render_html(data: dict[str, Any]) -> str:
         parts.append(_table(_OUTPUT_HEAD, rows, raw={11}))
     if data.get("budget"):
         parts.append(_budget_section(data["budget"], figs.get("budget-search", "")))
+    if data.get("estimate"):
+        parts.append(_estimate_section(data["estimate"], figs.get("estimate", "")))
     lw = data.get("layerwise")
     if lw:
         parts.append("<h2>Error along the graph</h2>")

@@ -25,6 +25,17 @@ def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def estimate_line(est: dict[str, Any]) -> str:
+    """One line on the predicted GPU time (labelled as an estimate)."""
+    sec = est["seconds"]
+    ms = ", ".join(f"{k} {fmt(v * 1e3, 3)} ms" for k, v in sec.items())
+    return (
+        f"**Estimated GPU time on {_cell(est['device'])}** ({est['label']}): {ms} — "
+        f"{fmt(est['ratio_vs_fp32'], 3)}× FP32, {fmt(est['ratio_vs_autocast'], 3)}× autocast; "
+        f"casts {fmt(est['cast_share'] * 100, 3)}%, FP32 islands {fmt(est['fp32_island_share'] * 100, 3)}% of it."
+    )
+
+
 def budget_line(budget: dict[str, Any], names: int = 5) -> str:
     """One line on the accuracy-budget search: verdict, nodes moved to FP32, trials and time."""
     tol = budget.get("tolerance") or {}
@@ -67,6 +78,8 @@ def render_markdown(data: dict[str, Any], top_n: int = 5) -> str:
         lines += ["**Why it failed:**", ""] + [f"- {_cell(r)}" for r in check["reasons"][:10]] + [""]
     if data.get("budget"):
         lines += [budget_line(data["budget"]), ""]
+    if data.get("estimate"):
+        lines += [estimate_line(data["estimate"]), ""]
     top = data.get("layerwise", {}).get("top_introducers", [])[:top_n]
     if top:
         lines += [
