@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.export import ExportedProgram
 
+from amplite.checkpoint import convert_checkpoint, is_checkpoint_dir
 from amplite.converter import emit
 from amplite.converter.graph_stats import graph_stats, weight_bytes
 from amplite.converter.inputs import bind_inputs, example_inputs, normalize_inputs
@@ -185,7 +186,10 @@ def convert(
             H100, H200, A100, L4, RTX4090). The estimate is labelled as one; it measures nothing.
 
     Returns:
-        The converted program, its report and the inputs used. The user's model is not modified.
+        The converted program, its report and the inputs used. The user's model is not modified. For a
+        transformers checkpoint directory (``config.json`` + safetensors shards) the conversion is planned
+        from metadata and returned as ``amplite.checkpoint.StreamedConversion``: its ``save_safetensors``,
+        ``save_pt2`` and ``verify`` stream the weights (see docs/big-models.md).
 
     Raises:
         AmpliteError: For every problem with the inputs, the file or the options (one-line message).
@@ -196,6 +200,8 @@ def convert(
         range_rules=range_rules, data_max=data_max, max_reduction_depth=max_reduction_depth,
         calibration=calibration, fold_batchnorm=fold_batchnorm, gpu_profile=gpu_profile,
     )  # fmt: skip
+    if isinstance(model, (str, Path)) and is_checkpoint_dir(model):  # streamed: never materialised
+        return convert_checkpoint(model, example_inputs, **{k: options[k] for k in _CHECKPOINT_KEYS})
     timings: dict[str, float] = {}
     cfg = _resolve(options, verify, fallback_search, max_trials, tolerance)
     start = perf_counter()
@@ -222,6 +228,9 @@ def convert(
         result = search_budget(result, {**options, "level": cfg.level}, convert=convert, max_trials=max_trials)
         result.report.data["source"] = report.data["source"]
     return result
+
+
+_CHECKPOINT_KEYS = ("precision", "level", "keep_fp32", "force_low", "low_precision_io", "range_rules")
 
 
 @dataclass

@@ -7,11 +7,13 @@ minute of tracing), and every file is written atomically. Layer: like ``amplite.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from amplite.api import ConversionResult, convert
+from amplite.checkpoint import StreamedConversion, checkpoint_to_files, is_checkpoint_dir
 from amplite.converter import emit
 from amplite.errors import ConfigError
 from amplite.policy import resolve_level
@@ -28,7 +30,7 @@ class SavedConversion:
         report_path: Where report.json went.
     """
 
-    result: ConversionResult
+    result: ConversionResult | StreamedConversion
     written: list[Path]
     report_path: Path
 
@@ -56,6 +58,8 @@ def convert_to_files(
     opset: int | None = None,
     onnx_layernorm: str = "exact",
     tolerance: list[str] | None = None,
+    verify_max_memory: float | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
     **conversion: Any,
 ) -> SavedConversion:
     """Convert ``model`` and write the converted model(s) and report.json.
@@ -71,12 +75,21 @@ def convert_to_files(
         onnx_layernorm: ONNX LayerNorm mode (see ``ConversionResult.save``).
         tolerance: Tolerance specs (``sqnr>=45``...); when given, a failing plan triggers the accuracy-budget
             search.
+        verify_max_memory: Checkpoint directories: bound (GB) on the weights block-wise verification holds.
+        progress: Checkpoint directories: called as ``(step, bytes done, bytes total)`` on long steps.
         **conversion: Every other :func:`amplite.convert` keyword.
 
     Raises:
         AmpliteError: Bad options or an unwritable destination (raised before converting).
     """
     precision = conversion.get("precision", "fp16")
+    if is_checkpoint_dir(model):
+        tol = parse_tolerance(tolerance, precision) if tolerance else None
+        conv, written, report_path = checkpoint_to_files(
+            model, example_inputs, output=output, formats=formats, report=report, tolerance=tol,
+            verify_max_memory=verify_max_memory, progress=progress or (lambda *_: None), **conversion,
+        )  # fmt: skip
+        return SavedConversion(conv, written, report_path)  # type: ignore[arg-type]
     dest = Path(output) if output is not None else default_output(model, precision, conversion.get("level"))
     emit.check_writable(dest)
     targets = emit.plan_outputs(dest, formats)

@@ -9,7 +9,7 @@ import typer
 
 from amplite.cli.app import _inputs, _run, app
 from amplite.cli.options import DebugOpt, InputOpt, InputsFile, ModelArg, ToleranceOpt, conversion_options
-from amplite.cli.output import print_plan, print_summary
+from amplite.cli.output import byte_progress, print_plan, print_summary
 
 
 @app.command()
@@ -36,20 +36,27 @@ def convert(
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip numeric verification.")] = False,
     tolerance: ToleranceOpt = [],  # noqa: B006
     max_trials: Annotated[int | None, typer.Option("--max-trials", help="Bound on the FP32 fallback search.")] = None,
+    verify_max_memory: Annotated[
+        float | None,
+        typer.Option("--verify-max-memory", help="Checkpoint directories: GB of weights verification may hold."),
+    ] = None,
     debug: DebugOpt = False,
     *,
     conversion: dict[str, Any],
 ) -> None:
-    """Convert MODEL to mixed precision, verify it and write the model (.pt2 and/or .onnx) and a JSON report."""
+    """Convert MODEL (a model file or a transformers checkpoint directory) to mixed precision, verify it and
+    write the model (.pt2, .onnx, or a safetensors directory) and a JSON report."""
 
     def body() -> int:
         from amplite.save import convert_to_files
 
-        saved = convert_to_files(
-            model, _inputs(input, inputs), output=output, formats=format, report=report,
-            external_data=external_data, opset=opset, onnx_layernorm=onnx_layernorm, tolerance=tolerance,
-            verify=not no_verify, max_trials=max_trials, **conversion,
-        )  # fmt: skip
+        with byte_progress() as progress:
+            saved = convert_to_files(
+                model, _inputs(input, inputs), output=output, formats=format, report=report,
+                external_data=external_data, opset=opset, onnx_layernorm=onnx_layernorm, tolerance=tolerance,
+                verify=not no_verify, max_trials=max_trials, verify_max_memory=verify_max_memory,
+                progress=progress, **conversion,
+            )  # fmt: skip
         print_summary(saved.result.report.data, saved.written, saved.report_path)
         return saved.exit_code
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,24 @@ def print_plan(data: dict[str, Any], only: str | None) -> None:
     out.print(footer)
 
 
+@contextmanager
+def byte_progress() -> Iterator[Callable[[str, int, int], None]]:
+    """A ``(step, bytes done, bytes total)`` callback drawing one progress bar per step (bytes and ETA)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bars = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                    console=err, transient=True)  # fmt: skip
+    tasks: dict[str, Any] = {}
+
+    def update(step: str, done: int, total: int) -> None:
+        if step not in tasks:
+            tasks[step] = bars.add_task(step, total=total)
+        bars.update(tasks[step], completed=done)
+
+    with bars:
+        yield update
+
+
 def print_summary(data: dict[str, Any], written: list[Path], report_path: Path) -> None:
     """The short summary ``convert`` prints."""
     cfg, graph, weights = data["config"], data["graph"]["after"], data["weights"]
@@ -84,6 +104,12 @@ def print_summary(data: dict[str, Any], written: list[Path], report_path: Path) 
             verdict = "[green]pass[/]" if o["passed"] else "[red]FAIL[/] " + "; ".join(o["notes"])
             vt.add_row(o["name"], f"{o['max_abs']:.3g}", f"{o['max_rel']:.3g}", f"{o['cosine']:.6f}", sqnr, verdict)
         out.print(vt)
+        blocks = verification.get("blocks") or []
+        if blocks:
+            worst = min(blocks, key=lambda b: b["sqnr_db"])
+            out.print(f"block-wise: {len(blocks)} blocks compared, worst SQNR {worst['sqnr_db']:.1f} dB "
+                      f"({worst['block']}); at most {verification['peak_weight_bytes'] / 2**20:.1f} MiB of "
+                      "weights held at once")  # fmt: skip
     budget = data.get("budget")
     if budget:
         verdict = "[green]met[/]" if budget["passed"] else "[red]NOT met[/]"

@@ -1,0 +1,263 @@
+"""Convert a transformers checkpoint directory without materialising it.
+
+The plan needs only the graph and the weights' metadata: the model is built from ``config.json`` with
+meta parameters, exported on meta example inputs, and run through amplite's passes (no calibration: the
+activation range rules need a forward with real weights; for fp16 the weight rules run on statistics
+streamed from the shards, one tensor at a time). The outputs are then written by streaming each weight
+from its shard, cast to its planned dtype (``amplite.checkpoint.write``).
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+
+from amplite.checkpoint.blockwise import verify_blockwise
+from amplite.checkpoint.source import (
+    PREFIX,
+    Checkpoint,
+    build_meta_model,
+    example_inputs_for,
+    iter_shard,
+    load_tensor,
+    open_checkpoint,
+)
+from amplite.checkpoint.write import cast_tensor, write_pt2, write_safetensors_dir
+from amplite.converter.graph_stats import graph_stats
+from amplite.converter.pipeline import PipelineOutput, run_pipeline
+from amplite.errors import ConfigError
+from amplite.passes.range_guard import FP16_FLUSH, FP16_MAX, RangeRules
+from amplite.policy import Level, PrecisionPolicy, make_overrides, resolve_level
+from amplite.report.document import Report
+from amplite.verify.compare import DEFAULT_TOLERANCES, Tolerance
+
+Progress = Callable[[str, int, int], None]  # (step, bytes done, bytes total)
+
+
+def _no_progress(step: str, done: int, total: int) -> None:
+    return None
+
+
+@dataclass
+class StreamedConversion:
+    """A converted checkpoint: the program (meta weights), its plan and where each weight comes from.
+
+    Attributes:
+        checkpoint: The source directory's metadata.
+        pipeline: The passes' output (``converted`` holds meta tensors in their planned dtypes).
+        dtypes: Tensor name -> storage dtype in the output.
+        buffers: Real values of the buffers the model computes itself (not in the shards).
+        data: The report document (``report.json``); :attr:`report` wraps it.
+    """
+
+    checkpoint: Checkpoint
+    pipeline: PipelineOutput
+    dtypes: dict[str, torch.dtype]
+    buffers: dict[str, torch.Tensor]
+    data: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def report(self) -> Report:
+        """The report (``report.data`` is report.json)."""
+        return Report(self.data)
+
+    @property
+    def passed(self) -> bool | None:
+        """Whether block-wise verification passed (None until :meth:`verify` ran)."""
+        return (self.data.get("verification") or {}).get("passed")
+
+    @property
+    def program(self) -> ExportedProgram:
+        """The converted program (weights on the meta device: save it to get them)."""
+        return self.pipeline.converted
+
+    def tensor(self, name: str, source: Checkpoint | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One weight read from ``source`` (default: the input checkpoint), cast to ``dtype`` (default: its
+        planned storage dtype)."""
+        ckpt = source or self.checkpoint
+        key = _checkpoint_name(name, ckpt)
+        if key is not None:
+            t = load_tensor(ckpt.tensors[key])
+        elif name in self.buffers:
+            t = self.buffers[name]
+        else:
+            raise ConfigError(f"the checkpoint has no tensor for {name!r}", "check that the shards are complete")
+        return cast_tensor(t, dtype or self.dtypes.get(name, t.dtype))
+
+    def save_safetensors(self, out_dir: str | Path, progress: Progress = _no_progress) -> Path:
+        """Write the converted checkpoint in the source's layout (plus ``amplite-plan.json``)."""
+        total, done = self.checkpoint.total_bytes, [0]
+
+        def step(n: int) -> None:
+            done[0] += n
+            progress("writing safetensors", done[0], total)
+
+        plan = {"config": self.data.get("config"), "dtypes": {k: str(v) for k, v in self.dtypes.items()},
+                "plan": self.pipeline.plan}  # fmt: skip
+        return write_safetensors_dir(self.checkpoint, Path(out_dir), self.dtypes, plan, step)
+
+    def save_pt2(self, dest: str | Path, progress: Progress = _no_progress) -> Path:
+        """Write a ``.pt2`` whose weights are the converted tensors, streamed one at a time."""
+        names = [*self.program.state_dict, *self.program.constants]
+        total, done = sum(_meta_bytes(self.program, n) for n in names), [0]
+
+        def step(n: int) -> None:
+            done[0] += n
+            progress("writing .pt2", done[0], total)
+
+        sources = {n: (lambda n=n: self.tensor(n)) for n in names}
+        return write_pt2(self.program, Path(dest), sources, step)
+
+
+    def verify(
+        self, converted_dir: str | Path, inputs: Any = None, *, tolerance: Tolerance | None = None,
+        max_memory_gb: float | None = None,
+    ) -> dict[str, Any]:
+        """Block-wise streaming verification of the written safetensors directory against the source.
+
+        Args:
+            converted_dir: What :meth:`save_safetensors` wrote (the converted weights are read from there).
+            inputs: Real ``(args, kwargs)`` (default: seeded random ``input_ids`` of shape (1, 8)).
+            tolerance: Output thresholds (default: by precision).
+            max_memory_gb: Bound on the weights alive at once (``--verify-max-memory``).
+
+        Returns:
+            The ``verification`` section (also stored in :attr:`report`).
+        """
+        written = open_checkpoint(converted_dir)
+        if inputs is None:
+            vocab = int(self.checkpoint.config.get("vocab_size", 2))
+            gen = torch.Generator().manual_seed(0)
+            inputs = ((torch.randint(0, vocab, (1, 8), generator=gen),), {})
+        precision = self.data["config"]["precision"]
+        start = perf_counter()
+        section = verify_blockwise(
+            self.pipeline.original, self.program, inputs,
+            lambda n: self.tensor(n, dtype=torch.float32), lambda n: self.tensor(n, source=written),
+            tolerance or DEFAULT_TOLERANCES[precision],
+            max_memory=max_memory_gb * 2**30 if max_memory_gb is not None else None,
+        )  # fmt: skip
+        self.data["timings"]["verify"] = perf_counter() - start
+        self.data["verification"] = section
+        return section
+
+
+def _meta_bytes(program: ExportedProgram, name: str) -> int:
+    t = program.state_dict.get(name, program.constants.get(name))
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _checkpoint_name(name: str, ckpt: Checkpoint) -> str | None:
+    """The shard tensor for a program weight: the same name, or a tied twin the shards store once."""
+    name = name.removeprefix(PREFIX)
+    if name in ckpt.tensors:
+        return name
+    if name.endswith("lm_head.weight"):
+        for twin in ("model.embed_tokens.weight", "transformer.wte.weight", "model.decoder.embed_tokens.weight"):
+            if twin in ckpt.tensors:
+                return twin
+    return None
+
+
+def weight_rules(ckpt: Checkpoint, progress: Progress, rules: RangeRules) -> dict[str, str]:
+    """fp16 weight rules on streamed statistics: module path -> reason, for weights fp16 cannot hold.
+
+    A weight with a finite |w| above 65504 (``range:weight-overflow``), or whose non-zero values are
+    mostly below 2^-24 and would flush to zero (``range:weight-underflow``), keeps its module in FP32.
+    """
+    flagged: dict[str, str] = {}
+    total, done = ckpt.total_bytes, 0
+    for shard in ckpt.shards:
+        for name, t in iter_shard(shard):
+            done += t.nbytes
+            progress("reading weight statistics", done, total)
+            if not t.dtype.is_floating_point or t.numel() == 0:
+                continue
+            a = t.detach().float().abs()
+            finite = a[torch.isfinite(a)]
+            module = PREFIX + name.rsplit(".", 1)[0]
+            if finite.numel() and float(finite.max()) > FP16_MAX:
+                flagged[module] = f"range:weight-overflow |w|={float(finite.max()):.3g}>65504"
+                continue
+            nonzero = finite[finite > 0]
+            if nonzero.numel() and float((nonzero < FP16_FLUSH).float().mean()) > rules.underflow_share:
+                flagged[module] = "range:weight-underflow"
+    return flagged
+
+
+def convert_checkpoint(
+    path: str | Path,
+    example_inputs: Any = None,
+    *,
+    precision: str = "fp16",
+    level: str | Level | None = None,
+    keep_fp32: Sequence[str] = (),
+    force_low: Sequence[str] = (),
+    low_precision_io: bool = False,
+    range_rules: bool | None = None,
+    progress: Progress = _no_progress,
+) -> StreamedConversion:
+    """Plan the conversion of a checkpoint directory from its config and weight metadata.
+
+    Args:
+        path: A directory with ``config.json`` and sharded (or single) ``*.safetensors``.
+        example_inputs: ``(args, kwargs)`` for tracing (default: ``input_ids`` of shape (1, 8)); moved to meta.
+        precision, level, keep_fp32, force_low, low_precision_io: As for :func:`amplite.convert`.
+        range_rules: Apply the fp16 weight rules on streamed statistics (None: at O1/O2).
+        progress: Called as ``(step, bytes done, bytes total)`` while reading shards.
+
+    Returns:
+        The planned conversion; ``save_safetensors`` / ``save_pt2`` write it by streaming.
+    """
+    timings: dict[str, float] = {}
+    start = perf_counter()
+    ckpt = open_checkpoint(path)
+    lvl = resolve_level(level)
+    use_rules = range_rules if range_rules is not None else lvl in (Level.O1, Level.O2)
+    flagged = weight_rules(ckpt, progress, RangeRules()) if use_rules and precision == "fp16" else {}
+    timings["weight_statistics"] = perf_counter() - start
+    start = perf_counter()
+    model, buffers = build_meta_model(ckpt)
+    inputs = example_inputs if example_inputs is not None else example_inputs_for(ckpt.config)
+    inputs = torch.utils._pytree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, inputs)
+    timings["build"] = perf_counter() - start
+    keep = [*keep_fp32, *(f"module:{m}" for m in flagged)]
+    policy = PrecisionPolicy(precision, lvl, make_overrides(keep, force_low), low_precision_io)
+    out = run_pipeline(model, inputs, policy, fold_batchnorm=False)
+    timings.update(out.timings)
+    dtypes = {name: t.dtype for name, t in [*out.converted.state_dict.items(), *out.converted.constants.items()]
+              if isinstance(t, torch.Tensor)}  # fmt: skip
+    shard_dtypes = {n.removeprefix(PREFIX): d for n, d in dtypes.items()}
+    for name, info in ckpt.tensors.items():  # weights the program does not read keep their dtype
+        shard_dtypes.setdefault(name, info.dtype)
+    dtypes.update(shard_dtypes)
+    conv = StreamedConversion(ckpt, out, dtypes, buffers)
+    after = sum(math.prod(i.shape) * dtypes[n].itemsize for n, i in ckpt.tensors.items())
+    conv.data = {
+        "source": {"path": str(ckpt.path), "format": "checkpoint", "shards": len(ckpt.shards)},
+        "config": {"precision": precision, "level": lvl.value, "keep_fp32": list(keep_fp32),
+                   "force_low": list(force_low), "low_precision_io": low_precision_io,
+                   "range_rules": "weights only (streamed statistics)" if flagged or use_rules else None},
+        "weight_rules": [{"module": m, "reason": r} for m, r in flagged.items()],
+        "graph": {"before": graph_stats(out.original.graph, policy.low_dtype),
+                  "after": graph_stats(out.converted.graph, policy.low_dtype)},
+        "weights": {"bytes_before": ckpt.total_bytes, "bytes_after": after,
+                    "ratio": round(after / ckpt.total_bytes, 4) if ckpt.total_bytes else 1.0},
+        "fp32_nodes": [p for p in out.plan if p["mode"] == "fp32"],
+        "plan": out.plan,
+        "timings": timings,
+    }  # fmt: skip
+    return conv
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

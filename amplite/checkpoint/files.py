@@ -1,0 +1,107 @@
+"""``amplite convert DIR``: plan, write by streaming, verify block by block, write report.json.
+
+Outputs (``formats``): ``safetensors`` (a directory in the checkpoint's layout, the default) and/or
+``pt2``. Nothing partial is left behind: each output is written to a temporary path and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from amplite.checkpoint.convert import Progress, StreamedConversion, _no_progress, convert_checkpoint, peak_rss_bytes
+from amplite.converter import emit
+from amplite.errors import ConfigError
+from amplite.policy import resolve_level
+
+FORMATS = ("safetensors", "pt2")
+#: amplite.convert keywords that mean nothing for a streamed checkpoint (with their defaults).
+_NOT_APPLICABLE = {"dynamic_batch": False, "fuse_contractions": False, "trust_pickle": False, "model_factory": None,
+                   "fold_batchnorm": True, "calibration": None, "fallback_search": False}  # fmt: skip
+_PASSED = ("precision", "level", "keep_fp32", "force_low", "low_precision_io", "range_rules")
+
+
+def plan_checkpoint_outputs(source: Path, output: str | Path | None, formats: str | None, precision: str,
+                            level: Any) -> list[tuple[str, Path]]:  # fmt: skip
+    """The outputs to write: ``-o X.pt2`` is a .pt2, any other ``-o`` a safetensors directory."""
+    base = Path(output) if output is not None else source.with_name(f"{source.name}.{precision}.{level}")
+    if formats:
+        chosen = [f.strip().lower() for f in formats.split(",") if f.strip()]
+        if not chosen or any(f not in FORMATS for f in chosen) or len(set(chosen)) != len(chosen):
+            raise ConfigError(f"bad --format {formats!r} for a checkpoint directory",
+                              f"give a comma list of {', '.join(FORMATS)}, each once")  # fmt: skip
+    else:
+        chosen = ["pt2" if base.suffix == ".pt2" else "safetensors"]
+    stem = base.with_suffix("") if base.suffix == ".pt2" else base
+    return [(f, stem.with_name(stem.name + ".pt2") if f == "pt2" else stem) for f in chosen]
+
+
+def checkpoint_to_files(
+    source: str | Path,
+    example_inputs: Any = None,
+    *,
+    output: str | Path | None = None,
+    formats: str | None = None,
+    report: str | Path | None = None,
+    verify: bool = True,
+    verify_max_memory: float | None = None,
+    tolerance: Any = None,
+    progress: Progress = _no_progress,
+    **conversion: Any,
+) -> tuple[StreamedConversion, list[Path], Path]:
+    """Convert a checkpoint directory and write its outputs and report.json.
+
+    Returns:
+        The conversion, the outputs written and the report path.
+
+    Raises:
+        AmpliteError: A bad directory, option or destination (before anything is written).
+    """
+    for key, default in _NOT_APPLICABLE.items():
+        if key in conversion and conversion[key] != default:
+            raise ConfigError(f"{key} does not apply to a checkpoint directory",
+                              "drop it (checkpoints are streamed from their shards)")  # fmt: skip
+    src = Path(source)
+    precision = conversion.get("precision", "fp16")
+    level = resolve_level(conversion.get("level")).value
+    targets = plan_checkpoint_outputs(src, output, formats, precision, level)
+    for fmt, path in targets:
+        if fmt == "pt2":
+            emit.check_writable(path)
+        elif path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise ConfigError(f"{path} exists", "choose a new output directory or remove it")
+    first = targets[0][1]
+    name = first.stem if first.suffix == ".pt2" else first.name
+    report_path = Path(report) if report is not None else first.with_name(name + ".report.json")
+    emit.check_writable(report_path)
+    conv = convert_checkpoint(src, example_inputs, progress=progress, **{k: conversion[k] for k in _PASSED
+                                                                        if k in conversion})  # fmt: skip
+    written: list[Path] = []
+    try:
+        for fmt, path in targets:
+            written.append(conv.save_pt2(path, progress) if fmt == "pt2" else conv.save_safetensors(path, progress))
+        if verify:
+            weights_dir = next((p for f, p in targets if f == "safetensors"), None)
+            if weights_dir is None:  # verify reads converted weights from disk: a .pt2 alone gets a temp dir
+                raise ConfigError("block-wise verification reads the converted safetensors directory",
+                                  "add --format safetensors,pt2, or pass --no-verify")  # fmt: skip
+            conv.verify(weights_dir, tolerance=tolerance, max_memory_gb=verify_max_memory)
+    except BaseException:
+        for path in written:
+            _remove(path)
+        raise
+    conv.data["outputs"] = [{"format": f, "path": str(p)} for f, p in targets]
+    conv.data["streaming"] = {"peak_rss_bytes": peak_rss_bytes(), "largest_shard_bytes":
+                                conv.checkpoint.largest_shard_bytes, "shards": len(conv.checkpoint.shards)}  # fmt: skip
+    emit.write_text(report_path, json.dumps(conv.data, indent=2, default=str) + "\n")
+    return conv, written, report_path
+
+
+def _remove(path: Path) -> None:
+    import shutil
+
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+        path.unlink()

@@ -1,0 +1,231 @@
+"""Streaming writers: every weight is read from its shard, cast to its planned dtype and written, one
+tensor at a time; the FP32 model is never materialised.
+
+* :func:`write_safetensors_dir`: the checkpoint's own layout (same shard names and membership, a new
+  index), so ``from_pretrained``-style loaders read the low-precision weights directly.
+* :func:`write_pt2`: a ``torch.export`` archive whose weights are the converted tensors. The program is
+  saved with one-element stand-ins for its weights, then the archive is rewritten entry by entry with
+  the real bytes streamed in and the weight metadata fixed.
+
+Both write to a temporary path and rename: nothing partial is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.export import ExportedProgram
+from torch.export.passes import move_to_device_pass
+from torch.utils._pytree import tree_map_only
+
+from amplite.checkpoint.source import INDEX, Checkpoint, TensorInfo, load_tensor
+from amplite.errors import EmitError
+
+Progress = Callable[[int], None]  # called with bytes written
+_ST_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+_TORCH_DTYPE_CODES = {torch.float32: 7, torch.float16: 6, torch.bfloat16: 13, torch.float64: 8, torch.int64: 5,
+                      torch.int32: 4, torch.bool: 12, torch.uint8: 1, torch.int8: 2, torch.int16: 3}  # fmt: skip
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """A contiguous tensor's bytes without copying them again."""
+    t = t.contiguous()
+    return memoryview(t.view(torch.uint8).numpy() if t.numel() else b"")
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype or not t.dtype.is_floating_point else t.to(dtype)
+
+
+def cast_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype`` when it is floating point (integer tensors keep theirs)."""
+    return _cast(t, dtype)
+
+
+def write_shard(dest: Path, infos: list[TensorInfo], dtypes: dict[str, torch.dtype], progress: Progress) -> int:
+    """Write one safetensors file: header first (shapes and dtypes are known), then each tensor's bytes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "converted_by": "amplite"}}
+    offset = 0
+    for info in infos:
+        dt = dtypes.get(info.name, info.dtype) if info.dtype.is_floating_point else info.dtype
+        size = dt.itemsize * _numel(info.shape)
+        header[info.name] = {"dtype": _ST_NAMES[dt], "shape": list(info.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with dest.open("wb") as fh:
+        fh.write(struct.pack("<Q", len(blob)))
+        fh.write(blob)
+        for info in infos:
+            t = _cast(load_tensor(info), dtypes.get(info.name, info.dtype))
+            fh.write(_raw(t))
+            progress(t.nbytes)
+            del t
+    return offset
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def write_safetensors_dir(
+    ckpt: Checkpoint, out_dir: Path, dtypes: dict[str, torch.dtype], plan: dict[str, Any], progress: Progress
+) -> Path:
+    """The converted checkpoint in the source's layout, plus ``amplite-plan.json``, into ``out_dir``.
+
+    Raises:
+        EmitError: ``out_dir`` exists and is not empty, or cannot be written.
+    """
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise EmitError(f"{out_dir} exists and is not empty", "choose a new output directory or remove it")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        by_shard: dict[Path, list[TensorInfo]] = {}
+        for info in ckpt.tensors.values():
+            by_shard.setdefault(info.shard, []).append(info)
+        total = 0
+        weight_map = {}
+        for shard in ckpt.shards:
+            total += write_shard(staging / shard.name, by_shard.get(shard, []), dtypes, progress)
+            weight_map.update({i.name: shard.name for i in by_shard.get(shard, [])})
+        if (ckpt.path / INDEX).exists():
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (staging / INDEX).write_text(json.dumps(index, indent=2))
+        for extra in ckpt.path.iterdir():  # config, tokenizer, generation config: copied as they are
+            if extra.is_file() and extra.suffix != ".safetensors" and extra.name != INDEX:
+                shutil.copy2(extra, staging / extra.name)
+        (staging / "amplite-plan.json").write_text(json.dumps(plan, indent=1, default=str))
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(staging, out_dir)
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise EmitError(f"cannot write {out_dir}: {exc.strerror or exc}", "check the path and free space") from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def write_pt2(
+    program: ExportedProgram,
+    dest: Path,
+    tensors: dict[str, Callable[[], torch.Tensor]],
+    progress: Progress,
+) -> Path:
+    """Save ``program`` (meta weights) as a ``.pt2`` whose weights are streamed from ``tensors``.
+
+    Args:
+        program: The converted program; its state dict and constants may be on the meta device.
+        dest: Output path.
+        tensors: State-dict/constant name -> a function returning that tensor's converted values.
+        progress: Called with the bytes of each tensor written.
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    os.close(fd)
+    skeleton = tmp + ".skeleton.pt2"
+    try:
+        with cpu_stand_ins(program) as metas:
+            torch.export.save(program, skeleton)
+        _stream_archive(Path(skeleton), Path(tmp), metas, tensors, progress)
+        os.replace(tmp, dest)
+    except OSError as exc:
+        raise EmitError(f"cannot write {dest}: {exc.strerror or exc}", "check the path and free space") from None
+    finally:
+        for p in (tmp, skeleton):
+            if os.path.exists(p):
+                os.unlink(p)
+    return dest
+
+
+@contextlib.contextmanager
+def cpu_stand_ins(program: ExportedProgram) -> Iterator[dict[str, torch.Tensor]]:
+    """Swap the program's (meta) weights for one-element CPU stand-ins and retarget its graph to the CPU.
+
+    The program was traced on meta: its factory ops (arange, masks) and metadata name that device. The
+    move leaves the graph on the CPU for good; the weights (yielded, by name) are put back afterwards.
+    """
+    saved = dict(program._state_dict), dict(program._constants), program._example_inputs
+    metas: dict[str, torch.Tensor] = {}
+    try:
+        for store in (program._state_dict, program._constants):
+            for name, t in list(store.items()):
+                if isinstance(t, torch.Tensor):
+                    metas[name] = t
+                    stand = torch.zeros(1, dtype=t.dtype)
+                    store[name] = torch.nn.Parameter(stand, t.requires_grad) if isinstance(t, nn.Parameter) else stand
+        if program._example_inputs is not None:
+            program._example_inputs = tree_map_only(
+                torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype), program._example_inputs
+            )
+        move_to_device_pass(program, {"meta": "cpu"})
+        yield metas
+    finally:
+        program._state_dict.clear()
+        program._state_dict.update(saved[0])
+        program._constants.clear()
+        program._constants.update(saved[1])
+        program._example_inputs = saved[2]
+
+
+def _stream_archive(
+    skeleton: Path, out: Path, metas: dict[str, torch.Tensor], tensors: dict[str, Callable[[], torch.Tensor]],
+    progress: Progress,
+) -> None:
+    """Copy the skeleton archive, replacing each weight file by the real bytes and fixing its metadata."""
+    with zipfile.ZipFile(skeleton) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED, allowZip64=True) as dst:
+        configs = [n for n in src.namelist() if n.endswith(("weights_config.json", "constants_config.json"))]
+        files: dict[str, str] = {}  # archive path of a weight file -> tensor name
+        fixed: dict[str, bytes] = {}
+        for cfg_name in configs:
+            cfg = json.loads(src.read(cfg_name))
+            folder = cfg_name.rsplit("/", 1)[0]
+            for name, entry in cfg.get("config", {}).items():
+                if name not in metas or entry.get("use_pickle"):
+                    continue
+                meta = metas[name]
+                tm = entry["tensor_meta"]
+                tm["sizes"] = [{"as_int": int(s)} for s in meta.shape]
+                tm["strides"] = [{"as_int": s} for s in _contiguous_strides(tuple(meta.shape))]
+                tm["storage_offset"] = {"as_int": 0}
+                files[f"{folder}/{entry['path_name']}"] = name
+            fixed[cfg_name] = json.dumps(cfg).encode()
+        for item in src.infolist():
+            if item.filename in fixed:
+                dst.writestr(item.filename, fixed[item.filename])
+            elif item.filename in files:
+                name = files[item.filename]
+                t = tensors[name]().contiguous()
+                with dst.open(zipfile.ZipInfo(item.filename), "w", force_zip64=True) as fh:
+                    fh.write(_raw(t))
+                progress(t.nbytes)
+                del t
+            else:
+                dst.writestr(item, src.read(item.filename))
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return list(reversed(strides))

@@ -1,0 +1,198 @@
+"""Streaming conversion of a sharded transformers checkpoint directory (tiny Llama, 3+ shards)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="checkpoint directories need transformers (dev extra)")
+
+import amplite  # noqa: E402
+from amplite import op_tables  # noqa: E402
+from amplite.checkpoint import StreamedConversion  # noqa: E402
+from amplite.checkpoint.source import LogitsOnly, open_checkpoint  # noqa: E402
+from amplite.errors import AmpliteError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 256
+
+
+def _config() -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("llama") / "tiny-llama"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_config()).eval()
+    model.save_pretrained(path, max_shard_size="40KB", safe_serialization=True)
+    assert len(list(path.glob("*.safetensors"))) >= 3
+    return path
+
+
+def _ids(seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(seed))
+
+
+def _run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "amplite", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=600)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def converted(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict]:
+    out = tmp_path_factory.mktemp("out")
+    proc = _run("convert", str(ckpt), "--precision", "fp16", "--level", "O2", "--format", "safetensors,pt2",
+                "-o", str(out / "llama.fp16"))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "block-wise: 2 blocks compared" in proc.stdout
+    report = json.loads((out / "llama.fp16.report.json").read_text())
+    return out / "llama.fp16", out / "llama.fp16.pt2", report
+
+
+def test_streamed_weights_and_plan_equal_the_in_memory_conversion(ckpt: Path, converted: tuple) -> None:
+    from safetensors.torch import load_file
+
+    st_dir, _, report = converted
+    model = transformers.LlamaForCausalLM.from_pretrained(ckpt).eval()
+    memory = amplite.convert(LogitsOnly(model), (_ids(0),), precision="fp16", level="O2", range_rules=False,
+                             fold_batchnorm=False, verify=False)  # fmt: skip
+    streamed = {}
+    for shard in sorted(st_dir.glob("*.safetensors")):
+        streamed.update(load_file(shard))
+    expected = {k.removeprefix("lm."): v for k, v in memory.program.state_dict.items()}
+    assert set(expected) <= set(streamed)
+    for name, t in expected.items():
+        assert streamed[name].dtype == t.dtype, name
+        assert torch.equal(streamed[name], t), name
+    # The same decisions for every compute op and every FP32 island (tracing on meta keeps a few more
+    # data-movement nodes, e.g. ``contiguous``, than tracing on real tensors; they follow their inputs).
+    def decisions(plan: list[dict]) -> list[tuple]:
+        return [(p["module"], p["op"], p["mode"], p["dtype"]) for p in plan
+                if p["op"] in op_tables.LOW_PRECISION_OPS or p["mode"] == "fp32"]  # fmt: skip
+
+    assert decisions(report["plan"]) == decisions(memory.report.data["plan"])
+    assert len(decisions(report["plan"])) > 10
+    assert report["weights"]["ratio"] == pytest.approx(0.5, abs=0.01)
+    assert report["verification"]["passed"] and len(report["verification"]["blocks"]) == 2
+
+
+def test_safetensors_output_loads_into_a_meta_built_model_and_matches(ckpt: Path, converted: tuple) -> None:
+    from safetensors.torch import load_file
+
+    st_dir, _, _ = converted
+    state = {}
+    for shard in st_dir.glob("*.safetensors"):
+        state.update(load_file(shard))
+    assert {t.dtype for t in state.values()} == {torch.float16}  # O2 fp16: every stored weight is low
+    index = json.loads((st_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index == json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]  # same layout
+    assert (st_dir / "config.json").exists() and (st_dir / "amplite-plan.json").exists()
+    with torch.device("meta"):
+        low = transformers.LlamaForCausalLM(_config())
+    missing, unexpected = low.load_state_dict(state, strict=False, assign=True)
+    assert not unexpected and not [m for m in missing if "rotary" not in m]
+    low.model.rotary_emb = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(_config())
+    ref = transformers.LlamaForCausalLM.from_pretrained(ckpt).eval()
+    ids = _ids(3)
+    with torch.no_grad():
+        expected = ref(input_ids=ids).logits
+        got = low.eval()(input_ids=ids).logits.float()
+    sqnr = 10 * torch.log10(expected.pow(2).sum() / (got - expected).pow(2).sum())
+    assert sqnr > 30, f"fp16 weights loaded from the safetensors output: SQNR {float(sqnr):.1f} dB"
+
+
+def test_saved_pt2_runs_in_a_fresh_process_on_other_inputs(ckpt: Path, converted: tuple, tmp_path: Path) -> None:
+    _, pt2, _ = converted
+    ids = _ids(7)
+    torch.save(ids, tmp_path / "ids.pt")
+    script = (
+        "import sys, torch, amplite\n"
+        "ep = torch.export.load(sys.argv[1])\n"
+        "out = ep.module()(torch.load(sys.argv[2]))\n"
+        "torch.save(out, sys.argv[3])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(pt2), str(tmp_path / "ids.pt"), str(tmp_path / "o.pt")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    got = torch.load(tmp_path / "o.pt")
+    ref = transformers.LlamaForCausalLM.from_pretrained(ckpt).eval()
+    with torch.no_grad():
+        expected = ref(input_ids=ids).logits
+    err = (got.float() - expected).pow(2).sum()
+    sqnr = 10 * torch.log10(expected.pow(2).sum() / err)
+    assert sqnr > 40, f"saved .pt2 SQNR {float(sqnr):.1f} dB"
+
+
+def test_api_plans_from_metadata_without_materialising(ckpt: Path) -> None:
+    result = amplite.convert(ckpt, precision="bf16", level="O1")
+    assert isinstance(result, StreamedConversion)
+    assert all(t.device.type == "meta" for t in result.program.state_dict.values())
+    assert result.data["weights"]["ratio"] == 1.0  # O1 keeps the FP32 masters
+    assert result.passed is None  # nothing verified until written
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("defect", ["no-config", "missing-shard", "truncated-shard", "bad-config", "bad-index"])
+def test_bad_checkpoints_exit_2_naming_the_file_and_leave_nothing(ckpt: Path, tmp_path: Path, defect: str) -> None:
+    bad = _copy(ckpt, tmp_path / "bad")
+    shards = sorted(bad.glob("*.safetensors"))
+    if defect == "no-config":
+        (bad / "config.json").unlink()
+        expect = "config.json"
+    elif defect == "missing-shard":
+        shards[1].unlink()
+        expect = shards[1].name
+    elif defect == "truncated-shard":
+        shards[0].write_bytes(shards[0].read_bytes()[:200])
+        expect = shards[0].name
+    elif defect == "bad-config":
+        cfg = json.loads((bad / "config.json").read_text())
+        cfg.update(model_type="no-such-model", architectures=["NoSuchForCausalLM"])
+        (bad / "config.json").write_text(json.dumps(cfg))
+        expect = "config.json"
+    else:
+        (bad / "model.safetensors.index.json").write_text("{not json")
+        expect = "index"
+    out = tmp_path / "out"
+    out.mkdir()
+    if defect in ("no-config", "missing-shard"):  # the CLI: one line, exit 2
+        proc = _run("convert", str(bad), "-o", str(out / "m"), "--format", "safetensors,pt2")
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert expect in proc.stderr and "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+    else:  # the library: the same errors, in-process (faster)
+        from amplite.save import convert_to_files
+
+        with pytest.raises(AmpliteError, match=expect) as info:
+            convert_to_files(bad, output=out / "m", formats="safetensors,pt2")
+        assert info.value.exit_code == 2
+    assert list(out.iterdir()) == []
+
+
+def test_verify_max_memory_too_small_is_refused_before_writing_a_report(ckpt: Path, tmp_path: Path) -> None:
+    proc = _run("convert", str(ckpt), "-o", str(tmp_path / "m"), "--verify-max-memory", "0.00001")
+    assert proc.returncode == 2 and "--verify-max-memory" in proc.stderr, proc.stderr
+    assert not (tmp_path / "m").exists() and not (tmp_path / "m.report.json").exists()
+
+
+def test_checkpoint_metadata_is_read_without_values(ckpt: Path) -> None:
+    meta = open_checkpoint(ckpt)
+    assert len(meta.shards) >= 3
+    assert meta.total_bytes == sum(t.nbytes for t in meta.tensors.values())
+    assert meta.tensors["model.embed_tokens.weight"].shape == (VOCAB, 32)
