@@ -196,3 +196,20 @@ def test_checkpoint_metadata_is_read_without_values(ckpt: Path) -> None:
     assert len(meta.shards) >= 3
     assert meta.total_bytes == sum(t.nbytes for t in meta.tensors.values())
     assert meta.tensors["model.embed_tokens.weight"].shape == (VOCAB, 32)
+
+
+def test_fp16_weight_rule_runs_on_streamed_statistics(ckpt: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    big = _copy(ckpt, tmp_path / "big")
+    target = "model.layers.1.mlp.down_proj.weight"
+    shard = big / json.loads((big / "model.safetensors.index.json").read_text())["weight_map"][target]
+    tensors = load_file(shard)
+    tensors[target] = tensors[target] * 1e7  # |w| far beyond fp16's 65504
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    result = amplite.convert(big, precision="fp16", level="O2")
+    rules = {r["module"]: r["reason"] for r in result.data["weight_rules"]}
+    module = "lm.model.layers.1.mlp.down_proj"
+    assert list(rules) == [module] and "weight-overflow" in rules[module]
+    assert result.dtypes["model.layers.1.mlp.down_proj.weight"] == torch.float32  # its reader stays FP32
+    assert result.dtypes["model.layers.0.mlp.down_proj.weight"] == torch.float16

@@ -34,7 +34,7 @@ from amplite.checkpoint.write import cast_tensor, write_pt2, write_safetensors_d
 from amplite.converter.graph_stats import graph_stats
 from amplite.converter.pipeline import PipelineOutput, run_pipeline
 from amplite.errors import ConfigError
-from amplite.passes.range_guard import FP16_FLUSH, FP16_MAX, RangeRules
+from amplite.passes.range_guard import RangeRules, weight_reason
 from amplite.policy import Level, PrecisionPolicy, make_overrides, resolve_level
 from amplite.report.document import Report
 from amplite.verify.compare import DEFAULT_TOLERANCES, Tolerance
@@ -170,8 +170,9 @@ def _checkpoint_name(name: str, ckpt: Checkpoint) -> str | None:
 def weight_rules(ckpt: Checkpoint, progress: Progress, rules: RangeRules) -> dict[str, str]:
     """fp16 weight rules on streamed statistics: module path -> reason, for weights fp16 cannot hold.
 
-    A weight with a finite |w| above 65504 (``range:weight-overflow``), or whose non-zero values are
-    mostly below 2^-24 and would flush to zero (``range:weight-underflow``), keeps its module in FP32.
+    The rule of ``amplite.passes.range_guard`` (:func:`~amplite.passes.range_guard.weight_reason`): a weight
+    with |w| above 65504 (``range:weight-overflow``), or whose non-zero values mostly flush to zero in fp16
+    (``range:weight-underflow``), keeps its module in FP32. Each tensor is read once, without a copy.
     """
     flagged: dict[str, str] = {}
     total, done = ckpt.total_bytes, 0
@@ -179,17 +180,10 @@ def weight_rules(ckpt: Checkpoint, progress: Progress, rules: RangeRules) -> dic
         for name, t in iter_shard(shard):
             done += t.nbytes
             progress("reading weight statistics", done, total)
-            if not t.dtype.is_floating_point or t.numel() == 0:
-                continue
-            a = t.detach().float().abs()
-            finite = a[torch.isfinite(a)]
-            module = PREFIX + name.rsplit(".", 1)[0]
-            if finite.numel() and float(finite.max()) > FP16_MAX:
-                flagged[module] = f"range:weight-overflow |w|={float(finite.max()):.3g}>65504"
-                continue
-            nonzero = finite[finite > 0]
-            if nonzero.numel() and float((nonzero < FP16_FLUSH).float().mean()) > rules.underflow_share:
-                flagged[module] = "range:weight-underflow"
+            reason = weight_reason(t, rules)
+            if reason is not None:
+                flagged[PREFIX + name.rsplit(".", 1)[0]] = reason
+            del t
     return flagged
 
 

@@ -181,3 +181,24 @@ def _fetch(gm: torch.fx.GraphModule, target: str) -> object:
 
 
 
+
+
+def weight_reason(t: torch.Tensor, rules: RangeRules) -> str | None:
+    """The fp16 weight rule for one tensor: ``range:weight-overflow``/``-underflow`` reason, or None.
+
+    One ``aminmax`` pass for the overflow half; the flush-to-zero share on a strided sample (a share,
+    not a count, is needed), so a multi-GB weight costs one read and no copy of itself.
+    """
+    if not t.dtype.is_floating_point or t.numel() == 0:
+        return None
+    biggest = max_abs(t.detach())
+    if biggest > rules.weight_max:
+        return f"range:weight-overflow |w|={biggest:.3g}"
+    flat = t.detach().flatten()
+    a = flat[:: flat.numel() // _SAMPLE + 1].abs().float() if flat.numel() > _SAMPLE else flat.abs().float()
+    nonzero = int((a > 0).sum())
+    if nonzero:
+        share = int(((a > 0) & (a < FP16_FLUSH)).sum()) / nonzero
+        if share > rules.underflow_share:
+            return f"range:weight-underflow {share:.1%} flush to zero"
+    return None
