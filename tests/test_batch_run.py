@@ -246,3 +246,18 @@ def test_real_sigint_stops_cleanly(zoo: Path, tmp_path: Path) -> None:
     assert doc["interrupted"] is True
     assert {r["name"]: r["status"] for r in doc["models"]} == {"hangs": "cancelled", "mlp": "ok"}
     assert sorted(p.name for p in out.iterdir()) == ["mlp", "summary.json", "summary.md"]
+
+
+def test_verify_false_is_unverified_not_ok(zoo: Path, tmp_path: Path) -> None:
+    """`verify = false` rows get their own status, and exit code 0 keeps meaning "converted and verified"."""
+    out = tmp_path / "out"
+    jobs = [{"name": "a", "path": str(zoo / "mlp.pt2"), "verify": False}, {"name": "b", "path": str(zoo / "mlp.pt2")}]
+    result = convert_many(jobs, out, workers=1)
+    assert {r.name: r.status for r in result.results} == {"a": "unverified", "b": "ok"}
+    assert result.exit_code == 1 and result.failed == [] and [r.name for r in result.unverified] == ["a"]
+    doc = json.loads((out / "summary.json").read_text())
+    assert doc["counts"] == {"ok": 1, "unverified": 1} and doc["exit_code"] == 1
+    assert _rows(out)["a"]["verified"] is None and (out / "a" / "model.pt2").is_file()
+    assert "1 ok, 1 unverified" in (out / "summary.md").read_text()
+    again = convert_many(jobs, out, workers=1, resume=True)  # a converted model is not redone
+    assert all(r.row["resumed"] for r in again.results) and again.counts == {"ok": 1, "unverified": 1}

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Any, Protocol, TextIO
 
-_STYLE = {"ok": "green", "verify_failed": "yellow", "cancelled": "dim"}
+_STYLE = {"ok": "green", "unverified": "yellow", "verify_failed": "yellow", "cancelled": "dim"}
 
 
 class Progress(Protocol):
