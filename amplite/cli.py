@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from amplite.cli_options import (
     DataMaxOpt,
@@ -74,7 +75,7 @@ def _run(debug: bool, body: Callable[[], int]) -> None:
     except AmpliteError as exc:
         if debug:
             traceback.print_exc()
-        err.print(f"[bold red]error:[/] {exc.one_line()}", soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(exc.one_line())}", soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         err.print("interrupted")
@@ -83,7 +84,8 @@ def _run(debug: bool, body: Callable[[], int]) -> None:
         if debug:
             traceback.print_exc()
         err.print(
-            f"[bold red]internal error:[/] {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            f"[bold red]internal error:[/] {escape(type(exc).__name__)}: "
+            f"{escape(str(exc).splitlines()[0]) if str(exc) else ''}"
             " — fix: re-run with --debug and report it",
             soft_wrap=True,
         )
@@ -280,7 +282,7 @@ def batch(
     """Convert many models, each in its own worker process; `amplite batch merge DIR...` joins shard summaries."""
 
     def body() -> int:
-        from amplite.batch import defaults_from_options, merge_shards, run_batch
+        from amplite.batch import BatchTerminated, defaults_from_options, merge_shards, run_batch
         from amplite.errors import ConfigError
 
         if sources[0] == "merge":
@@ -296,9 +298,14 @@ def batch(
                 dynamic_batch=dynamic_batch, low_precision_io=low_precision_io,
                 fuse_contractions=fuse_contractions, verify=not no_verify,
             )  # fmt: skip
-            result = run_batch(sources[0], out_dir, defaults=defaults, jobs=jobs, timeout=timeout,
-                               fail_fast=fail_fast, resume=resume, shard=shard, progress=not no_progress)  # fmt: skip
-        out.print(result.describe())
+            try:  # SIGTERM (preemption, CI timeouts) stops the batch as Ctrl-C does, summary written
+                result = run_batch(sources[0], out_dir, defaults=defaults, jobs=jobs, timeout=timeout,
+                                   fail_fast=fail_fast, resume=resume, shard=shard,
+                                   progress="plain" if no_progress else True)  # fmt: skip
+            except BatchTerminated as stop:
+                err.print(escape(f"stopped by {stop.signal_name} — summary: {out_dir / 'summary.md'}"))
+                return stop.exit_code
+        out.print(escape(result.describe()))
         return result.exit_code
 
     _run(debug, body)

@@ -24,6 +24,7 @@ from amplite.batch.isolation import STAGING, cancel_run, forget_run, record_fail
 from amplite.batch.keys import job_key
 from amplite.batch.manifest import Job, check_unique
 from amplite.batch.progress import Progress, make_progress
+from amplite.batch.signals import BatchTerminated
 from amplite.batch.summary import BatchResult, JobResult
 from amplite.errors import EmitError
 
@@ -200,8 +201,10 @@ def iter_convert_many(
                 if fail_fast and row["status"] not in summ.CONVERTED and not reason.startswith("--fail-fast"):
                     reason = f"--fail-fast stopped the batch after {job.name!r} failed"
                     _cancel(futures, kw["run_id"])
-    except BaseException:  # KeyboardInterrupt, GeneratorExit (the caller stopped iterating)
+    except BaseException as exc:  # KeyboardInterrupt, BatchTerminated, GeneratorExit (the caller stopped)
         interrupted = True
+        if isinstance(exc, BatchTerminated):
+            reason = str(exc)
         _cancel(futures, kw["run_id"])
         raise
     finally:
