@@ -7,6 +7,8 @@ so a name-based check is enough here.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import libcst as cst
 
 from amplite.migrate._blocks import BlockEditMixin
@@ -34,6 +36,48 @@ def imports_from(node: cst.Import | cst.ImportFrom, modules: tuple[str, ...], *,
     return not isinstance(names, cst.ImportStar) and any(
         matches_prefix(f"{module}.{dotted_name(a.name)}", modules) for a in names
     )
+
+
+#: ``CodemodContext.scratch`` key: names other files of the run import from this one (never removed).
+KEEP_NAMES = "amplite.keep_names"
+
+
+def dunder_all(module: cst.Module) -> set[str]:
+    """The string literals of a module-level ``__all__ = [...]``, ``__all__ += [...]`` or
+    ``__all__.extend([...])`` / ``.append(...)``: names the module re-exports."""
+    names: set[str] = set()
+
+    def strings(node: cst.BaseExpression) -> None:
+        if isinstance(node, cst.List | cst.Tuple | cst.Set):
+            for element in node.elements:
+                strings(element.value)
+        elif isinstance(node, cst.SimpleString) and isinstance(node.evaluated_value, str):
+            names.add(node.evaluated_value)
+        elif isinstance(node, cst.BinaryOperation):
+            strings(node.left)
+            strings(node.right)
+
+    for stmt in module.body:
+        for small in stmt.body if isinstance(stmt, cst.SimpleStatementLine) else ():
+            if isinstance(small, cst.Assign) and any(
+                isinstance(t.target, cst.Name) and t.target.value == "__all__" for t in small.targets
+            ):
+                strings(small.value)
+            elif isinstance(small, cst.AnnAssign | cst.AugAssign) and dotted_name(small.target) == "__all__":
+                if small.value is not None:
+                    strings(small.value)
+            elif isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
+                func = dotted_name(small.value.func) or ""
+                if func in ("__all__.extend", "__all__.append"):
+                    for arg in small.value.args:
+                        strings(arg.value)
+    return names
+
+
+def _trailing_comment(stmt: cst.SimpleStatementLine) -> list[cst.EmptyLine]:
+    """The comment at the end of a statement line that is being removed, as a line of its own."""
+    comment = stmt.trailing_whitespace.comment
+    return [cst.EmptyLine(comment=comment)] if comment is not None else []
 
 
 class _UsedNames(ReadCollector):
@@ -91,26 +135,34 @@ class _DropUnusedImports(BlockEditMixin, cst.CSTTransformer):
         if body == list(updated_node.body):
             return updated_node
         if not body:
-            self.edit(original_node).replacement = []  # the block moves its comments to the next line
+            record = self.edit(original_node)
+            record.replacement = []  # the block moves its comments to the next line
+            record.trailing = _trailing_comment(original_node)  # a noqa or "NVIDIA apex" comment survives
             return updated_node
         body[-1] = body[-1].with_changes(semicolon=cst.MaybeSentinel.DEFAULT)
         return updated_node.with_changes(body=body)
 
 
-def remove_unused_imports(module: cst.Module, modules: tuple[str, ...], *, parents: bool = False) -> cst.Module:
+def remove_unused_imports(
+    module: cst.Module, modules: tuple[str, ...], *, parents: bool = False, keep: Iterable[str] = ()
+) -> cst.Module:
     """Drop imports of ``modules`` whose bound name the code no longer uses.
+
+    A name the module re-exports (listed in its ``__all__``, or in ``keep``: imported by other files of
+    the run) is a use: removing it would break ``from this_module import name`` elsewhere.
 
     Args:
         module: The migrated module.
         modules: Dotted module names whose imports are candidates (``torch.cuda.amp``, ``apex.amp``).
         parents: Also consider imports of their parent packages (``import apex``).
+        keep: Names never removed.
 
     Returns:
-        The module without those imports; comments above a removed import line are kept.
+        The module without those imports; comments above or after a removed import line are kept.
     """
     used = _UsedNames()
     module.visit(used)
-    return module.visit(_DropUnusedImports(used.names, modules, parents))
+    return module.visit(_DropUnusedImports(used.names | dunder_all(module) | set(keep), modules, parents))
 
 
 def _is_dotted(alias: cst.ImportAlias, modules: tuple[str, ...]) -> bool:
@@ -154,7 +206,7 @@ def replace_dotted_imports(module: cst.Module, modules: tuple[str, ...]) -> cst.
             smalls[-1] = smalls[-1].with_changes(semicolon=cst.MaybeSentinel.DEFAULT)
             body.append(stmt.with_changes(body=smalls))
         else:
-            carry = list(stmt.leading_lines)
+            carry = [*stmt.leading_lines, *_trailing_comment(stmt)]
     return module.with_changes(body=body, footer=[*carry, *module.footer])
 
 
