@@ -105,6 +105,12 @@ class _Leftovers(cst.CSTVisitor):
         return self._check(node)
 
 
+def mentions_deprecated(module: cst.Module) -> bool:
+    """Whether the module's code may use a deprecated AMP API (a cheap token test before a scan)."""
+    tokens = _code_tokens(module)
+    return _mentions(_TORCH_AMP_TOKENS, tokens) or _mentions(_APEX_TOKENS, tokens)
+
+
 def _line_key(warning: str) -> int:
     match = _LINE.match(warning)
     return int(match.group(1)) if match else 0
