@@ -42,3 +42,16 @@ def test_summary_line_keeps_brackets_in_paths(cli, tmp_path: Path) -> None:
     assert res.exit_code == 1
     assert f"summary: {out / 'summary.md'}" in res.stdout, res.stdout
     assert json.loads((out / "summary.json").read_text())["counts"] == {"error": 1}
+
+
+def test_convert_prints_bracketed_paths_as_written(cli, model_files, tmp_path: Path) -> None:
+    """The same escaping holds for every command's rich output (here: convert's table and file lines)."""
+    import shutil
+
+    d = tmp_path / "[dev]"
+    d.mkdir()
+    model = shutil.copy(model_files("mlp")["pt2"], d / "mlp.pt2")
+    res = cli("convert", model, "-o", d / "m.pt2")
+    assert res.exit_code == 0, res.stderr
+    text = res.stdout
+    assert f"wrote {d / 'm.pt2'}" in text and f"report {d / 'm.report.json'}" in text, text
