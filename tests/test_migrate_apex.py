@@ -312,6 +312,10 @@ UNSUPPORTED = {
         "from apex import amp\nif fp32:\n    pass\nelse:\n    model, optimizer = amp.initialize(model, optimizer)\n",
         "line 5: amp.initialize must be a plain statement in a function or module body, or in one `if` there",
     ),
+    "o3_under_if": (
+        'from apex import amp\nif f:\n    model, opt = amp.initialize(model, opt, opt_level="O3")\n',
+        "line 3: apex O3 under an `if`: no scaler to carry the condition",
+    ),
     "initialize_in_nested_if": (
         "from apex import amp\nif a:\n    if b:\n        model, optimizer = amp.initialize(model, optimizer)\n",
         "line 4: amp.initialize must be a plain statement in a function or module body, or in one `if` there",

@@ -167,6 +167,9 @@ def check(scan: ApexScan) -> list[Problem]:
     literal = level.value if level is not None and isinstance(level.value, cst.SimpleString) else None
     if literal is not None and literal.evaluated_value not in ("O0", "O1", "O2", "O3"):
         return [(init.call, f"unknown opt_level {code_of(literal)}")]
+    if literal is not None and literal.evaluated_value == "O3" and init.condition is not None:
+        # O3 has no loss scaling: a disabled scaler could not carry the condition to autocast elsewhere
+        return [(init.call, "apex O3 under an `if`: no scaler to carry the condition")]
     problems: list[Problem] = []
     for use in scan.scale_withs.values():
         args = bind_args(use.call, SCALE_LOSS_PARAMS)
