@@ -242,3 +242,29 @@ def test_conditional_initialize_at_module_level(else_branch: bool) -> None:
     )  # fmt: skip
     assert warnings == []
     compile(after, "m.py", "exec")
+
+
+def test_comments_inside_parenthesized_imports_survive() -> None:
+    before = _src('''
+        import torch
+        from torch.cuda.amp import (
+            autocast,  # for eval
+            GradScaler,  # training
+        )
+        s = GradScaler()
+        ctx = autocast
+    ''')
+    after, warnings = migrate_source(before)
+    assert warnings == ["line 8: `autocast` left unchanged (not a call or decorator); migrate it by hand"]
+    assert after == _src('''
+        import torch
+        # training
+        from torch.cuda.amp import (
+            autocast,  # for eval
+        )
+        s = torch.amp.GradScaler("cuda")
+        ctx = autocast
+    ''')
+    compile(after, "m.py", "exec")
+    gone, _ = migrate_source(before.replace("ctx = autocast\n", ""))
+    assert gone == 'import torch\n# for eval\n# training\ns = torch.amp.GradScaler("cuda")\n'

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import libcst as cst
 
 from amplite.migrate._blocks import BlockEditMixin
-from amplite.migrate._cst import ReadCollector, code_of, dotted_name, matches_prefix, torch_binding
+from amplite.migrate._cst import ReadCollector, code_of, comment_lines, dotted_name, matches_prefix, torch_binding
 
 
 def imports_from(node: cst.Import | cst.ImportFrom, modules: tuple[str, ...], *, parents: bool = False) -> bool:
@@ -100,6 +100,22 @@ def _bound_name(alias: cst.ImportAlias, from_import: bool) -> str:
     return name if from_import else name.split(".")[0]
 
 
+def _last_alias(alias: cst.ImportAlias, old_last: cst.ImportAlias) -> cst.ImportAlias:
+    """``alias`` as the new last name: without a comma, unless the parenthesized list had a trailing one
+    (then its own comma and comment stay, and the line break before ``)`` comes from the old last name)."""
+    comma, old = alias.comma, old_last.comma
+    if not isinstance(comma, cst.Comma) or not isinstance(old, cst.Comma):
+        return alias.with_changes(comma=cst.MaybeSentinel.DEFAULT)
+    ws, old_ws = comma.whitespace_after, old.whitespace_after
+    if isinstance(ws, cst.ParenthesizedWhitespace) and isinstance(old_ws, cst.ParenthesizedWhitespace):
+        return alias.with_changes(
+            comma=comma.with_changes(whitespace_after=ws.with_changes(indent=old_ws.indent, last_line=old_ws.last_line))
+        )
+    if not isinstance(ws, cst.ParenthesizedWhitespace) and not isinstance(old_ws, cst.ParenthesizedWhitespace):
+        return alias.with_changes(comma=cst.MaybeSentinel.DEFAULT)  # one line: `import (a, b)` -> `(a)`
+    return alias.with_changes(comma=old)
+
+
 class _DropUnusedImports(BlockEditMixin, cst.CSTTransformer):
     def __init__(self, used: set[str], modules: tuple[str, ...], parents: bool) -> None:
         super().__init__()
@@ -125,22 +141,27 @@ class _DropUnusedImports(BlockEditMixin, cst.CSTTransformer):
         self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
     ) -> cst.SimpleStatementLine:
         body: list[cst.BaseSmallStatement] = []
+        lost: list[cst.EmptyLine] = []  # comments of removed names (`autocast,  # for eval` in parentheses)
         for small in updated_node.body:
             keep = self._keep(small) if isinstance(small, cst.Import | cst.ImportFrom) else None
             if keep is None or len(keep) == len(small.names):  # type: ignore[union-attr]
                 body.append(small)
             elif keep:
-                keep[-1] = keep[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+                lost.extend(c for a in small.names if a not in keep for c in comment_lines(a))  # type: ignore[union-attr]
+                keep[-1] = _last_alias(keep[-1], small.names[-1])  # type: ignore[union-attr]
                 body.append(small.with_changes(names=keep))
+            else:
+                lost.extend(comment_lines(small))
         if body == list(updated_node.body):
             return updated_node
         if not body:
             record = self.edit(original_node)
             record.replacement = []  # the block moves its comments to the next line
-            record.trailing = _trailing_comment(original_node)  # a noqa or "NVIDIA apex" comment survives
+            # ... and every comment of the line survives (a noqa, "NVIDIA apex", those in parentheses)
+            record.trailing = [*lost, *_trailing_comment(original_node)]
             return updated_node
         body[-1] = body[-1].with_changes(semicolon=cst.MaybeSentinel.DEFAULT)
-        return updated_node.with_changes(body=body)
+        return updated_node.with_changes(body=body, leading_lines=[*updated_node.leading_lines, *lost])
 
 
 def remove_unused_imports(
