@@ -255,7 +255,7 @@ def test_comments_inside_parenthesized_imports_survive() -> None:
         ctx = autocast
     ''')
     after, warnings = migrate_source(before)
-    assert warnings == ["line 8: `autocast` left unchanged (not a call or decorator); migrate it by hand"]
+    assert warnings == ["line 7: `autocast` left unchanged (not a call or decorator); migrate it by hand"]
     assert after == _src('''
         import torch
         # training
