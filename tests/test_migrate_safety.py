@@ -268,3 +268,14 @@ def test_comments_inside_parenthesized_imports_survive() -> None:
     compile(after, "m.py", "exec")
     gone, _ = migrate_source(before.replace("ctx = autocast\n", ""))
     assert gone == 'import torch\n# for eval\n# training\ns = torch.amp.GradScaler("cuda")\n'
+
+
+def test_reexported_apex_amp_is_kept() -> None:
+    head = 'import torch\nfrom apex import amp\n__all__ = ["amp"]\n'
+    after, warnings = migrate_source(head + 'model, opt = amp.initialize(model, opt, opt_level="O0")\n')
+    assert after == head + 'scaler = torch.amp.GradScaler("cuda", enabled=False)\n'
+    assert warnings == [
+        "line 2: `from apex import amp` is kept: `amp` is re-exported (listed in __all__); switch its importers to "
+        "torch.amp (with an explicit device), then remove it"
+    ]
+    compile(after, "m.py", "exec")
