@@ -76,6 +76,22 @@ tolerance = { min_sqnr_db = 30 }
             3,
             "unknown tolerance key 'min_sqnr'",
         ),
+        (  # a [model.tolerance] sub-table: the key's own line, not the entry's (issue 14)
+            '[[model]]\nname = "a"\npath = "m.pt2"\n\n[model.tolerance]\nmin_sqnr_db = 30\nmin_sqnr = 3\n',
+            7,
+            "unknown tolerance key 'min_sqnr'",
+        ),
+        (
+            '[[model]]\nname = "a"\npath = "m.pt2"\n[model.tolerance]\nmin_cosine = 0.9\n'
+            '[[model]]\nname = "b"\npath = "m.pt2"\n[model.tolerance]\nmin_cosine = 0.9\nmax_mis = 1\n',
+            11,
+            "unknown tolerance key 'max_mis'",
+        ),
+        (
+            '[defaults]\nprecision = "fp16"\n[defaults.tolerance]\nmin_cosine = "x"\n[[model]]\npath = "m.pt2"\n',
+            4,
+            "tolerance values must be numbers",
+        ),
         ('[[model]]\npath = "m.pt2"\nformats = ["tflite"]\n', 3, "output format"),
         ('[[model]]\nname = "a/b"\npath = "m.pt2"\n', 2, "not a valid directory name"),
         ('[defaults]\npath = "m.pt2"\n[[model]]\nname = "x"\npath = "m.pt2"\n', 2, "per model"),

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -246,3 +248,51 @@ def test_real_sigint_stops_cleanly(zoo: Path, tmp_path: Path) -> None:
     assert doc["interrupted"] is True
     assert {r["name"]: r["status"] for r in doc["models"]} == {"hangs": "cancelled", "mlp": "ok"}
     assert sorted(p.name for p in out.iterdir()) == ["mlp", "summary.json", "summary.md"]
+
+
+def test_verify_false_is_unverified_not_ok(zoo: Path, tmp_path: Path) -> None:
+    """`verify = false` rows get their own status, and exit code 0 keeps meaning "converted and verified"."""
+    out = tmp_path / "out"
+    jobs = [{"name": "a", "path": str(zoo / "mlp.pt2"), "verify": False}, {"name": "b", "path": str(zoo / "mlp.pt2")}]
+    result = convert_many(jobs, out, workers=1)
+    assert {r.name: r.status for r in result.results} == {"a": "unverified", "b": "ok"}
+    assert result.exit_code == 1 and result.failed == [] and [r.name for r in result.unverified] == ["a"]
+    doc = json.loads((out / "summary.json").read_text())
+    assert doc["counts"] == {"ok": 1, "unverified": 1} and doc["exit_code"] == 1
+    assert _rows(out)["a"]["verified"] is None and (out / "a" / "model.pt2").is_file()
+    assert "1 ok, 1 unverified" in (out / "summary.md").read_text()
+    again = convert_many(jobs, out, workers=1, resume=True)  # a converted model is not redone
+    assert all(r.row["resumed"] for r in again.results) and again.counts == {"ok": 1, "unverified": 1}
+
+
+def test_sigterm_stops_cleanly_with_a_complete_summary(zoo: Path, tmp_path: Path) -> None:
+    """SLURM/Kubernetes/CI preemption: SIGTERM to `amplite batch` ends it like Ctrl-C, with rc 143."""
+    manifest = tmp_path / "term.toml"
+    manifest.write_text(_broken("hangs", "hang", timeout=60).replace('path = "', f'path = "{zoo}/') + "\n"
+                        + _entry("mlp", str(zoo / "mlp.pt2")))  # fmt: skip
+    out = tmp_path / "out"
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "amplite", "batch", str(manifest), "-o", str(out), "--jobs", "2", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root, env=env)
+    watchdog = threading.Timer(90, proc.kill)  # without a plain line to wait for, do not hang the suite
+    watchdog.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("[1/2]"):  # mlp finished; the hanging model is still running
+                proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    finally:
+        watchdog.cancel()
+    stderr = proc.stderr.read()
+    assert rc == 143, (lines, stderr)
+    assert "SIGTERM" in stderr and "Traceback" not in stderr
+    doc = json.loads((out / "summary.json").read_text())
+    assert doc["interrupted"] is True and doc["exit_code"] == 1 and doc["counts"] == {"ok": 1, "cancelled": 1}
+    rows = {r["name"]: r for r in doc["models"]}
+    assert rows["mlp"]["status"] == "ok" and rows["hangs"]["status"] == "cancelled"
+    assert "SIGTERM" in rows["hangs"]["error"]
+    assert "**Interrupted**" in (out / "summary.md").read_text()
+    assert sorted(p.name for p in out.iterdir()) == ["mlp", "summary.json", "summary.md"]  # no .staging

@@ -82,7 +82,12 @@ def amp_lines(source: str) -> set[int]:
 @pytest.mark.parametrize("name", CORPUS)
 def test_corpus_has_no_deprecated_api_left(corpus: dict[str, tuple[str, str, list[str]]], name: str) -> None:
     before, after, warnings = corpus[name]
-    assert warnings == []
+    # apex's command-line options that only fed amp.initialize are reported (issue 14.11), nothing else
+    options = ((33, "opt-level"), (34, "keep-batchnorm-fp32"), (35, "loss-scale"))
+    dead = [f"line {n}: option `--{o}` no longer does anything" for n, o in options]
+    dead = dead if name == "apex_imagenet.py" else []
+    assert [w.split(":", 2)[0] + ":" + w.split(":", 2)[1].split(" no longer")[0] + " no longer does anything"
+            for w in warnings] == dead, warnings  # fmt: skip
     if name != "plain_fp32_loop.py":
         assert DEPRECATED.search(code_tokens(before))  # the fixture really exercises the migration
     assert not DEPRECATED.search(code_tokens(after))

@@ -22,12 +22,14 @@ from amplite.batch.runner import (
     default_workers,
     iter_convert_many,
 )
+from amplite.batch.signals import BatchTerminated, sigterm_stops_batch
 from amplite.batch.sources import jobs_from_paths
 from amplite.batch.summary import BatchResult, JobResult, MergeError
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "BatchResult",
+    "BatchTerminated",
     "Job",
     "JobResult",
     "ManifestError",
@@ -125,6 +127,7 @@ def run_batch(
 
     Raises:
         ManifestError / ConfigError (exit 2): bad manifest, source or option. KeyboardInterrupt: Ctrl-C.
+        BatchTerminated: SIGTERM (when called from the main thread), after the same clean-up as Ctrl-C.
     """
     if jobs is not None and jobs < 1:
         raise ManifestError(f"--jobs {jobs} must be at least 1", "pass --jobs 1 or more (or leave it out)")
@@ -133,17 +136,18 @@ def run_batch(
     picked = parse_shard(shard) if shard else None
     selected = load_jobs(source, defaults, picked)
     meta = {"source": str(source), "shard": f"{picked[0]}/{picked[1]}" if picked else None}
-    return convert_many(
-        selected,
-        out_dir,
-        workers=jobs,
-        executor=executor,
-        timeout=timeout,
-        fail_fast=fail_fast,
-        resume=resume,
-        progress=progress,
-        summary_meta=meta,
-    )
+    with sigterm_stops_batch():
+        return convert_many(
+            selected,
+            out_dir,
+            workers=jobs,
+            executor=executor,
+            timeout=timeout,
+            fail_fast=fail_fast,
+            resume=resume,
+            progress=progress,
+            summary_meta=meta,
+        )
 
 
 def merge_shards(shard_dirs: Sequence[str | Path], out_dir: str | Path) -> BatchResult:

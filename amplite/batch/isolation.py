@@ -36,7 +36,7 @@ from amplite.batch.worker import JOB, LOG, RESULT
 
 STAGING = ".staging"
 #: Statuses whose model files are kept (a model that converted but failed verification can be inspected).
-KEEP_FILES = ("ok", "verify_failed")
+KEEP_FILES = ("ok", "unverified", "verify_failed")
 #: Set to ``subprocess`` to start every worker as a fresh interpreter.
 START_ENV = "AMPLITE_BATCH_START"
 _PKG_ROOT = str(Path(__file__).resolve().parents[2])

@@ -105,13 +105,17 @@ class Job:
 
 
 def _line_finder(text: str, model_index: int | None) -> Any:
-    """A function key -> line number of ``key`` in ``[defaults]`` (index None) or the n-th ``[[model]]``."""
+    """A function key -> line number of ``key`` in ``[defaults]`` (index None) or the n-th ``[[model]]``.
+
+    A dotted key (``tolerance.min_cosine``) is looked up in the entry's sub-table (``[model.tolerance]``)
+    when it has one, else on the line of its inline table.
+    """
     lines = text.splitlines()
     sections: list[tuple[str, int]] = []  # (header, 1-based line)
     for i, raw in enumerate(lines, 1):
         m = re.match(r"^\s*\[\[?\s*([\w.\"' -]+?)\s*\]\]?", raw)
         if m and not re.match(r"^\s*[\w\"'.-]+\s*=", raw):
-            sections.append((m.group(1).strip("\"' "), i))
+            sections.append((re.sub(r"[\"'\s]", "", m.group(1)), i))
     wanted = "defaults" if model_index is None else "model"
     starts = [ln for name, ln in sections if name == wanted]
     pick = 0 if model_index is None else model_index
@@ -120,13 +124,22 @@ def _line_finder(text: str, model_index: int | None) -> Any:
     start = starts[pick]
     later = [ln for _, ln in sections if ln > start]
     end = later[0] if later else len(lines) + 1
+    # The entry's sub-tables ([model.tolerance]) run until the next section that is not one of them.
+    subs = [(name, ln) for name, ln in sections if ln > start]
+    entry_end = next((ln for name, ln in subs if not name.startswith(wanted + ".")), len(lines) + 1)
+
+    def search(key: str, lo: int, hi: int) -> int | None:
+        pat = re.compile(r"(^|[\s{,.])[\"']?" + re.escape(key) + r"[\"']?\s*=")
+        return next((ln for ln in range(lo, hi) if pat.search(lines[ln - 1].split("#", 1)[0])), None)
 
     def find(key: str) -> int:
-        pat = re.compile(r"(^|[\s{,.])[\"']?" + re.escape(key) + r"[\"']?\s*=")
-        for ln in range(start + 1, end):
-            if pat.search(lines[ln - 1].split("#", 1)[0]):
-                return ln
-        return start
+        head, _, sub = key.partition(".")
+        if sub:
+            table = next((ln for name, ln in subs if name == f"{wanted}.{head}" and ln < entry_end), None)
+            if table is not None:
+                stop = next((ln for _, ln in sections if ln > table), len(lines) + 1)
+                return search(sub, table + 1, stop) or table
+        return search(head, start + 1, end) or start
 
     return find
 
@@ -134,6 +147,14 @@ def _line_finder(text: str, model_index: int | None) -> Any:
 def _fail(where: str, line: int, key: str | None, problem: str, fix: str) -> ManifestError:
     at = f"{where}, line {line}" if line else where
     return ManifestError(f"{at}: {f'{key!r}: ' if key else ''}{problem}", fix)
+
+
+class _SubKeyError(ValueError):
+    """A bad key or value inside a table value (``tolerance``): ``subkey`` locates it in the manifest."""
+
+    def __init__(self, problem: str, subkey: str) -> None:
+        super().__init__(problem)
+        self.subkey = subkey
 
 
 def _check_value(key: str, value: Any) -> Any:
@@ -171,9 +192,10 @@ def _check_value(key: str, value: Any) -> Any:
             raise ValueError(f"expected {JOB_KEYS[key]}, got {value!r}")
         bad = [k for k in value if k not in _TOLERANCE_KEYS]
         if bad:
-            raise ValueError(f"unknown tolerance key {bad[0]!r} (known: {', '.join(_TOLERANCE_KEYS)})")
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()):
-            raise ValueError(f"tolerance values must be numbers, got {dict(value)!r}")
+            raise _SubKeyError(f"unknown tolerance key {bad[0]!r} (known: {', '.join(_TOLERANCE_KEYS)})", bad[0])
+        for k, v in value.items():
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise _SubKeyError(f"tolerance values must be numbers, got {k} = {v!r}", k)
         return {k: float(v) for k, v in value.items()}
     raise KeyError(key)
 
@@ -194,7 +216,8 @@ def make_job(data: dict[str, Any], base: Path, line_of: Any, *, where: str) -> J
         try:
             values[key] = _check_value(key, value)
         except ValueError as exc:
-            raise _fail(where, line_of(key), key, str(exc), f"give {JOB_KEYS[key]}") from None
+            at = line_of(f"{key}.{exc.subkey}") if isinstance(exc, _SubKeyError) else line_of(key)
+            raise _fail(where, at, key, str(exc), f"give {JOB_KEYS[key]}") from None
     if "path" not in values:
         raise _fail(where, line_of("name"), None, "no 'path'", 'add path = "model.pt2" to the entry')
     path = (base / Path(values["path"]).expanduser()).resolve()
@@ -303,7 +326,11 @@ def parse_manifest(path: str | Path, defaults: Mapping[str, Any] | None = None) 
 
 
 def _combined(entry_line: Any, defaults_line: Any, entry: Mapping[str, Any]) -> Any:
-    return lambda key: entry_line(key) if key in entry or key in ("name", "path") else defaults_line(key)
+    def line_of(key: str) -> int:
+        root = key.split(".", 1)[0]
+        return entry_line(key) if root in entry or root in ("name", "path") else defaults_line(key)
+
+    return line_of
 
 
 def check_unique(jobs: Sequence[Job], where: str = "batch") -> None:

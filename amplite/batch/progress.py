@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Any, Protocol, TextIO
 
-_STYLE = {"ok": "green", "verify_failed": "yellow", "cancelled": "dim"}
+_STYLE = {"ok": "green", "unverified": "yellow", "verify_failed": "yellow", "cancelled": "dim"}
 
 
 class Progress(Protocol):
@@ -115,8 +115,10 @@ class RichProgress:
         self.live.start()
 
     def started(self, name: str) -> None:
+        from rich.markup import escape
+
         if name not in self.running:
-            self.running[name] = self.models.add_task(name, total=None)
+            self.running[name] = self.models.add_task(escape(name), total=None)  # the column reads markup
 
     def finished(self, row: dict[str, Any]) -> None:
         from rich.text import Text

@@ -24,6 +24,7 @@ from amplite.batch.isolation import STAGING, cancel_run, forget_run, record_fail
 from amplite.batch.keys import job_key
 from amplite.batch.manifest import Job, check_unique
 from amplite.batch.progress import Progress, make_progress
+from amplite.batch.signals import BatchTerminated
 from amplite.batch.summary import BatchResult, JobResult
 from amplite.errors import EmitError
 
@@ -95,7 +96,7 @@ def _prepare(job: Job, out: Path, resume: bool) -> tuple[dict[str, Any] | None, 
     if resume:
         prev = summ.read_result(out / job.name)
         files_ok = prev is not None and all((out / job.name / f).is_file() for f in prev.get("files", []))
-        if prev is not None and prev.get("status") == "ok" and prev.get("key") == key and files_ok:
+        if prev is not None and prev.get("status") in summ.CONVERTED and prev.get("key") == key and files_ok:
             return {**prev, "resumed": True}, key
     return None, key
 
@@ -197,11 +198,13 @@ def iter_convert_many(
                 row = rows[job.name] = _row_of(fut, job, reason)
                 prog.finished(row)
                 yield JobResult.from_row(row)
-                if fail_fast and row["status"] != "ok" and not reason.startswith("--fail-fast"):
+                if fail_fast and row["status"] not in summ.CONVERTED and not reason.startswith("--fail-fast"):
                     reason = f"--fail-fast stopped the batch after {job.name!r} failed"
                     _cancel(futures, kw["run_id"])
-    except BaseException:  # KeyboardInterrupt, GeneratorExit (the caller stopped iterating)
+    except BaseException as exc:  # KeyboardInterrupt, BatchTerminated, GeneratorExit (the caller stopped)
         interrupted = True
+        if isinstance(exc, BatchTerminated):
+            reason = str(exc)
         _cancel(futures, kw["run_id"])
         raise
     finally:

@@ -20,8 +20,11 @@ from amplite.errors import ConfigError
 
 SCHEMA = "amplite.batch_summary"
 SCHEMA_VERSION = 1
-#: Every status a row can have; only ``ok`` counts as converted and verified.
-STATUSES = ("ok", "verify_failed", "error", "oom", "timeout", "crashed", "cancelled")
+#: Every status a row can have; only ``ok`` counts as converted and verified. ``unverified``: converted with
+#: ``verify = false`` (nothing compared it with FP32).
+STATUSES = ("ok", "unverified", "verify_failed", "error", "oom", "timeout", "crashed", "cancelled")
+#: Statuses of a model that converted (its files are kept; ``--resume`` may skip it).
+CONVERTED = ("ok", "unverified")
 COLUMNS = (
     "model",
     "status",
@@ -99,7 +102,11 @@ def counts(rows: Iterable[Mapping[str, Any]]) -> dict[str, int]:
 
 
 def exit_code(rows: Sequence[Mapping[str, Any]]) -> int:
-    """0 when every model converted and verified (an empty shard included), else 1."""
+    """0 when every model converted and verified (an empty shard included), else 1.
+
+    An ``unverified`` model (``verify = false``) makes it 1 too: 0 promises that every model was compared
+    with FP32. The counts tell an all-``unverified`` batch from a failed one.
+    """
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 
@@ -291,9 +298,14 @@ class BatchResult:
         return [r for r in self.results if r.ok]
 
     @property
+    def unverified(self) -> list[JobResult]:
+        """Models converted with ``verify = false`` (not compared with FP32)."""
+        return [r for r in self.results if r.status == "unverified"]
+
+    @property
     def failed(self) -> list[JobResult]:
-        """Every other model (errors, verification failures, timeouts, crashes, cancelled)."""
-        return [r for r in self.results if not r.ok]
+        """Models that did not convert or failed verification (errors, timeouts, crashes, cancelled...)."""
+        return [r for r in self.results if r.status not in CONVERTED]
 
     @property
     def counts(self) -> dict[str, int]:
@@ -302,7 +314,8 @@ class BatchResult:
 
     @property
     def exit_code(self) -> int:
-        """0 when every model converted and verified, else 1 (2 is for errors raised before a batch runs)."""
+        """0 when every model converted and verified, else 1 (also when some are only ``unverified``);
+        2 is for errors raised before a batch runs."""
         return exit_code([r.row for r in self.results])
 
     def describe(self) -> str:

@@ -93,7 +93,8 @@ def _success_row(job: dict[str, Any], result: Any) -> dict[str, Any]:
     outputs = data.get("verification", {}).get("outputs", [])
     sqnrs = [float(o["sqnr_db"]) for o in outputs if o["dtype"].startswith(("float", "bfloat"))]
     worst = min(sqnrs) if sqnrs else None
-    row = failure_row(job, "ok" if result.passed is not False else "verify_failed", None)
+    status = {True: "ok", False: "verify_failed"}.get(result.passed, "unverified")  # None: verify off
+    row = failure_row(job, status, None)
     row.update(
         params=params,
         low_precision_share=round(float(data["graph"]["after"]["low_precision_flop_share"]), 4),

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 
 from amplite.cli.output import err
 from amplite.errors import AmpliteError
@@ -55,7 +56,7 @@ def _run(debug: bool, body: Callable[[], int]) -> None:
     except AmpliteError as exc:
         if debug:
             traceback.print_exc()
-        err.print(f"[bold red]error:[/] {exc.one_line()}", soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(exc.one_line())}", soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         err.print("interrupted")
@@ -64,7 +65,8 @@ def _run(debug: bool, body: Callable[[], int]) -> None:
         if debug:
             traceback.print_exc()
         err.print(
-            f"[bold red]internal error:[/] {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            f"[bold red]internal error:[/] {escape(type(exc).__name__)}: "
+            f"{escape(str(exc).splitlines()[0]) if str(exc) else ''}"
             " — fix: re-run with --debug and report it",
             soft_wrap=True,
         )

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from amplite.cli.app import _run, app
 from amplite.cli.options import (
@@ -20,7 +21,7 @@ from amplite.cli.options import (
     LowOpt,
     TrustOpt,
 )
-from amplite.cli.output import out
+from amplite.cli.output import err, out
 
 
 @app.command()
@@ -53,7 +54,7 @@ def batch(
     """Convert many models, each in its own worker process; `amplite batch merge DIR...` joins shard summaries."""
 
     def body() -> int:
-        from amplite.batch import defaults_from_options, merge_shards, run_batch
+        from amplite.batch import BatchTerminated, defaults_from_options, merge_shards, run_batch
         from amplite.errors import ConfigError
 
         if sources[0] == "merge":
@@ -69,9 +70,14 @@ def batch(
                 dynamic_batch=dynamic_batch, low_precision_io=low_precision_io,
                 fuse_contractions=fuse_contractions, verify=not no_verify,
             )  # fmt: skip
-            result = run_batch(sources[0], out_dir, defaults=defaults, jobs=jobs, timeout=timeout,
-                               fail_fast=fail_fast, resume=resume, shard=shard, progress=not no_progress)  # fmt: skip
-        out.print(result.describe())
+            try:  # SIGTERM (preemption, CI timeouts) stops the batch as Ctrl-C does, summary written
+                result = run_batch(sources[0], out_dir, defaults=defaults, jobs=jobs, timeout=timeout,
+                                   fail_fast=fail_fast, resume=resume, shard=shard,
+                                   progress="plain" if no_progress else True)  # fmt: skip
+            except BatchTerminated as stop:
+                err.print(escape(f"stopped by {stop.signal_name} — summary: {out_dir / 'summary.md'}"))
+                return stop.exit_code
+        out.print(escape(result.describe()))
         return result.exit_code
 
     _run(debug, body)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from amplite.cli.app import _inputs, _run, app
 from amplite.cli.options import (
@@ -102,7 +103,7 @@ def golden(
             random_batches=random_batches, input_specs=input, max_batches=max_batches, trust_pickle=trust_pickle,
             model_factory=model_factory, dynamic_batch=dynamic_batch,
         )  # fmt: skip
-        out.print(f"wrote golden references to {path}")
+        out.print(escape(f"wrote golden references to {path}"))
         return 0
 
     _run(debug, body)

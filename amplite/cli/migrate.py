@@ -15,7 +15,9 @@ from amplite.cli.options import DebugOpt
 def migrate(
     paths: Annotated[list[Path], typer.Argument(help="Python files or directories (walked for *.py).")],
     diff: Annotated[bool, typer.Option("--diff", help="Print a unified diff; change nothing.")] = False,
-    check: Annotated[bool, typer.Option("--check", help="Exit 1 if any file would change; change nothing.")] = False,
+    check: Annotated[
+        bool, typer.Option("--check", help="Exit 1 if a file would change or uses deprecated AMP; change nothing.")
+    ] = False,
     add_autocast: Annotated[
         bool, typer.Option("--add-autocast", help="Add autocast (and a GradScaler for fp16) to plain FP32 loops.")
     ] = False,

@@ -8,8 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+# Every user-, model- or file-derived string printed through rich goes through escape(): rich reads
+# `[[model]]` or `[defaults]` as markup and would drop it.
 # soft_wrap: never break a line (paths, node lists) at the console width; CI logs and
 # pipes are 80 columns wide and users copy paths from them. Tables still fit the width.
 out = Console(highlight=False, soft_wrap=True)
@@ -25,18 +28,19 @@ def print_check(res: Any) -> None:
         table.add_column(col)
     for o in verification.get("outputs", []):
         sqnr = o["sqnr_db"] if isinstance(o["sqnr_db"], str) else f"{o['sqnr_db']:.1f}"
-        table.add_row(o["name"], sqnr, f"{o['max_abs']:.3g}", f"{o['cosine']:.6f}", "pass" if o["passed"] else "FAIL")
+        verdict = "pass" if o["passed"] else "FAIL"
+        table.add_row(escape(o["name"]), sqnr, f"{o['max_abs']:.3g}", f"{o['cosine']:.6f}", verdict)
     out.print(table)
     top = (data.get("layerwise") or {}).get("top_introducers") or []
     if top:
         out.print("top error-introducing nodes (isolated error, fed FP32 inputs):")
     for i, n in enumerate(top[:5], 1):
         flag = " introduces NaN/Inf" if n.get("introduces_nonfinite") else ""
-        out.print(f"  {i}. {n['node']} ({n['op']}) {n.get('source') or n.get('module') or ''}{flag}")
+        out.print(escape(f"  {i}. {n['node']} ({n['op']}) {n.get('source') or n.get('module') or ''}{flag}"))
     for reason in res.reasons:
-        out.print(f"[red]✗[/] {reason}")
+        out.print(f"[red]✗[/] {escape(str(reason))}")
     for kind, path in res.files.items():
-        out.print(f"{kind}: {path}")
+        out.print(escape(f"{kind}: {path}"))
 
 
 def print_plan(data: dict[str, Any], only: str | None) -> None:
@@ -54,9 +58,9 @@ def print_plan(data: dict[str, Any], only: str | None) -> None:
     for col in ("node", "op", "module", "dtype", "reason"):
         table.add_column(col, overflow="fold")
     for r in rows:
-        table.add_row(r["node"], r["op"], r["module"], r["dtype"] or "-", r["reason"])
+        table.add_row(*(escape(str(v)) for v in (r["node"], r["op"], r["module"], r["dtype"] or "-", r["reason"])))
     out.print(table)
-    out.print(footer)
+    out.print(escape(footer))
 
 
 @contextmanager
@@ -69,18 +73,23 @@ def byte_progress() -> Iterator[Callable[[str, int, int], None]]:
     tasks: dict[str, Any] = {}
 
     def update(step: str, done: int, total: int) -> None:
+        if not tasks:
+            bars.start()  # only when there is something to show: no stray output otherwise
         if step not in tasks:
             tasks[step] = bars.add_task(step, total=total)
         bars.update(tasks[step], completed=done)
 
-    with bars:
+    try:
         yield update
+    finally:
+        if tasks:
+            bars.stop()
 
 
 def print_summary(data: dict[str, Any], written: list[Path], report_path: Path) -> None:
     """The short summary ``convert`` prints."""
     cfg, graph, weights = data["config"], data["graph"]["after"], data["weights"]
-    table = Table(title=f"amplite {cfg['precision']} {cfg['level']}: {data['source']['path'] or 'module'}")
+    table = Table(title=escape(f"amplite {cfg['precision']} {cfg['level']}: {data['source']['path'] or 'module'}"))
     table.add_column("what")
     table.add_column("value", overflow="fold")
     table.add_row("nodes by dtype", ", ".join(f"{k} {v}" for k, v in graph["nodes_by_dtype"].items()))
@@ -101,26 +110,27 @@ def print_summary(data: dict[str, Any], written: list[Path], report_path: Path) 
             vt.add_column(col)
         for o in verification["outputs"]:
             sqnr = o["sqnr_db"] if isinstance(o["sqnr_db"], str) else f"{o['sqnr_db']:.1f}"
-            verdict = "[green]pass[/]" if o["passed"] else "[red]FAIL[/] " + "; ".join(o["notes"])
-            vt.add_row(o["name"], f"{o['max_abs']:.3g}", f"{o['max_rel']:.3g}", f"{o['cosine']:.6f}", sqnr, verdict)
+            verdict = "[green]pass[/]" if o["passed"] else "[red]FAIL[/] " + escape("; ".join(o["notes"]))
+            name = escape(o["name"])
+            vt.add_row(name, f"{o['max_abs']:.3g}", f"{o['max_rel']:.3g}", f"{o['cosine']:.6f}", sqnr, verdict)
         out.print(vt)
         blocks = verification.get("blocks") or []
         if blocks:
             worst = min(blocks, key=lambda b: b["sqnr_db"])
-            out.print(f"block-wise: {len(blocks)} blocks compared, worst SQNR {worst['sqnr_db']:.1f} dB "
-                      f"({worst['block']}); at most {verification['peak_weight_bytes'] / 2**20:.1f} MiB of "
-                      "weights held at once")  # fmt: skip
+            out.print(escape(f"block-wise: {len(blocks)} blocks compared, worst SQNR {worst['sqnr_db']:.1f} dB "
+                             f"({worst['block']}); at most {verification['peak_weight_bytes'] / 2**20:.1f} MiB "
+                             "of weights held at once"))  # fmt: skip
     budget = data.get("budget")
     if budget:
         verdict = "[green]met[/]" if budget["passed"] else "[red]NOT met[/]"
-        moved = ", ".join(n["node"] for n in budget["moved_to_fp32"][:8])
+        moved = escape(", ".join(n["node"] for n in budget["moved_to_fp32"][:8]))
         more = f" (+{len(budget['moved_to_fp32']) - 8} more)" if len(budget["moved_to_fp32"]) > 8 else ""
         out.print(
             f"accuracy budget {verdict}: {len(budget['moved_to_fp32'])} of {budget['candidates']} candidate nodes "
             f"moved to FP32 in {budget['trials']} trials (bound {budget['trial_bound']}): {moved}{more}"
         )
         if budget["message"]:
-            out.print(f"  {budget['message']}")
+            out.print(f"  {escape(budget['message'])}")
     ort = data.get("verification_onnx")
     if ort:
         verdict = {True: "[green]pass[/]", False: "[red]FAIL[/]", None: "not runnable"}[ort["passed"]]
@@ -129,13 +139,13 @@ def print_summary(data: dict[str, Any], written: list[Path], report_path: Path) 
         out.print(f"ONNX Runtime ({ort['provider']}): {verdict}{detail}")
         for line in [ort.get("not_runnable"), ort.get("caveat")]:
             if line:
-                out.print(f"  {line}")
+                out.print(f"  {escape(line)}")
     if data.get("estimate"):
         from amplite.estimate import summary_line
 
-        out.print(summary_line(data["estimate"]))
+        out.print(escape(summary_line(data["estimate"])))
     for w in data.get("warnings", []):
-        out.print(f"[yellow]warning:[/] {w}")
+        out.print(f"[yellow]warning:[/] {escape(w)}")
     for path in written:
-        out.print(f"wrote {path}")
-    out.print(f"report {report_path}")
+        out.print(escape(f"wrote {path}"))
+    out.print(escape(f"report {report_path}"))

@@ -34,6 +34,8 @@ class Use:
     function: cst.FunctionDef | None
     stmt: cst.BaseStatement | None
     top_level: bool = False
+    #: ``if args.fp16:`` directly around a top-level ``amp.initialize`` statement (its only condition).
+    condition: cst.If | None = None
 
 
 class ApexScan(ScopeScanner):
@@ -90,12 +92,17 @@ class ApexScan(ScopeScanner):
         self._handled.add(node.func)
         parent = self.statements[-2] if len(self.statements) > 1 else None
         top = len(self.statements) == 1 or (parent is not None and parent is self.function)
+        condition = None
+        if api == "initialize" and not top and isinstance(parent, cst.If) and _in_body(parent, self.statement):
+            grand = self.statements[-3] if len(self.statements) > 2 else None
+            if len(self.statements) == 2 or (grand is not None and grand is self.function):
+                top, condition = True, parent
         if api not in _SUPPORTED:
             self.problems.append((node, f"`amp.{api}` has no torch.amp equivalent"))
         elif api == "scale_loss" and not any(use.call is node for use in self.scale_withs.values()):
             self.problems.append((node, "amp.scale_loss is only migrated as `with amp.scale_loss(...) as x:`"))
         else:
-            self.uses.append(Use(api, node, self.function, self.statement, top))
+            self.uses.append(Use(api, node, self.function, self.statement, top, condition))
 
     def _reference(self, node: cst.Name | cst.Attribute) -> bool:
         if node in self._handled:
@@ -110,6 +117,11 @@ class ApexScan(ScopeScanner):
 
     def visit_Attribute(self, node: cst.Attribute) -> bool:
         return self._reference(node)
+
+
+def _in_body(node: cst.If, stmt: cst.BaseStatement | None) -> bool:
+    """Whether ``stmt`` is a statement of ``node``'s own body (not of its ``else``/``elif``)."""
+    return isinstance(node.body, cst.IndentedBlock) and any(s is stmt for s in node.body.body)
 
 
 def _is_expr_stmt(use: Use) -> bool:
@@ -142,15 +154,22 @@ def check(scan: ApexScan) -> list[Problem]:
     stmt = init.stmt
     small = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 else None
     if bound is None or not init.top_level or not isinstance(small, cst.Assign | cst.Expr):
-        return [(init.call, "amp.initialize must be a plain statement in a function or module body")]
+        return [
+            (init.call, "amp.initialize must be a plain statement in a function or module body, or in one `if` there")
+        ]
     if isinstance(small, cst.Assign) and len(small.targets) != 1:
         return [(init.call, "chained assignment of amp.initialize")]
+    if init.condition is not None and "enabled" in bound:
+        return [(init.call, "amp.initialize(enabled=...) under an `if`: two conditions for one scaler")]
     if "optimizers" not in bound or not isinstance(bound["optimizers"].value, _SIMPLE):
         return [(init.call, "amp.initialize needs exactly one optimizer (not a list, not inference-only)")]
     level = bound.get("opt_level")
     literal = level.value if level is not None and isinstance(level.value, cst.SimpleString) else None
     if literal is not None and literal.evaluated_value not in ("O0", "O1", "O2", "O3"):
         return [(init.call, f"unknown opt_level {code_of(literal)}")]
+    if literal is not None and literal.evaluated_value == "O3" and init.condition is not None:
+        # O3 has no loss scaling: a disabled scaler could not carry the condition to autocast elsewhere
+        return [(init.call, "apex O3 under an `if`: no scaler to carry the condition")]
     problems: list[Problem] = []
     for use in scan.scale_withs.values():
         args = bind_args(use.call, SCALE_LOSS_PARAMS)
@@ -170,7 +189,7 @@ def check(scan: ApexScan) -> list[Problem]:
 
 def level_plan(
     bound: dict[str, cst.Arg], torch: str, scaler: str
-) -> tuple[list[cst.Arg], list[cst.Arg] | None, list[str]]:
+) -> tuple[list[cst.Arg], list[cst.Arg] | None, list[str], list[str]]:
     """Translate ``amp.initialize`` options.
 
     Args:
@@ -179,8 +198,9 @@ def level_plan(
         scaler: Name of the GradScaler variable.
 
     Returns:
-        GradScaler arguments, autocast arguments after the device (None: no autocast, for O0) and the
-        notes to leave as comments.
+        GradScaler arguments, autocast arguments after the device (None: no autocast, for O0), the
+        notes to leave as comments, and the parameters whose values no longer do anything (dropped, or a
+        non-literal ``opt_level``).
     """
     level_arg = bound.get("opt_level")
     level: str | None = "O1"
@@ -209,9 +229,10 @@ def level_plan(
         scaler_args.append(tight_kwarg("enabled", enabled.value))
     if dropped:
         notes.append("dropped amp.initialize options: " + ", ".join(dropped))
+    dead = (["opt_level"] if level_arg is not None and level is None else []) + dropped
     if level == "O0":
-        return scaler_args, None, notes
+        return scaler_args, None, notes, dead
     autocast = [tight_kwarg("dtype", cst.parse_expression(f"{torch}.float16"))]
     if enabled is not None:
         autocast.append(tight_kwarg("enabled", cst.parse_expression(f"{scaler}.is_enabled()")))
-    return scaler_args, autocast, notes
+    return scaler_args, autocast, notes, dead

@@ -203,6 +203,23 @@ def torch_binding(module: cst.Module) -> str | None:
     return alias
 
 
+class _CommentCollector(cst.CSTVisitor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.comments: list[cst.Comment] = []
+
+    def visit_Comment(self, node: cst.Comment) -> None:
+        self.comments.append(node)
+
+
+def comment_lines(node: cst.CSTNode) -> list[cst.EmptyLine]:
+    """Every comment inside ``node`` (e.g. in the arguments of a multi-line call being replaced), each as
+    a line of its own, so that a rewrite never loses one."""
+    collector = _CommentCollector()
+    node.visit(collector)
+    return [cst.EmptyLine(comment=c) for c in collector.comments]
+
+
 class _NameCollector(cst.CSTVisitor):
     def __init__(self) -> None:
         self.names: set[str] = set()

@@ -7,10 +7,12 @@ so a name-based check is enough here.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import libcst as cst
 
 from amplite.migrate._blocks import BlockEditMixin
-from amplite.migrate._cst import ReadCollector, code_of, dotted_name, matches_prefix, torch_binding
+from amplite.migrate._cst import ReadCollector, code_of, comment_lines, dotted_name, matches_prefix, torch_binding
 
 
 def imports_from(node: cst.Import | cst.ImportFrom, modules: tuple[str, ...], *, parents: bool = False) -> bool:
@@ -36,6 +38,48 @@ def imports_from(node: cst.Import | cst.ImportFrom, modules: tuple[str, ...], *,
     )
 
 
+#: ``CodemodContext.scratch`` key: names other files of the run import from this one (never removed).
+KEEP_NAMES = "amplite.keep_names"
+
+
+def dunder_all(module: cst.Module) -> set[str]:
+    """The string literals of a module-level ``__all__ = [...]``, ``__all__ += [...]`` or
+    ``__all__.extend([...])`` / ``.append(...)``: names the module re-exports."""
+    names: set[str] = set()
+
+    def strings(node: cst.BaseExpression) -> None:
+        if isinstance(node, cst.List | cst.Tuple | cst.Set):
+            for element in node.elements:
+                strings(element.value)
+        elif isinstance(node, cst.SimpleString) and isinstance(node.evaluated_value, str):
+            names.add(node.evaluated_value)
+        elif isinstance(node, cst.BinaryOperation):
+            strings(node.left)
+            strings(node.right)
+
+    for stmt in module.body:
+        for small in stmt.body if isinstance(stmt, cst.SimpleStatementLine) else ():
+            if isinstance(small, cst.Assign) and any(
+                isinstance(t.target, cst.Name) and t.target.value == "__all__" for t in small.targets
+            ):
+                strings(small.value)
+            elif isinstance(small, cst.AnnAssign | cst.AugAssign) and dotted_name(small.target) == "__all__":
+                if small.value is not None:
+                    strings(small.value)
+            elif isinstance(small, cst.Expr) and isinstance(small.value, cst.Call):
+                func = dotted_name(small.value.func) or ""
+                if func in ("__all__.extend", "__all__.append"):
+                    for arg in small.value.args:
+                        strings(arg.value)
+    return names
+
+
+def _trailing_comment(stmt: cst.SimpleStatementLine) -> list[cst.EmptyLine]:
+    """The comment at the end of a statement line that is being removed, as a line of its own."""
+    comment = stmt.trailing_whitespace.comment
+    return [cst.EmptyLine(comment=comment)] if comment is not None else []
+
+
 class _UsedNames(ReadCollector):
     """Variable names read outside import statements (attribute and keyword names do not count)."""
 
@@ -54,6 +98,22 @@ def _bound_name(alias: cst.ImportAlias, from_import: bool) -> str:
         return alias.asname.name.value
     name = dotted_name(alias.name) or ""
     return name if from_import else name.split(".")[0]
+
+
+def _last_alias(alias: cst.ImportAlias, old_last: cst.ImportAlias) -> cst.ImportAlias:
+    """``alias`` as the new last name: without a comma, unless the parenthesized list had a trailing one
+    (then its own comma and comment stay, and the line break before ``)`` comes from the old last name)."""
+    comma, old = alias.comma, old_last.comma
+    if not isinstance(comma, cst.Comma) or not isinstance(old, cst.Comma):
+        return alias.with_changes(comma=cst.MaybeSentinel.DEFAULT)
+    ws, old_ws = comma.whitespace_after, old.whitespace_after
+    if isinstance(ws, cst.ParenthesizedWhitespace) and isinstance(old_ws, cst.ParenthesizedWhitespace):
+        return alias.with_changes(
+            comma=comma.with_changes(whitespace_after=ws.with_changes(indent=old_ws.indent, last_line=old_ws.last_line))
+        )
+    if not isinstance(ws, cst.ParenthesizedWhitespace) and not isinstance(old_ws, cst.ParenthesizedWhitespace):
+        return alias.with_changes(comma=cst.MaybeSentinel.DEFAULT)  # one line: `import (a, b)` -> `(a)`
+    return alias.with_changes(comma=old)
 
 
 class _DropUnusedImports(BlockEditMixin, cst.CSTTransformer):
@@ -81,36 +141,49 @@ class _DropUnusedImports(BlockEditMixin, cst.CSTTransformer):
         self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
     ) -> cst.SimpleStatementLine:
         body: list[cst.BaseSmallStatement] = []
+        lost: list[cst.EmptyLine] = []  # comments of removed names (`autocast,  # for eval` in parentheses)
         for small in updated_node.body:
             keep = self._keep(small) if isinstance(small, cst.Import | cst.ImportFrom) else None
             if keep is None or len(keep) == len(small.names):  # type: ignore[union-attr]
                 body.append(small)
             elif keep:
-                keep[-1] = keep[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+                lost.extend(c for a in small.names if a not in keep for c in comment_lines(a))  # type: ignore[union-attr]
+                keep[-1] = _last_alias(keep[-1], small.names[-1])  # type: ignore[union-attr]
                 body.append(small.with_changes(names=keep))
+            else:
+                lost.extend(comment_lines(small))
         if body == list(updated_node.body):
             return updated_node
         if not body:
-            self.edit(original_node).replacement = []  # the block moves its comments to the next line
+            record = self.edit(original_node)
+            record.replacement = []  # the block moves its comments to the next line
+            # ... and every comment of the line survives (a noqa, "NVIDIA apex", those in parentheses)
+            record.trailing = [*lost, *_trailing_comment(original_node)]
             return updated_node
         body[-1] = body[-1].with_changes(semicolon=cst.MaybeSentinel.DEFAULT)
-        return updated_node.with_changes(body=body)
+        return updated_node.with_changes(body=body, leading_lines=[*updated_node.leading_lines, *lost])
 
 
-def remove_unused_imports(module: cst.Module, modules: tuple[str, ...], *, parents: bool = False) -> cst.Module:
+def remove_unused_imports(
+    module: cst.Module, modules: tuple[str, ...], *, parents: bool = False, keep: Iterable[str] = ()
+) -> cst.Module:
     """Drop imports of ``modules`` whose bound name the code no longer uses.
+
+    A name the module re-exports (listed in its ``__all__``, or in ``keep``: imported by other files of
+    the run) is a use: removing it would break ``from this_module import name`` elsewhere.
 
     Args:
         module: The migrated module.
         modules: Dotted module names whose imports are candidates (``torch.cuda.amp``, ``apex.amp``).
         parents: Also consider imports of their parent packages (``import apex``).
+        keep: Names never removed.
 
     Returns:
-        The module without those imports; comments above a removed import line are kept.
+        The module without those imports; comments above or after a removed import line are kept.
     """
     used = _UsedNames()
     module.visit(used)
-    return module.visit(_DropUnusedImports(used.names, modules, parents))
+    return module.visit(_DropUnusedImports(used.names | dunder_all(module) | set(keep), modules, parents))
 
 
 def _is_dotted(alias: cst.ImportAlias, modules: tuple[str, ...]) -> bool:
@@ -154,7 +227,7 @@ def replace_dotted_imports(module: cst.Module, modules: tuple[str, ...]) -> cst.
             smalls[-1] = smalls[-1].with_changes(semicolon=cst.MaybeSentinel.DEFAULT)
             body.append(stmt.with_changes(body=smalls))
         else:
-            carry = list(stmt.leading_lines)
+            carry = [*stmt.leading_lines, *_trailing_comment(stmt)]
     return module.with_changes(body=body, footer=[*carry, *module.footer])
 
 

@@ -5,7 +5,13 @@ apex keeps its loss scaler in a process-wide singleton, so ``amp.scale_loss`` wo
 other functions use it, that statement declares it ``global`` to keep the singleton's reach.
 
 The rewrite is all-or-nothing per file: a half-migrated training step would silently train on scaled
-gradients, so any apex use the codemod does not understand leaves the file untouched with a warning.
+gradients (or in FP32), so any apex use the codemod does not understand, or a forward pass it cannot wrap
+in autocast, leaves the file untouched with a warning (``declined`` is then set, and the pipeline keeps
+the whole file as it was).
+
+``if args.fp16: model, optimizer = amp.initialize(...)`` becomes an unconditional
+``GradScaler("cuda", enabled=args.fp16)`` and ``torch.autocast(..., enabled=args.fp16)``: the condition
+is kept as the ``enabled`` flag, so the FP32 path runs as before.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import PositionProvider, QualifiedNameProvider, ScopeProvider
 
+from amplite.migrate._apex_dead import dead_option_warnings
 from amplite.migrate._apex_scan import (
     INIT_PARAMS,
     SCALE_LOSS_PARAMS,
@@ -24,7 +31,7 @@ from amplite.migrate._apex_scan import (
     level_plan,
     optimizers_by_function,
 )
-from amplite.migrate._blocks import BlockEditMixin, Wrap, forward_region, receiver, rewrite_step_line
+from amplite.migrate._blocks import Block, BlockEditMixin, Wrap, forward_region, receiver, rewrite_step_line
 from amplite.migrate._cst import (
     ReplaceVariable,
     all_names,
@@ -33,13 +40,15 @@ from amplite.migrate._cst import (
     bind_args,
     call,
     code_of,
+    comment_lines,
     count_variable,
     expr_line,
     fresh_name,
     string,
+    tight_kwarg,
     torch_binding,
 )
-from amplite.migrate._imports import drop_dead_import_guards, remove_unused_imports
+from amplite.migrate._imports import KEEP_NAMES, drop_dead_import_guards, remove_unused_imports
 
 _APEX = ("apex.amp",)
 
@@ -66,7 +75,9 @@ class ApexAmpCommand(BlockEditMixin, VisitorBasedCodemodCommand):
         self.step_stmts: dict[cst.BaseStatement, set[str]] = {}
         self.replacements: dict[cst.Call, cst.BaseExpression] = {}
         self.redirects: dict[cst.Call, str] = {}
+        self.regions: dict[cst.With, tuple[Block, int, int]] = {}
         self.migrated = False
+        self.declined = False
 
     def _qualified(self, node: cst.CSTNode) -> set[str]:
         return {q.name for q in self.get_metadata(QualifiedNameProvider, node, set())}
@@ -78,7 +89,8 @@ class ApexAmpCommand(BlockEditMixin, VisitorBasedCodemodCommand):
         module = super().leave_Module(original_node, updated_node)
         if not self.migrated:
             return module
-        return drop_dead_import_guards(remove_unused_imports(module, _APEX, parents=True))
+        keep = self.context.scratch.get(KEEP_NAMES, ())
+        return drop_dead_import_guards(remove_unused_imports(module, _APEX, parents=True, keep=keep))
 
     def visit_Module(self, node: cst.Module) -> None:
         self._reset()
@@ -86,12 +98,55 @@ class ApexAmpCommand(BlockEditMixin, VisitorBasedCodemodCommand):
         node.visit(scan)
         if not (scan.uses or scan.problems):
             return
-        problems = check(scan)
+        problems = check(scan) or self._place_autocast(scan)
         if problems:
+            self.declined = True
             for where, why in problems:
-                self.warn(f"line {self._line(where)}: {why}; apex amp in this file left unchanged")
+                self.warn(f"line {self._line(where)}: {why}; the file is left unchanged")
             return
         self._plan(node, scan)
+
+    def _place_autocast(self, scan: ApexScan) -> list[tuple[cst.CSTNode, str]]:
+        """Find, for every ``amp.scale_loss``, the forward pass to wrap in autocast (into ``regions``).
+
+        The forward pass is looked for in the block of the ``with`` and, when that is the branch of an
+        ``if`` (``if args.fp16: with amp.scale_loss(...)``), in the block around the ``if``. Without
+        autocast the migrated file would train in FP32 with loss scaling, so a miss is a problem.
+        """
+        bound = bind_args(scan.init.call, INIT_PARAMS) or {}
+        if level_plan(bound, "torch", "scaler")[1] is None:  # O0: no autocast to place
+            return []
+        owners: dict[cst.CSTNode, cst.If] = {}
+        for stmt in scan.parent_block:
+            if isinstance(stmt, cst.If):
+                owners[stmt.body] = stmt
+                if isinstance(stmt.orelse, cst.Else):
+                    owners[stmt.orelse.body] = stmt
+        init_stmt = scan.init.condition or scan.init.stmt
+        init_at = scan.line_of(init_stmt) if init_stmt is not None else None
+        problems = []
+        for with_node, use in scan.scale_withs.items():
+            loss = (bind_args(use.call, SCALE_LOSS_PARAMS) or {})["loss"].value
+            stmt: cst.BaseStatement | None = with_node
+            while isinstance(loss, cst.Name) and stmt is not None and with_node not in self.regions:
+                place = scan.line_of(stmt)
+                if place is None:
+                    break
+                region = forward_region(place[0].body, place[1], loss.value)
+                if region is not None and init_at is not None and init_at[0] is place[0]:
+                    start = max(region[0], init_at[1] + 1)  # never wrap amp.initialize itself
+                    region = (start, region[1]) if start < region[1] else None
+                if region is not None:
+                    self.regions[with_node] = (place[0], *region)
+                stmt = owners.get(place[0])
+            if with_node not in self.regions:
+                problems.append((
+                    with_node,
+                    f"cannot place autocast: no forward pass computing `{code_of(loss)}` in the statements "
+                    "before amp.scale_loss in its block (a forward inside another `with`, a loop or a helper "
+                    "block is not followed); without autocast the migrated file would train in FP32",
+                ))
+        return problems
 
     def _plan(self, module: cst.Module, scan: ApexScan) -> None:
         self.migrated = True
@@ -103,16 +158,37 @@ class ApexAmpCommand(BlockEditMixin, VisitorBasedCodemodCommand):
         if bound_torch is None:
             AddImportsVisitor.add_needed_import(self.context, "torch")
 
-        scaler_args, autocast_args, notes = level_plan(bound, self.torch, self.scaler)
-        record = self.edit(init.stmt)
-        record.notes.extend(notes)
-        record.replacement = self._init_statements(init, bound, scaler_args, scan)
+        condition = init.condition.test if init.condition is not None else None
+        if condition is not None:  # `if args.fp16:` -> GradScaler(enabled=args.fp16), kept unconditional
+            bound = {**bound, "enabled": cst.Arg(condition)}
+        scaler_args, autocast_args, notes, dead = level_plan(bound, self.torch, self.scaler)
+        for warning in dead_option_warnings(module, bound, dead, self._line, init.call):
+            self.warn(warning)
+        before, aliases, scaler_line = self._init_statements(init, bound, scaler_args, scan)
+        if init.condition is None:
+            record = self.edit(init.stmt)
+            record.notes.extend(notes)
+            record.replacement = [*before, *aliases, scaler_line]
+        else:
+            self.edit(init.stmt).replacement = aliases
+            record = self.edit(init.condition)
+            record.notes.extend(notes)
+            record.before.extend([*before, scaler_line])
+            body = init.condition.body.body if isinstance(init.condition.body, cst.IndentedBlock) else ()
+            if len(body) == 1 and not aliases and init.condition.orelse is None:
+                record.replacement = []  # the `if` held only amp.initialize
 
         self.scale_withs = dict(scan.scale_withs)
         if autocast_args is not None:
-            item = call(f"{self.torch}.autocast", cst.Arg(string("cuda")), *autocast_args)
+            same = [a for a in autocast_args if a.keyword is None or a.keyword.value != "enabled"]
             for with_node, use in self.scale_withs.items():
-                self._wrap_forward(scan, with_node, use, item)
+                args = autocast_args
+                if condition is not None and use.function is init.function:
+                    args = [*same, tight_kwarg("enabled", condition)]  # the condition itself, where visible
+                item = call(f"{self.torch}.autocast", cst.Arg(string("cuda")), *args)
+                block, start, stop = self.regions[with_node]
+                if not any(w.start == start and w.stop == stop for w in self.wraps.get(block, [])):
+                    self.add_wrap(block, Wrap(start, stop, item))
         optimizers = optimizers_by_function(scan)
         for step in scan.steps:
             if step.stmt is not None and receiver(step.call) in optimizers.get(step.function, set()):
@@ -132,12 +208,13 @@ class ApexAmpCommand(BlockEditMixin, VisitorBasedCodemodCommand):
         bound: dict[str, cst.Arg],
         scaler_args: list[cst.Arg],
         scan: ApexScan,
-    ) -> list[cst.BaseStatement]:
-        """The statements replacing ``amp.initialize``: [global], [aliases], scaler."""
+    ) -> tuple[list[cst.BaseStatement], list[cst.BaseStatement], cst.SimpleStatementLine]:
+        """The statements replacing ``amp.initialize``: ([global], [aliases], scaler)."""
         assert isinstance(init.stmt, cst.SimpleStatementLine)
+        before: list[cst.BaseStatement] = []
         stmts: list[cst.BaseStatement] = []
         if init.function is not None and any(u.function is not init.function for u in scan.uses):
-            stmts.append(cst.SimpleStatementLine(body=[cst.Global(names=[cst.NameItem(cst.Name(self.scaler))])]))
+            before.append(cst.SimpleStatementLine(body=[cst.Global(names=[cst.NameItem(cst.Name(self.scaler))])]))
         small = init.stmt.body[0]
         returned = [bound["models"].value, bound["optimizers"].value] if "models" in bound else []
         if isinstance(small, cst.Assign) and returned:
@@ -154,21 +231,12 @@ class ApexAmpCommand(BlockEditMixin, VisitorBasedCodemodCommand):
                 )
                 stmts.append(cst.SimpleStatementLine(body=[small.with_changes(value=value)]))
         scaler = call(f"{self.torch}.amp.GradScaler", *scaler_args)
-        line = assign_line(self.scaler, scaler).with_changes(trailing_whitespace=init.stmt.trailing_whitespace)
-        return [*stmts, line]
-
-    def _wrap_forward(self, scan: ApexScan, with_node: cst.With, use: Use, item: cst.Call) -> None:
-        args = bind_args(use.call, SCALE_LOSS_PARAMS) or {}
-        loss = args["loss"].value
-        place = scan.line_of(with_node)
-        region = forward_region(place[0].body, place[1], loss.value) if place and isinstance(loss, cst.Name) else None
-        if place is None or region is None:
-            self.warn(
-                f"line {self._line(with_node)}: could not find the forward pass computing "
-                f"`{code_of(loss)}`; wrap it in torch.autocast by hand"
-            )
-            return
-        self.add_wrap(place[0], Wrap(region[0], region[1], item))
+        line = assign_line(self.scaler, scaler).with_changes(
+            trailing_whitespace=init.stmt.trailing_whitespace,
+            # comments among amp.initialize's arguments go above the scaler
+            leading_lines=comment_lines(init.stmt.body[0]),
+        )
+        return before, stmts, line
 
     def _plan_master_params(
         self, use: Use, model: cst.BaseExpression | None, optimizers: dict[cst.FunctionDef | None, set[str]]

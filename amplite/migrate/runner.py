@@ -9,6 +9,7 @@ Entry points, all CLI-agnostic:
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import difflib
 import os
@@ -23,7 +24,9 @@ from typing import Literal
 
 import libcst as cst
 
-from amplite.migrate._pipeline import DType, migrate_module
+from amplite.migrate._cst import matches_prefix
+from amplite.migrate._pipeline import DType, mentions_deprecated, migrate_module
+from amplite.migrate._scan import AMP_PREFIXES, find_deprecated
 
 Mode = Literal["write", "diff", "check"]
 
@@ -60,6 +63,8 @@ class FileResult:
         diff: Unified diff of the change ("" if unchanged).
         error: Why the file was skipped (unreadable, unparseable, ...), else None.
         warnings: What the codemods left for a human, as ``"line N: ..."``.
+        deprecated: With ``check``: every use of a deprecated AMP API in the file as it is, as
+            ``(line, code, api)``, found by a scan independent of what the codemods can rewrite.
     """
 
     path: Path
@@ -67,6 +72,7 @@ class FileResult:
     diff: str = ""
     error: str | None = None
     warnings: list[str] = field(default_factory=list)
+    deprecated: list[tuple[int, str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -78,10 +84,11 @@ class MigrateReport:
 
     @property
     def exit_code(self) -> int:
-        """1 if any file was skipped for an error (all modes) or, with ``check``, would change; else 0."""
+        """1 if any file was skipped for an error (all modes) or, with ``check``, would change or still uses
+        a deprecated AMP API (whether or not the codemods can rewrite it); else 0."""
         if any(f.error for f in self.files):
             return 1
-        return int(self.mode == "check" and any(f.changed for f in self.files))
+        return int(self.mode == "check" and any(f.changed or f.deprecated for f in self.files))
 
 
 def _compiles(text: str) -> bool:
@@ -121,9 +128,9 @@ def _syntax_error(source: bytes, exc: cst.ParserSyntaxError) -> str:
     return f"line {exc.editor_line}: {_PARSER_PREFIX.sub('', exc.message)}"
 
 
-def _migrate_file(task: tuple[str, Mode, bool, DType]) -> FileResult:
+def _migrate_file(task: tuple[str, Mode, bool, DType, dict[str, str]]) -> FileResult:
     """Migrate one file; top-level so a process pool can run it."""
-    name, mode, add_autocast, dtype = task
+    name, mode, add_autocast, dtype, keep = task
     path = Path(name)
     result = FileResult(path)
     try:
@@ -140,7 +147,9 @@ def _migrate_file(task: tuple[str, Mode, bool, DType]) -> FileResult:
         result.error = f"cannot parse: {exc}"
         return result
     try:
-        new_module, result.warnings = migrate_module(module, add_autocast=add_autocast, dtype=dtype)
+        if mode == "check" and mentions_deprecated(module):
+            result.deprecated = [(f.line, f.code, f.api) for f in find_deprecated(module)]
+        new_module, result.warnings = migrate_module(module, add_autocast=add_autocast, dtype=dtype, keep=keep)
     except Exception as exc:  # a codemod bug must not abort a run over many files
         result.error = f"internal error, file left unchanged: {type(exc).__name__}: {exc}"
         return result
@@ -206,6 +215,50 @@ def collect_files(paths: Sequence[str | Path]) -> tuple[list[Path], list[FileRes
     return found, missing
 
 
+def _module_names(path: Path) -> set[str]:
+    """The names other files may import ``path`` as (its last dotted component)."""
+    return {path.parent.name if path.name == "__init__.py" else path.stem}
+
+
+def reexported_names(files: Sequence[Path]) -> dict[Path, dict[str, str]]:
+    """For each file, the names other files of the run import from it, with where (``b.py:3``).
+
+    ``from util import GradScaler`` or ``import util`` + ``util.GradScaler`` elsewhere means ``util.py``
+    must keep binding ``GradScaler``. Modules are matched by their last name (``pkg.util`` -> ``util.py``),
+    which may keep an import too many, never one too few. Files that do not parse are ignored here.
+    """
+    imported: dict[str, dict[str, str]] = {}  # module's last name -> {name: where}
+    for path in files:
+        try:
+            tree = ast.parse(path.read_bytes())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if matches_prefix(node.module, (*AMP_PREFIXES, "torch")):
+                    continue
+                for alias in node.names:
+                    imported.setdefault(node.module.rsplit(".", 1)[-1], {}).setdefault(
+                        alias.name, f"{path}:{node.lineno}"
+                    )
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if not matches_prefix(alias.name, ("torch", "apex")):
+                        aliases[alias.asname or alias.name] = alias.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                module = aliases[node.value.id].rsplit(".", 1)[-1]
+                imported.setdefault(module, {}).setdefault(node.attr, f"{path}:{node.lineno}")
+    keep: dict[Path, dict[str, str]] = {}
+    for path in files:
+        found: dict[str, str] = {}
+        for module in _module_names(path):
+            found.update({n: w for n, w in imported.get(module, {}).items() if not w.startswith(f"{path}:")})
+        keep[path] = found
+    return keep
+
+
 def migrate_paths(
     paths: Sequence[str | Path],
     *,
@@ -232,7 +285,8 @@ def migrate_paths(
     if dtype not in ("bf16", "fp16"):
         raise ValueError(f"dtype must be 'bf16' or 'fp16', not {dtype!r}")
     files, missing = collect_files(paths)
-    tasks = [(str(f), mode, add_autocast, dtype) for f in files]
+    keep = reexported_names(files)
+    tasks = [(str(f), mode, add_autocast, dtype, keep[f]) for f in files]
     workers = (os.cpu_count() or 1) if jobs <= 0 else jobs
     if workers > 1 and len(tasks) > 1:
         with ProcessPoolExecutor(max_workers=min(workers, len(tasks))) as pool:
@@ -261,6 +315,9 @@ def format_report(report: MigrateReport) -> str:
         elif result.changed and report.mode != "diff":
             lines.append(f"{'rewrote' if report.mode == 'write' else 'would rewrite'} {result.path}")
         lines.extend(f"{result.path}: warning: {w}" for w in result.warnings)
+        lines.extend(
+            f"{result.path}:{line}: deprecated AMP API {api}: `{code}`" for line, code, api in result.deprecated
+        )
     changed = sum(1 for f in report.files if f.changed and not f.error)
     skipped = sum(1 for f in report.files if f.error)
     unchanged = len(report.files) - changed - skipped
@@ -268,5 +325,8 @@ def format_report(report: MigrateReport) -> str:
     summary = f"{_count(changed)} {verb}, {unchanged} unchanged"
     if skipped:
         summary += f", {skipped} skipped"
+    deprecated = sum(1 for f in report.files if f.deprecated)
+    if deprecated:
+        summary += f"; {_count(deprecated)} still use deprecated AMP APIs"
     lines.append(summary if report.files else "no Python files found")
     return "\n".join(lines)

@@ -23,7 +23,7 @@ from amplite.migrate._cst import (
     tight_kwarg,
     torch_binding,
 )
-from amplite.migrate._imports import imports_from, remove_unused_imports, replace_dotted_imports
+from amplite.migrate._imports import KEEP_NAMES, imports_from, remove_unused_imports, replace_dotted_imports
 
 _OLD_MODULES = ("torch.cuda.amp", "torch.cpu.amp")
 _AUTOCAST_PARAMS = ("enabled", "dtype", "cache_enabled")
@@ -101,7 +101,8 @@ class TorchAmpCommand(VisitorBasedCodemodCommand):
         if self.handled and self.needs_torch_import:
             AddImportsVisitor.add_needed_import(self.context, "torch")
         if self.old_imports:
-            updated_node = remove_unused_imports(updated_node, _OLD_MODULES)
+            keep = self.context.scratch.get(KEEP_NAMES, ())
+            updated_node = remove_unused_imports(updated_node, _OLD_MODULES, keep=keep)
             if not unhandled:
                 updated_node = replace_dotted_imports(updated_node, _OLD_MODULES)
         return updated_node
