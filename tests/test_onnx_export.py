@@ -9,12 +9,12 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 import pytest
 import torch
@@ -265,21 +265,21 @@ class BiasedAttention(nn.Module):
         return o.reshape(b, -1, n, 4).transpose(1, 2).contiguous().reshape(b, n, -1)
 
 
-def test_decomposition_failure_names_its_cause_and_the_eager_fix(tmp_path: Path) -> None:
-    x = (torch.randn(1, 8, 8),)
-    eager = amplite.convert(BiasedAttention(sdpa=False).eval(), x, precision="fp16", verify=False)
-    assert save_onnx(eager.program, tmp_path / "eager.onnx").casts >= 1  # the same model without SDPA exports
-    result = amplite.convert(BiasedAttention(sdpa=True).eval(), x, precision="fp16", verify=False)
-    with pytest.raises(ExportError) as err:
-        save_onnx(result.program, tmp_path / "m.onnx")
-    message = str(err.value)
-    assert "\n" not in message and "\x1b" not in message
-    assert err.value.problem.startswith("ONNX export failed while decomposing the graph: ValueError: Cannot view a "
-                                        "tensor with shape torch.Size([1, 8, 2, 4])")
-    assert "(at aten.view.default)" in err.value.problem and "Next steps" not in message
-    assert err.value.fix == ('save as .pt2 instead (--format pt2), or convert a model without '
-                             'scaled_dot_product_attention (e.g. attn_implementation="eager")')
-    assert sorted(os.listdir(tmp_path)) == ["eager.onnx"]
+def test_sdpa_followed_by_a_view_exports_and_matches(tmp_path: Path) -> None:
+    """torch.onnx alone fails on this program ("Cannot view a tensor ..."); amplite's pre-ONNX rewrite
+    (views to reshapes, contiguous copies after SDPA/transposes, on a copy) makes it export and run."""
+    import onnxruntime as ort
+
+    x = (torch.randn(1, 8, 8, generator=torch.Generator().manual_seed(3)),)
+    model = BiasedAttention(sdpa=True).eval()
+    result = amplite.convert(model, x, precision="fp16", verify=False)
+    with pytest.raises(Exception, match="Cannot view a tensor"):  # the plain exporter on the same program
+        torch.onnx.export(result.program, (), dynamo=True, optimize=False, verbose=False, report=False)
+    info = save_onnx(result.program, tmp_path / "m.onnx")
+    session = ort.InferenceSession(info.path, providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {session.get_inputs()[0].name: x[0].numpy()})
+    expected = model(*x).detach().numpy()
+    assert np.abs(got - expected).max() < 1e-2 * np.abs(expected).max()
 
 
 def test_failure_message_from_a_synthetic_exception_chain() -> None:
@@ -317,16 +317,3 @@ def test_failure_message_from_a_synthetic_exception_chain() -> None:
     view.__cause__ = ValueError("Cannot view a tensor with shape torch.Size([2, 8]) as a tensor with shape (16,)")
     spec.__cause__ = view
     assert "attn_implementation" in export_failure(spec, sdpa_program, {}, 20).fix
-
-
-@pytest.mark.slow  # ~9 s; BiasedAttention above covers the same failure in the default suite
-def test_t5_small_export_failure_is_explained(tmp_path: Path) -> None:
-    pytest.importorskip("transformers")  # a bench extra, not installed by `make test`
-    from bench.corpus import t5_small
-
-    model, inputs = t5_small()
-    result = amplite.convert(model, inputs, precision="fp16", level="O2", verify=False)
-    with pytest.raises(ExportError) as err:
-        save_onnx(result.program, tmp_path / "t5.onnx")
-    assert "while decomposing the graph: ValueError: Cannot view a tensor" in err.value.problem
-    assert 'attn_implementation="eager"' in err.value.fix

@@ -44,6 +44,7 @@ from amplite.converter.emit import check_writable
 from amplite.errors import ConfigError, EmitError, ExportError
 from amplite.onnx.cleanup import cleanup_casts, count_casts, set_io_dtype
 from amplite.onnx.errors import export_failure
+from amplite.onnx.prepare import onnx_ready
 from amplite.onnx.norm import MODES as LAYERNORM_MODES
 from amplite.onnx.norm import stash_layernorms
 
@@ -173,11 +174,12 @@ def export_model(program: ExportedProgram, *, opset: int = DEFAULT_OPSET) -> ir.
     table = {}
     if hasattr(torch.ops, "amplite") and hasattr(torch.ops.amplite, "contract"):
         table[torch.ops.amplite.contract.default] = contract_translation
+    ready, _ = onnx_ready(program)  # what blocks torch.onnx's decomposition, rewritten on a copy
     try:
         with _quiet_exporter(), contextlib.redirect_stdout(None), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             onnx_program = torch.onnx.export(
-                program, (), dynamo=True, optimize=False, verbose=False, report=False,
+                ready, (), dynamo=True, optimize=False, verbose=False, report=False,
                 opset_version=opset, custom_translation_table=table,
             )
     except Exception as exc:
