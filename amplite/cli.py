@@ -130,7 +130,7 @@ def convert(
     model_factory: FactoryOpt = None,
     dynamic_batch: DynOpt = False,
     low_precision_io: IoOpt = False,
-    fuse_contractions: FuseOpt = False,
+    fuse_contractions: FuseOpt = "auto",
     range_rules: RangeOpt = None,
     data_max: DataMaxOpt = 512.0,
     max_reduction_depth: DepthOpt = 4096,
@@ -273,7 +273,7 @@ def batch(
     trust_pickle: TrustOpt = False,
     dynamic_batch: DynOpt = False,
     low_precision_io: IoOpt = False,
-    fuse_contractions: FuseOpt = False,
+    fuse_contractions: FuseOpt = "auto",
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip numeric verification.")] = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -282,6 +282,7 @@ def batch(
     def body() -> int:
         from amplite.batch import defaults_from_options, merge_shards, run_batch
         from amplite.errors import ConfigError
+        from amplite.ops.fusion_default import resolve as resolve_fuse
 
         if sources[0] == "merge":
             if len(sources) < 2:
@@ -294,7 +295,7 @@ def batch(
                 precision=precision, level=level, inputs=input, inputs_file=inputs, keep_fp32=keep_fp32,
                 force_low=force_low, model_factory=model_factory, trust_pickle=trust_pickle,
                 dynamic_batch=dynamic_batch, low_precision_io=low_precision_io,
-                fuse_contractions=fuse_contractions, verify=not no_verify,
+                fuse_contractions=resolve_fuse(fuse_contractions)[0], verify=not no_verify,
             )  # fmt: skip
             result = run_batch(sources[0], out_dir, defaults=defaults, jobs=jobs, timeout=timeout,
                                fail_fast=fail_fast, resume=resume, shard=shard, progress=not no_progress)  # fmt: skip

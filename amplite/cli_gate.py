@@ -64,7 +64,7 @@ def check(
     model_factory: FactoryOpt = None,
     dynamic_batch: DynOpt = False,
     low_precision_io: IoOpt = False,
-    fuse_contractions: FuseOpt = False,
+    fuse_contractions: FuseOpt = "auto",
     range_rules: RangeOpt = None,
     data_max: DataMaxOpt = 512.0,
     max_reduction_depth: DepthOpt = 4096,

@@ -20,7 +20,13 @@ TrustOpt = Annotated[bool, typer.Option("--trust-pickle", help="Allow unpickling
 FactoryOpt = Annotated[str | None, typer.Option("--model-factory", help="module:callable for a state dict.")]
 DynOpt = Annotated[bool, typer.Option("--dynamic-batch", help="Make dim 0 of every input dynamic.")]
 IoOpt = Annotated[bool, typer.Option("--low-precision-io", help="Inputs and outputs in the low dtype too.")]
-FuseOpt = Annotated[bool, typer.Option("--fuse-contractions", help="Fuse matmul chains into amplite::contract.")]
+FuseOpt = Annotated[
+    str,
+    typer.Option(
+        "--fuse-contractions",
+        help="Fuse matmul chains into amplite::contract: auto (default: off until a GPU run shows a gain), on, off.",
+    ),
+]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
 RangeOpt = Annotated[
     bool | None,

@@ -246,3 +246,41 @@ def test_cuda_probe_and_report_line():
     assert line.startswith("cutensor") == verdict.ok, line
     if verdict.ok:
         assert "nvmath-python 1." in line
+
+
+# --- --fuse-contractions auto -------------------------------------------------------------------------------
+
+
+def test_fuse_auto_is_off_without_a_measurement(monkeypatch):
+    from amplite.errors import ConfigError
+    from amplite.ops import fusion_default as fd
+
+    assert fd.resolve("auto")[0] is False and "no CUDA" in fd.resolve(None)[1]
+    assert fd.resolve("on") == (True, "on (requested)") and fd.resolve(False)[0] is False
+    with pytest.raises(ConfigError, match="auto, on, off"):
+        fd.resolve("maybe")
+    # A GPU with a working cuTENSOR: still off until MEASURED_FASTER lists it, on once it does.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(cb, "probe", lambda d, dt=torch.float16: cb.Probe(True))
+    on, why = fd.resolve("auto")
+    assert not on and why == "auto: off (no bench/gpu_suite.py measurement shows fusion faster on NVIDIA H200 yet)"
+    monkeypatch.setattr(fd, "MEASURED_FASTER", {"H200": "bench/RESULTS-gpu.md"})
+    assert fd.resolve("auto")[0] is True
+    monkeypatch.setattr(cb, "probe", lambda d, dt=torch.float16: cb.Probe(False, "no lib"))
+    assert fd.resolve("auto") == (False, "auto: off (cuTENSOR unusable on NVIDIA H200: no lib)")
+
+
+def test_convert_records_the_fusion_choice():
+    import amplite
+    from amplite.errors import ConfigError
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
+    x = torch.randn(2, 8)
+    auto = amplite.convert(model, (x,), verify=False)
+    cfg = auto.report.data["config"]
+    assert cfg["fuse_contractions"] is False and cfg["fuse_contractions_reason"].startswith("auto: off")
+    on = amplite.convert(model, (x,), verify=False, fuse_contractions="on").report.data["config"]
+    assert on["fuse_contractions"] is True and on["contract_backend"]
+    with pytest.raises(ConfigError, match="fuse-contractions"):
+        amplite.convert(model, (x,), verify=False, fuse_contractions="sometimes")

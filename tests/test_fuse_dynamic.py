@@ -15,7 +15,7 @@ from torch import nn
 from torch.export import Dim
 
 import amplite
-import amplite.ops  # noqa: F401
+import amplite.ops
 from amplite.passes.einsum_modes import ModeTable, NotFusable, Operand, exact_div
 from amplite.passes.fuse_contractions import FuseContractions
 

@@ -22,6 +22,7 @@ from amplite.converter.tracing import Inputs, summarize_exception
 from amplite.converter.verify import DEFAULT_TOLERANCES, Tolerance, compare, run_model
 from amplite.errors import ConfigError, InputSpecError
 from amplite.ops import backend_description
+from amplite.ops.fusion_default import resolve as resolve_fuse
 from amplite.passes.range_guard import RangeRules
 from amplite.policy import LEVEL_ENV, Level, PrecisionPolicy, make_overrides, resolve_level
 
@@ -149,7 +150,7 @@ def convert(
     force_low: Sequence[str] = (),
     low_precision_io: bool = False,
     dynamic_batch: bool = False,
-    fuse_contractions: bool = False,
+    fuse_contractions: bool | str = "auto",
     trust_pickle: bool = False,
     model_factory: str | None = None,
     verify: bool = True,
@@ -175,7 +176,9 @@ def convert(
         force_low: Patterns to force into low precision.
         low_precision_io: Graph inputs and outputs in the low dtype too.
         dynamic_batch: Make dim 0 of every input dynamic.
-        fuse_contractions: Fuse matmul chains into ``amplite::contract`` after the precision passes.
+        fuse_contractions: Fuse matmul chains into ``amplite::contract`` after the precision passes: ``auto``
+            (off until a GPU measurement shows it faster; see ``amplite.ops.fusion_default``), ``on``/``off``
+            or a bool.
         trust_pickle: Allow unpickling a whole pickled module (runs code from the file).
         model_factory: ``module:callable`` building the model for a state-dict file.
         verify: Compare the converted model with the FP32 one on the example inputs.
@@ -204,6 +207,7 @@ def convert(
     if max_trials is not None and max_trials < 2:
         raise ConfigError(f"max_trials={max_trials} is too small", "allow at least 2 (the worst node alone, then all)")
     lvl = resolve_level(level)
+    fuse, fuse_why = resolve_fuse(fuse_contractions)
     policy = PrecisionPolicy(precision, lvl, make_overrides(keep_fp32, force_low), low_precision_io)
     start = perf_counter()
     loaded = _load(model, trust_pickle, model_factory)
@@ -243,7 +247,7 @@ def convert(
         inputs,
         policy,
         dynamic_batch=dynamic_batch,
-        fuse_contractions=fuse_contractions,
+        fuse_contractions=fuse,
         range_rules=rules,
         calibration=batches,
         fold_batchnorm=fold_batchnorm,
@@ -272,11 +276,12 @@ def convert(
         "force_low": list(force_low),
         "low_precision_io": low_precision_io,
         "dynamic_batch": dynamic_batch,
-        "fuse_contractions": fuse_contractions,
+        "fuse_contractions": fuse,
+        "fuse_contractions_reason": fuse_why,
         "range_rules": vars(rules) if rules else None,
         "fold_batchnorm": fold_batchnorm,
     }
-    if fuse_contractions:
+    if fuse:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         config["contract_backend"] = backend_description(device)
     report = build_report(
@@ -298,7 +303,7 @@ def convert(
 
         options = dict(
             precision=precision, level=lvl, keep_fp32=list(keep_fp32), force_low=list(force_low),
-            low_precision_io=low_precision_io, dynamic_batch=dynamic_batch, fuse_contractions=fuse_contractions,
+            low_precision_io=low_precision_io, dynamic_batch=dynamic_batch, fuse_contractions=fuse,
             range_rules=range_rules, data_max=data_max, max_reduction_depth=max_reduction_depth,
             calibration=calibration, fold_batchnorm=fold_batchnorm,
         )  # fmt: skip
