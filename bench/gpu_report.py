@@ -33,6 +33,16 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
                 out.append({"target": f"{model} b{batch}: best amplite {name}", "value": ratio,
                             "met": None if ratio is None else ratio <= bound,
                             "detail": amp["variant"] if amp else "not measured"})  # fmt: skip
+    gains = []
+    for model in sorted(transformer):
+        for batch in data["meta"]["batches"]:
+            rows = [r for r in data["e2e"] if r["model"] == model and r.get("batch") == batch and "ms" in r]
+            by = {r["variant"]: r["ms"] for r in rows}
+            gains += [by[k] / by[f"{k} + fusion"] for k in by if f"{k} + fusion" in by]
+    gain = sorted(gains)[len(gains) // 2] if gains else None
+    out.append({"target": "fusion pays (median unfused/fused latency > 1; decides --fuse-contractions auto)",
+                "value": gain, "met": None if gain is None else gain > 1.0,
+                "detail": "if met with cuTENSOR: add the GPU to fusion_default.MEASURED_FASTER"})  # fmt: skip
     for problem in sorted({r["problem"] for r in data["micro"] if r["problem"].startswith("attn")}):
         for dtype in ("fp16", "bf16"):
             rows = [r for r in data["micro"] if r["problem"] == problem and r["dtype"] == dtype and "ms" in r]
