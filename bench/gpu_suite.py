@@ -97,9 +97,14 @@ def microbench(dry: bool, device: torch.device, warmup: int, iters: int) -> tupl
                         continue
                     if backend:
                         os.environ[ENV_BACKEND] = backend
+                    before = cutensor_backend.cache_stats()
                     ms = base if method == "permute+bmm" else timeit(f, device, warmup, iters)
                     tflops = flops / (ms * 1e-3) / 1e12
                     err = (f().float().flatten() - ref).abs().max().item()
+                    after = cutensor_backend.cache_stats()
+                    if backend == "cutensor" and any(after[k] > before[k] for k in ("errors", "fallbacks")):
+                        rows.append(row | {"error": "n/a: cuTENSOR fell back to the einsum backend here (see log)"})
+                        continue
                     rows.append(row | {"ms": ms, "tflops": tflops, "of_peak": tflops / peak, "speedup": base / ms,
                                        "max_abs_vs_eager": err})  # fmt: skip
     finally:
@@ -171,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     data["peak_tflops"], data["micro"] = (math.nan, []) if "micro" in skip else microbench(dry, device, warmup, iters)
     phase["micro"] = time.monotonic() - t0 - sum(phase.values())
     data["e2e"], data["notes"] = [], []
+    if not dry and "e2e" not in skip:
+        from bench.corpus import have_transformers
+
+        if not have_transformers():
+            data["notes"].append({"model": "all", "note": "transformers missing: pip install 'amplite[bench]'"})
     for spec in [] if "e2e" in skip else gpu_models.specs(dry):
         if budget.left() < 20:
             data["e2e"].append({"model": spec.name, "error": "skipped (time budget)"})
