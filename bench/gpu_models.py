@@ -140,10 +140,22 @@ def export_fp32(model: nn.Module, inputs: Inputs, dynamic: bool) -> torch.export
         return export_model(model, inputs)
     batch = Dim("batch", min=1, max=4096)
     args, kwargs = inputs
-    spec = lambda x: {0: batch} if isinstance(x, torch.Tensor) and x.dim() > 0 else None  # noqa: E731
     bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
-    shapes = {k: pytree.tree_map(spec, v) for k, v in bound.items()}
+    shapes = {k: _batch_shapes(v, batch) for k, v in bound.items()}
     return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+
+
+def _batch_shapes(x: Any, batch: Any) -> Any:
+    """``dynamic_shapes`` for one input: dim 0 of each tensor is ``batch``. A registered pytree class (a
+    ``DynamicCache``) is described by its flattened children, as torch.export expects."""
+    if isinstance(x, torch.Tensor):
+        return {0: batch} if x.dim() > 0 else None
+    if type(x) in (list, tuple):
+        return type(x)(_batch_shapes(v, batch) for v in x)
+    if type(x) is dict:
+        return {k: _batch_shapes(v, batch) for k, v in x.items()}
+    node = pytree.SUPPORTED_NODES.get(type(x))
+    return None if node is None else _batch_shapes(list(node.flatten_fn(x)[0]), batch)
 
 
 def _rewrite(program: Any, inputs: Inputs, precision: str, level: str, fuse: bool) -> Any:
