@@ -13,6 +13,7 @@ import contextlib
 import inspect
 import math
 import time
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -158,12 +159,14 @@ def _batch_shapes(x: Any, batch: Any) -> Any:
     return None if node is None else _batch_shapes(list(node.flatten_fn(x)[0]), batch)
 
 
-def _rewrite(program: Any, inputs: Inputs, precision: str, level: str, fuse: bool) -> Any:
+def _rewrite(program: Any, inputs: Inputs, precision: str, level: str, fuse: bool, ranges: Any = None) -> Any:
     """amplite's passes on ``program`` as ``amplite.convert`` runs them, without the final re-export.
 
     The saved ``.pt2`` is this graph re-exported; running the GraphModule times the same kernels and lets
     one dynamic-batch conversion serve batch 1 and 32 (a re-export with ``Dim.AUTO`` would refuse batch 1).
-    Falls back to ``amplite.convert`` (static) where the pipeline's internals are not importable.
+    ``ranges`` (from the unfused variant's rewrite) skips a second calibration. Returns the Rewrite (its
+    ``module`` and ``ranges``), or falls back to ``amplite.convert`` (static; a ``SimpleNamespace`` with
+    ``module``) where the pipeline's internals are not importable.
     """
     try:
         from amplite.converter.pipeline import rewrite
@@ -172,9 +175,9 @@ def _rewrite(program: Any, inputs: Inputs, precision: str, level: str, fuse: boo
     except ImportError:
         res = amplite.convert(program, inputs, precision=precision, level=level, verify=False,
                               fuse_contractions="on" if fuse else "off")  # fmt: skip
-        return res.program.module()
+        return types.SimpleNamespace(module=res.program.module(), ranges=None)
     policy = PrecisionPolicy(precision, Level(level), make_overrides([], []), False)
-    return rewrite(program, inputs, policy, fuse_contractions=fuse, range_rules=RangeRules()).module
+    return rewrite(program, inputs, policy, fuse_contractions=fuse, range_rules=RangeRules(), ranges=ranges)
 
 
 def variants(dry: bool) -> list[tuple[str, str]]:
@@ -190,11 +193,14 @@ def convert_all(
     program = export_fp32(model, inputs, dynamic)
     modules: dict[str, Any] = {}
     for level, p in variants(dry):
+        ranges = None
         for fuse in (False, True):
             label = f"amplite {level} {p}" + (" + fusion" if fuse else "")
             try:
                 t0 = time.perf_counter()
-                gm = modules[label] = _rewrite(program, inputs, p, level, fuse)
+                done = _rewrite(program, inputs, p, level, fuse, ranges)
+                gm, ranges = done.module, done.ranges
+                modules[label] = gm
                 n = sum(1 for node in gm.graph.nodes if node.target is CONTRACT)
                 notes.append({"model": spec.name, "variant": label, "convert_s": time.perf_counter() - t0,
                               "contract_nodes": n})  # fmt: skip
