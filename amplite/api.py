@@ -28,6 +28,7 @@ from amplite.converter.tracing import Inputs, summarize_exception
 from amplite.errors import ConfigError, InputSpecError
 from amplite.estimate import DEFAULT_PROFILE, estimate, get_profile
 from amplite.ops import backend_description
+from amplite.ops.fusion_default import resolve as resolve_fuse
 from amplite.passes.range_guard import RangeRules
 from amplite.policy import LEVEL_ENV, Level, PrecisionPolicy, make_overrides, resolve_level
 from amplite.report.document import Report, build_report
@@ -135,7 +136,7 @@ def convert(
     force_low: Sequence[str] = (),
     low_precision_io: bool = False,
     dynamic_batch: bool = False,
-    fuse_contractions: bool = False,
+    fuse_contractions: bool | str = "auto",
     trust_pickle: bool = False,
     model_factory: str | None = None,
     verify: bool = True,
@@ -166,7 +167,9 @@ def convert(
         force_low: Patterns to force into low precision.
         low_precision_io: Graph inputs and outputs in the low dtype too.
         dynamic_batch: Make dim 0 of every input dynamic.
-        fuse_contractions: Fuse matmul chains into ``amplite::contract`` after the precision passes.
+        fuse_contractions: Fuse matmul chains into ``amplite::contract`` after the precision passes: ``auto``
+            (off until a GPU measurement shows it faster; see ``amplite.ops.fusion_default``), ``on``/``off``
+            or a bool.
         trust_pickle: Allow unpickling a whole pickled module (runs code from the file).
         model_factory: ``module:callable`` building the model for a state-dict file.
         verify: Compare the converted model with the FP32 one on the example inputs.
@@ -215,7 +218,7 @@ def convert(
         inputs,
         cfg.policy,
         dynamic_batch=dynamic_batch,
-        fuse_contractions=fuse_contractions,
+        fuse_contractions=cfg.fuse,
         range_rules=cfg.rules,
         calibration=None if calibration is None else [b for b in map(normalize_inputs, calibration) if b is not None],
         fold_batchnorm=fold_batchnorm,
@@ -225,7 +228,8 @@ def convert(
     report = _report(loaded, out, options, cfg, metrics, timings, explicit_level=level is not None)
     result = ConversionResult(out.converted, report, out.original, inputs, out, ref_out, cfg.tolerance)
     if fallback_search and result.passed is False:
-        result = search_budget(result, {**options, "level": cfg.level}, convert=convert, max_trials=max_trials)
+        chosen = {**options, "level": cfg.level, "fuse_contractions": cfg.fuse}
+        result = search_budget(result, chosen, convert=convert, max_trials=max_trials)
         result.report.data["source"] = report.data["source"]
     return result
 
@@ -238,6 +242,8 @@ class _Config:
     """The resolved configuration of one conversion."""
 
     level: Level
+    fuse: bool
+    fuse_reason: str
     policy: PrecisionPolicy
     rules: RangeRules | None
     tolerance: Tolerance | None  # None when verification does not run
@@ -262,7 +268,8 @@ def _resolve(
         else None
     )
     tol = (tolerance or DEFAULT_TOLERANCES[options["precision"]]) if verify else None
-    return _Config(lvl, policy, rules, tol)
+    fuse, fuse_reason = resolve_fuse(options["fuse_contractions"])
+    return _Config(lvl, fuse, fuse_reason, policy, rules, tol)
 
 
 def _subject(
@@ -331,11 +338,12 @@ def _report(
         "force_low": options["force_low"],
         "low_precision_io": options["low_precision_io"],
         "dynamic_batch": options["dynamic_batch"],
-        "fuse_contractions": options["fuse_contractions"],
+        "fuse_contractions": cfg.fuse,
+        "fuse_contractions_reason": cfg.fuse_reason,
         "range_rules": vars(cfg.rules) if cfg.rules else None,
         "fold_batchnorm": options["fold_batchnorm"],
     }
-    if options["fuse_contractions"]:
+    if cfg.fuse:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         config["contract_backend"] = backend_description(device)
     low = cfg.policy.low_dtype

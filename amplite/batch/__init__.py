@@ -61,11 +61,16 @@ def defaults_from_options(
     trust_pickle: bool = False,
     dynamic_batch: bool = False,
     low_precision_io: bool = False,
-    fuse_contractions: bool = False,
+    fuse_contractions: bool | str | None = None,
     verify: bool = True,
 ) -> dict[str, Any]:
     """The shared settings of ``amplite batch``'s options, keeping only those given (so that a manifest's
-    own values win); ``inputs_file`` is made absolute (manifest paths are relative to the manifest)."""
+    own values win); ``inputs_file`` is made absolute (manifest paths are relative to the manifest).
+    ``fuse_contractions`` ``auto``/None is resolved here, where the batch is launched (manifests hold bools)."""
+    if fuse_contractions is not None:
+        from amplite.ops.fusion_default import resolve
+
+        fuse_contractions = resolve(fuse_contractions)[0]
     given: dict[str, Any] = {
         "precision": precision,
         "level": level,

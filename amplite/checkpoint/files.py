@@ -17,7 +17,7 @@ from amplite.policy import resolve_level
 
 FORMATS = ("safetensors", "pt2")
 #: amplite.convert keywords that mean nothing for a streamed checkpoint (with their defaults).
-_NOT_APPLICABLE = {"dynamic_batch": False, "fuse_contractions": False, "trust_pickle": False, "model_factory": None,
+_NOT_APPLICABLE = {"dynamic_batch": False, "fuse_contractions": "auto", "trust_pickle": False, "model_factory": None,
                    "fold_batchnorm": True, "calibration": None, "fallback_search": False}  # fmt: skip
 _PASSED = ("precision", "level", "keep_fp32", "force_low", "low_precision_io", "range_rules")
 

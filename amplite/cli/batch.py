@@ -47,7 +47,7 @@ def batch(
     trust_pickle: TrustOpt = False,
     dynamic_batch: DynOpt = False,
     low_precision_io: IoOpt = False,
-    fuse_contractions: FuseOpt = False,
+    fuse_contractions: FuseOpt = None,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip numeric verification.")] = False,
     debug: DebugOpt = False,
 ) -> None:

@@ -23,7 +23,13 @@ TrustOpt = Annotated[bool, typer.Option("--trust-pickle", help="Allow unpickling
 FactoryOpt = Annotated[str | None, typer.Option("--model-factory", help="module:callable for a state dict.")]
 DynOpt = Annotated[bool, typer.Option("--dynamic-batch", help="Make dim 0 of every input dynamic.")]
 IoOpt = Annotated[bool, typer.Option("--low-precision-io", help="Inputs and outputs in the low dtype too.")]
-FuseOpt = Annotated[bool, typer.Option("--fuse-contractions", help="Fuse matmul chains into amplite::contract.")]
+FuseOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--fuse-contractions/--no-fuse-contractions",
+        help="Fuse matmul chains into amplite::contract (default auto: off until a GPU run shows a gain).",
+    ),
+]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
 RangeOpt = Annotated[
     bool | None,
@@ -61,7 +67,7 @@ CONVERSION_PARAMS: tuple[inspect.Parameter, ...] = tuple(
         ("model_factory", FactoryOpt, None),
         ("dynamic_batch", DynOpt, False),
         ("low_precision_io", IoOpt, False),
-        ("fuse_contractions", FuseOpt, False),
+        ("fuse_contractions", FuseOpt, None),
         ("range_rules", RangeOpt, None),
         ("data_max", DataMaxOpt, 512.0),
         ("max_reduction_depth", DepthOpt, 4096),
@@ -75,6 +81,8 @@ def to_api(values: dict[str, Any]) -> dict[str, Any]:
     """CLI conversion option values -> ``amplite.convert`` keyword arguments."""
     kwargs = dict(values)
     kwargs["fold_batchnorm"] = not kwargs.pop("no_fold_batchnorm")
+    if kwargs.get("fuse_contractions") is None:
+        kwargs["fuse_contractions"] = "auto"
     kwargs["keep_fp32"] = list(kwargs["keep_fp32"])
     kwargs["force_low"] = list(kwargs["force_low"])
     return kwargs

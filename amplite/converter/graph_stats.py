@@ -48,12 +48,26 @@ def node_compute_dtype(node: torch.fx.Node) -> torch.dtype | None:
     return None
 
 
+def _hint(n: Any) -> int:
+    """An extent as a number: a symbolic one's example value, read without adding a guard.
+
+    ``int(SymInt)`` would specialise the program's shape environment to the example's batch size, and a
+    dynamic-batch ``.pt2`` would then save with a static input (and refuse other batch sizes when loaded).
+    """
+    if isinstance(n, torch.SymInt):
+        hint = n.node.hint
+        if isinstance(hint, int):
+            return hint
+        raise TypeError("symbolic extent without a hint")
+    return int(n)
+
+
 def estimate_flops(node: torch.fx.Node) -> float:
     """Rough FLOPs of one node: 2·M·N·K for contractions and convolutions, else one per output element."""
     val = fake_value(node)
     outs = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
     try:
-        out_numel = sum(int(v.numel()) for v in outs)
+        out_numel = sum(_hint(v.numel()) for v in outs)
     except (TypeError, RuntimeError):
         return 0.0
     op = op_tables.op_name(node.target)
@@ -62,13 +76,13 @@ def estimate_flops(node: torch.fx.Node) -> float:
     try:
         if op in _MATMUL_LIKE:
             a = fake_value(node.args[1] if op in ("addmm.default", "baddbmm.default") else node.args[0])
-            return 2.0 * out_numel * int(a.shape[-1])
+            return 2.0 * out_numel * _hint(a.shape[-1])
         if op in _CONV_LIKE:
             w = fake_value(node.args[1])
-            return 2.0 * out_numel * int(w.numel()) / int(w.shape[0])
+            return 2.0 * out_numel * _hint(w.numel()) / _hint(w.shape[0])
         if op == "scaled_dot_product_attention.default":
             q, k = fake_value(node.args[0]), fake_value(node.args[1])
-            return 4.0 * math.prod(int(s) for s in q.shape) * int(k.shape[-2])
+            return 4.0 * math.prod(_hint(s) for s in q.shape) * _hint(k.shape[-2])
     except (TypeError, RuntimeError, AttributeError, IndexError):
         return float(out_numel)
     return float(out_numel)

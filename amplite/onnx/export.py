@@ -44,9 +44,9 @@ from amplite.converter.emit import check_writable
 from amplite.errors import ConfigError, EmitError, ExportError
 from amplite.onnx.cleanup import cleanup_casts, count_casts, set_io_dtype
 from amplite.onnx.errors import export_failure
-from amplite.onnx.prepare import onnx_ready
 from amplite.onnx.norm import MODES as LAYERNORM_MODES
 from amplite.onnx.norm import stash_layernorms
+from amplite.onnx.prepare import onnx_ready
 
 DOMAIN = "amplite"
 DOMAIN_VERSION = 1

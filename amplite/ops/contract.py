@@ -15,16 +15,22 @@ The op is registered (with a fake implementation and autograd) when this module 
 ``import amplite`` / ``import amplite.ops`` does: a ``.pt2`` saved with the op loads with
 ``torch.export.load`` only after that import.
 
+Numerics, identical in every backend: products accumulated in FP32, ``alpha`` and ``beta * c`` applied
+in FP32, and one rounding to the operands' dtype at the end (so a product that overflows fp16 but is
+scaled back into range by ``alpha`` stays finite, as with cuTENSOR).
+
 Backends, chosen at run time per call (:func:`active_backend`):
 
-* ``"cutensor"``: CUDA tensors with nvmath-python installed (``pip install amplite[cutensor]``).
-* ``"torch"``: ``torch.einsum``. On CPU the operands are upcast to FP32 first and the result is cast back,
-  which gives the same accumulation semantics as cuTENSOR; on CUDA (nvmath-python missing) the einsum
-  runs in the operands' dtype (cuBLAS accumulates fp16/bf16 GEMMs in FP32) and scaling/bias are applied
-  in FP32 afterwards.
+* ``"cutensor"``: CUDA tensors, with nvmath-python 1.x installed (``pip install amplite[cutensor]``) and
+  cuTENSOR passing a real probe on that device and dtype (``cutensor_backend.probe``). Any failure, at
+  the probe or on a later call, falls back to ``"torch"`` with the reason logged once.
+* ``"torch"``: ``torch.einsum`` on operands upcast to FP32 (fp64 stays fp64), then scaling and bias, then
+  one cast back. This is the reference semantics; on CUDA it costs the upcast and an FP32 GEMM, so it is
+  the correctness fallback, not the fast path.
 
-``AMPLITE_CONTRACT_BACKEND=cutensor|torch`` overrides the choice for CUDA tensors (``cutensor`` fails loudly
-when nvmath-python is missing). CPU tensors always use ``"torch"``: cuTENSOR has no CPU path.
+``AMPLITE_CONTRACT_BACKEND=cutensor|torch`` overrides the choice for CUDA tensors (``cutensor`` fails loudly,
+with the probe's reason, when cuTENSOR is unusable). CPU tensors always use ``"torch"``: cuTENSOR has no
+CPU path.
 """
 
 from __future__ import annotations
@@ -103,58 +109,64 @@ def _check(equation: str, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | No
     return shape
 
 
-def active_backend(device: torch.device | str) -> str:
-    """The backend :func:`contract` uses for tensors on ``device``: ``"cutensor"`` or ``"torch"``.
+def active_backend(device: torch.device | str, dtype: torch.dtype = torch.float16) -> str:
+    """The backend :func:`contract` uses for ``dtype`` tensors on ``device``: ``"cutensor"`` or ``"torch"``.
 
     Raises:
         ValueError: If ``AMPLITE_CONTRACT_BACKEND`` holds an unknown name.
-        RuntimeError: If it asks for ``cutensor`` on CUDA but nvmath-python is not installed.
+        RuntimeError: If it asks for ``cutensor`` on CUDA but the cuTENSOR probe failed (with its reason).
     """
     device = torch.device(device)
     forced = os.environ.get(ENV_BACKEND, "").strip().lower()
     if forced and forced not in BACKENDS:
         raise ValueError(f"{ENV_BACKEND}={forced!r}; expected one of {BACKENDS}")
-    if device.type != "cuda":
+    if device.type != "cuda" or forced == "torch":
         return "torch"
-    if forced == "torch":
-        return "torch"
-    if cutensor_backend.is_available():
+    verdict = cutensor_backend.probe(device, dtype)
+    if verdict.ok:
         return "cutensor"
     if forced == "cutensor":
-        raise RuntimeError(
-            f"{ENV_BACKEND}=cutensor but nvmath-python is not importable; install amplite[cutensor]"
-        )
+        raise RuntimeError(f"{ENV_BACKEND}=cutensor but cuTENSOR is unusable: {verdict.reason}")
     return "torch"
 
 
 def backend_description(device: torch.device | str) -> str:
-    """A human-readable backend line for the report, e.g. ``"cutensor (nvmath-python 1.0.0)"``."""
-    name = active_backend(device)
-    if name == "cutensor":
-        return f"cutensor (nvmath-python {cutensor_backend.nvmath_version()})"
-    if torch.device(device).type == "cuda":
-        return "torch.einsum (CUDA; nvmath-python not installed or overridden)"
-    return "torch.einsum on FP32-upcast operands (CPU)"
+    """The report's ``contract_backend`` line, e.g. ``"cutensor (nvmath-python 1.0.0, cuTENSOR 2.3.1)"``.
+
+    On CUDA it probes fp16 and bf16; a fallback names its reason.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "torch.einsum on FP32-upcast operands (CPU)"
+    if os.environ.get(ENV_BACKEND, "").strip().lower() == "torch":
+        return f"torch.einsum on FP32-upcast operands (CUDA; {ENV_BACKEND}=torch)"
+    verdicts = {dt: cutensor_backend.probe(device, dt) for dt in (torch.float16, torch.bfloat16)}
+    ok = [str(dt).removeprefix("torch.") for dt, v in verdicts.items() if v.ok]
+    failed = {str(dt).removeprefix("torch."): v.reason for dt, v in verdicts.items() if not v.ok}
+    versions = f"nvmath-python {cutensor_backend.nvmath_version()}, cuTENSOR {cutensor_backend.cutensor_version()}"
+    if not failed:
+        return f"cutensor ({versions})"
+    why = "; ".join(f"{k}: {r}" for k, r in failed.items())
+    if ok:
+        return f"cutensor for {', '.join(ok)} ({versions}); torch.einsum fallback for {why}"
+    return f"torch.einsum on FP32-upcast operands (CUDA; cuTENSOR unusable: {why})"
 
 
 def torch_contract(
     equation: str, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None, alpha: float, beta: float
 ) -> torch.Tensor:
-    """The ``torch.einsum`` backend (also the reference the tests compare against)."""
+    """The ``torch.einsum`` backend (also the reference the tests compare against).
+
+    FP32 accumulation, scaling and bias, one rounding at the end, on every device: rounding the product
+    first (as a low-precision einsum would) can overflow where cuTENSOR, which scales in FP32, does not.
+    """
     dtype = a.dtype
-    if a.device.type == "cuda":
-        # cuBLAS accumulates fp16/bf16 in FP32 already; upcasting would only cost memory traffic.
-        out = torch.einsum(equation, a, b)
-        if alpha == 1.0 and (c is None or beta == 0.0):
-            return out.contiguous()
-        out = out.float()
-    else:
-        wide = torch.promote_types(dtype, torch.float32)  # fp16/bf16 -> fp32; fp64 stays fp64
-        out = torch.einsum(equation, a.to(wide), b.to(wide))
+    wide = torch.promote_types(dtype, torch.float32)  # fp16/bf16 -> fp32; fp64 stays fp64
+    out = torch.einsum(equation, a.to(wide), b.to(wide))
     if alpha != 1.0:
         out = out * alpha
     if c is not None and beta != 0.0:
-        out = out + beta * c.to(out.dtype)
+        out = out + beta * c.to(wide)
     return out.to(dtype).contiguous()
 
 
@@ -164,7 +176,7 @@ def contract(
 ) -> torch.Tensor:
     """``alpha * einsum(equation, a, b) + beta * c`` with FP32 accumulation (see the module docstring)."""
     _check(equation, a, b, c)
-    if active_backend(a.device) == "cutensor":
+    if active_backend(a.device, a.dtype) == "cutensor":
         out = cutensor_backend.contract(equation, a, b, c, alpha, beta)
         if out is not None:
             return out

@@ -4,12 +4,19 @@ A ``ContractionRule`` says which contraction ops it matches, when one cannot be 
 operands, intrinsic bias and scalars, and how its output dimensions map to the operands' modes. The
 helpers below classify and apply the nodes of an operand chain (data movement, constant scalings,
 casts) to an ``Operand``'s mode bookkeeping, walk an operand's chain back to its source
-(``trace_operand``, noting each ``Rejection``), and build the new graph nodes (views) with
-``meta['val']``. ``fuse_contractions`` re-exports the rules, constants and ``Rejection``.
+(``trace_operand``, noting each ``Rejection``), and build the new graph nodes (views, and the symbolic
+extents they need) with ``meta['val']``. ``fuse_contractions`` re-exports the rules, constants and
+``Rejection``.
+
+Shapes are read from ``meta['val']`` as mode extents (:func:`node_shape`): ints, or sympy expressions for
+symbolic dimensions (dynamic batch/sequence), which :class:`SymbolicExtents` turns back into graph nodes
+(``sym_size`` of a graph input, times constants) when a new view needs them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +25,8 @@ import torch.fx
 
 from amplite.passes import einsum_equation as eqn
 from amplite.passes.einsum_equation import ModeTable, NotFusable, Operand
-from amplite.passes.graph_utils import cast_dtype, fake_value
+from amplite.passes.einsum_modes import Size, norm_size
+from amplite.passes.graph_utils import SymbolicExtents, cast_dtype, fake_value
 
 aten = torch.ops.aten
 
@@ -34,6 +42,12 @@ MOVEMENT = {
 ASSERT_META = aten._assert_tensor_metadata.default
 SCALES = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
 BIAS_ADDS = {aten.add.Tensor, aten.sub.Tensor}
+#: View-like ops an operand chain cannot absorb: reaching one is recorded (``unmodelled_view``).
+UNMODELLED_VIEWS = {
+    aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.as_strided.default, aten.unfold.default,
+    aten.diagonal.default, aten.alias.default, aten.split.Tensor, aten.split_with_sizes.default,
+    aten.unbind.int, aten.chunk.default, aten.movedim.int, aten.flatten.using_ints, aten.unflatten.int,
+}  # fmt: skip
 
 
 @dataclass
@@ -125,14 +139,54 @@ def is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def static_shape(node: Any) -> list[int]:
-    """The node's static shape from ``meta['val']``; NotFusable when it has none or it is symbolic."""
+def size_of(n: int | torch.SymInt) -> Size:
+    """An extent as the mode table keeps it: an int, or the sympy expression of a symbolic size."""
+    return norm_size(n.node.expr) if isinstance(n, torch.SymInt) else int(n)
+
+
+def node_shape(node: Any) -> list[Size]:
+    """The node's shape from ``meta['val']`` as extents (symbolic ones as sympy); NotFusable when unknown."""
     val = fake_value(node)
     if not isinstance(val, torch.Tensor):
         raise NotFusable("no_meta", getattr(node, "name", str(node)))
-    if not all(isinstance(n, int) for n in val.shape):
-        raise NotFusable("symbolic_shape", node.name)
-    return list(val.shape)
+    return [size_of(n) for n in val.shape]
+
+
+def copies(node: torch.fx.Node) -> bool:
+    """Whether an absorbable movement node materialises a copy in eager (so absorbing it saves one).
+
+    ``clone`` always copies; ``contiguous`` copies a non-contiguous input; ``reshape`` copies when its input
+    cannot be viewed as the output (decided by trying the view on the fake values).
+    """
+    src, out = fake_value(node.args[0]), fake_value(node)
+    if node.target is aten.clone.default:
+        return True
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    if node.target is aten.contiguous.default:
+        try:
+            return not bool(src.is_contiguous())
+        except Exception:  # an undecidable symbolic stride: eager may copy
+            return True
+    if node.target is aten.reshape.default:
+        try:
+            with getattr(src, "fake_mode", None) or contextlib.nullcontext():
+                src.view(out.shape)
+        except Exception:
+            return True
+    return False
+
+
+def unmodelled_view(node: Any) -> str | None:
+    """The op name when ``node`` is a view-like op the chains cannot absorb (a reason worth recording)."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return None
+    target = node.target
+    if target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        target = node.args[0].target  # unbind/split outputs are read through getitem
+    if target in UNMODELLED_VIEWS or (target in MOVEMENT and chain_input(node) is None):
+        return str(getattr(target, "__name__", target))
+    return None
 
 
 def scale_of(node: torch.fx.Node, x: Any) -> float | None:
@@ -177,12 +231,12 @@ def apply_chain_node(table: ModeTable, op: Operand, node: torch.fx.Node) -> None
     elif t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
         op.squeeze(table, None if len(args) < 2 else [args[1]] if isinstance(args[1], int) else args[1])
     elif t is aten.expand.default:
-        op.expand_to(table, static_shape(node))
+        op.expand_to(table, node_shape(node))
     elif t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
-        op.view(table, static_shape(node))
+        op.view(table, node_shape(node))
     elif t in SCALES:
         op.scale *= scale_of(node, chain_input(node))
-    if op.shape(table) != static_shape(node):  # cheap guard against a wrong model of an op
+    if op.shape(table) != node_shape(node):  # cheap guard against a wrong model of an op
         raise NotFusable("shape_mismatch", node.name)
 
 
@@ -229,12 +283,15 @@ def trace_operand(
             break
         chain.append(cur)
         cur = nxt
+    else:
+        if (op_name := unmodelled_view(cur)) is not None:
+            notes.append(Rejection(cur.name, rule, "unmodelled_view", f"{op_name} not absorbed into {consumer.name}"))
     chain.reverse()
     source = cur
     while chain and cast_dtype(chain[0]) is not None:  # a cast right on the source is the source
         source = chain.pop(0)
     while True:  # absorb from the source forward; an op that cannot be absorbed becomes the source
-        op, cast = Operand.from_shape(table, static_shape(source)), None
+        op, cast = Operand.from_shape(table, node_shape(source)), None
         for i, n in enumerate(chain):
             try:
                 dt = cast_dtype(n)
@@ -254,8 +311,8 @@ def trace_operand(
 
 
 def fake_call(op: Any, *args: Any) -> Any:
-    """Run ``op`` on the args' ``meta['val']`` under their fake mode (the fake implementation)."""
-    vals = [fake_value(a) if isinstance(a, torch.fx.Node) else a for a in args]
+    """Run ``op`` on the args' ``meta['val']`` (nested ones too) under their fake mode (the fake implementation)."""
+    vals = torch.fx.node.map_aggregate(args, lambda a: fake_value(a) if isinstance(a, torch.fx.Node) else a)
     mode = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None)
     if mode is None:
         return op(*vals)
@@ -263,9 +320,12 @@ def fake_call(op: Any, *args: Any) -> Any:
         return op(*vals)
 
 
-def add_view(graph: torch.fx.Graph, x: torch.fx.Node, shape: list[int], meta: dict) -> torch.fx.Node:
-    """Insert ``x.view(shape)`` carrying ``meta`` and a fake ``meta['val']``."""
-    node = graph.call_function(aten.view.default, (x, list(shape)))
+def add_view(
+    graph: torch.fx.Graph, x: torch.fx.Node, shape: list[Size], meta: dict, syms: SymbolicExtents
+) -> torch.fx.Node:
+    """Insert ``x.view(shape)`` carrying ``meta`` and a fake ``meta['val']`` (symbolic extents via ``syms``)."""
+    args = [syms.arg(n) for n in shape]
+    node = graph.call_function(aten.view.default, (x, args))
     node.meta.update(meta)
-    node.meta["val"] = fake_call(aten.view.default, x, list(shape))
+    node.meta["val"] = fake_call(aten.view.default, x, args)
     return node

@@ -19,7 +19,7 @@ import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from amplite.passes.einsum_modes import ModeTable, NotFusable, Operand
+from amplite.passes.einsum_modes import ModeTable, NotFusable, Operand, exact_div, norm_size
 
 __all__ = [
     "LETTERS",
@@ -51,12 +51,12 @@ def unify(table: ModeTable, ga: Sequence[int], gb: Sequence[int]) -> None:
         if sa == sb:
             table.union(xa[i], xb[j])
             i, j = i + 1, j + 1
-        elif sb % sa == 0:
-            head, xb[j] = table.split(xb[j], [sa, sb // sa])
+        elif (qb := exact_div(sb, sa)) is not None:
+            head, xb[j] = table.split(xb[j], [sa, qb])
             table.union(xa[i], head)
             i += 1
-        elif sa % sb == 0:
-            head, xa[i] = table.split(xa[i], [sb, sa // sb])
+        elif (qa := exact_div(sa, sb)) is not None:
+            head, xa[i] = table.split(xa[i], [sb, qa])
             table.union(head, xb[j])
             j += 1
         else:
@@ -160,7 +160,9 @@ def build_equation(
     # A contracted mode that both inputs only broadcast along sums a constant: einsum would drop it,
     # so its extent becomes a factor of alpha.
     current = set(table.expand([m for op in (a, b) for g in op.dims for m in g]))
-    factor = math.prod(table.size(m) for m in current - set(modes_a) - set(modes_b) - set(out_modes))
+    factor = norm_size(math.prod(table.size(m) for m in current - set(modes_a) - set(modes_b) - set(out_modes)))
+    if not isinstance(factor, int):
+        raise NotFusable("symbolic_shape", f"a summed broadcast mode of extent {factor}")
     letters: dict[int, str] = {}
     for m in [*modes_a, *modes_b, *out_modes]:
         if m not in letters:
@@ -174,7 +176,7 @@ def build_equation(
             raise NotFusable("bias_broadcasts_output")
         c_view = []
         tail = list(out_groups)[len(out_groups) - len(c_shape) :] if c_shape else []
-        for n, g in zip(c_shape, tail, strict=True):
+        for n, g in zip(map(norm_size, c_shape), tail, strict=True):
             atoms = table.expand(g)
             if n == table.extent(g):
                 c_view.extend(table.size(m) for m in atoms)

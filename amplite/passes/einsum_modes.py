@@ -12,6 +12,12 @@ produces, is an ordered group of modes, row-major within the group, so:
 * expand replaces a size-1 group with a fresh *virtual* mode, one the source does not have, which is
   exactly einsum broadcasting.
 
+Extents are ints, or for symbolic shapes (a dynamic batch or sequence) sympy expressions in the shape
+symbols, products of them in practice (``s0``, ``128*s0``). Splitting and unifying need exact division
+(:func:`exact_div`): a symbolic extent divides another only when the quotient is a monomial with an
+integer coefficient, so ``s0*128`` splits into ``s0`` and ``128`` but ``s0`` never splits into ``2``
+and ``s0/2``.
+
 No torch.fx here; ``einsum_equation`` re-exports every public name.
 """
 
@@ -20,6 +26,39 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import sympy
+
+#: An extent: an int, or a sympy expression in the shape symbols.
+Size = Any
+
+
+def norm_size(n: Size) -> Size:
+    """``n`` as an int when it is a number, else as a sympy expression."""
+    if isinstance(n, int):
+        return n
+    n = sympy.sympify(n)
+    return int(n) if n.is_Integer else n
+
+
+def exact_div(n: Size, d: Size) -> Size | None:
+    """``n / d`` when ``d`` divides ``n`` for every value of the symbols, else None."""
+    if isinstance(n, int) and isinstance(d, int):
+        return n // d if d and n % d == 0 else None
+    q = sympy.cancel(sympy.sympify(n) / sympy.sympify(d))
+    if q.is_Integer:
+        return int(q) if q > 0 else None
+    syms = sorted(q.free_symbols, key=str)
+    if not syms or not q.is_polynomial(*syms):
+        return None
+    poly = sympy.Poly(q, *syms)
+    return q if len(poly.terms()) == 1 and all(c.is_Integer and c > 0 for c in poly.coeffs()) else None
+
+
+def is_static(n: Size) -> bool:
+    """Whether an extent is a plain int."""
+    return isinstance(n, int)
 
 
 class NotFusable(Exception):
@@ -39,10 +78,10 @@ class ModeTable:
         self._parent: dict[int, int] = {}
         self._split: dict[int, list[int]] = {}
 
-    def new(self, size: int) -> int:
+    def new(self, size: Size) -> int:
         """A fresh mode of extent ``size``."""
         m = len(self._size)
-        self._size[m] = size
+        self._size[m] = norm_size(size)
         self._parent[m] = m
         return m
 
@@ -67,12 +106,12 @@ class ModeTable:
 
     def extent(self, modes: Sequence[int]) -> int:
         """Product of the extents of ``modes`` (1 for an empty group)."""
-        return math.prod(self.size(m) for m in self.expand(modes))
+        return norm_size(math.prod(self.size(m) for m in self.expand(modes)))
 
     def split(self, m: int, sizes: Sequence[int]) -> list[int]:
         """Split atomic mode ``m`` into modes of the given extents (row-major); returns them."""
         r = self.find(m)
-        assert r not in self._split and math.prod(sizes) == self._size[r]
+        assert r not in self._split and norm_size(math.prod(sizes)) == self._size[r]
         parts = [self.new(s) for s in sizes]
         self._split[r] = parts
         return parts
@@ -149,33 +188,35 @@ class Operand:
     def view(self, table: ModeTable, shape: Sequence[int]) -> None:
         """``x.view(shape)`` / ``x.reshape(shape)`` when it only splits or merges adjacent dimensions."""
         flat = table.expand([m for g in self.dims for m in g])
-        total = math.prod(table.size(m) for m in flat)
-        if math.prod(shape) != total:
+        total = table.extent(flat)
+        shape = [norm_size(n) for n in shape]
+        if norm_size(math.prod(shape)) != total:
             raise NotFusable("bad_view", f"{list(shape)} for {total} elements")
         new_dims: list[list[int]] = []
         i = 0
         for n in shape:
             group: list[int] = []
-            prod = 1
-            while prod < n:
+            prod: Size = 1
+            while prod != n:
                 if i >= len(flat):
                     raise NotFusable("irregular_reshape", f"{self.shape(table)} -> {list(shape)}")
                 m = flat[i]
                 s = table.size(m)
-                if n % (prod * s) == 0:
+                if exact_div(n, norm_size(prod * s)) is not None:
                     group.append(m)
-                    prod *= s
+                    prod = norm_size(prod * s)
                     i += 1
                     continue
-                need = n // prod
-                if n % prod or s % need:
+                need = exact_div(n, prod)
+                rest = None if need is None else exact_div(s, need)
+                if rest is None:
                     # The new boundary falls inside a mode at a non-divisor: elements of one new row
                     # would come from different rows of the mode in a non-affine way.
                     raise NotFusable("irregular_reshape", f"{self.shape(table)} -> {list(shape)}")
-                head, tail = table.split(m, [need, s // need])
+                head, tail = table.split(m, [need, rest])
                 group.append(head)
                 flat[i] = tail
-                prod *= need
+                prod = norm_size(prod * need)
             new_dims.append(group)
         # Whatever is left has extent 1 (checked by the element count); dropping it sums over nothing.
         self.dims = new_dims
@@ -185,6 +226,7 @@ class Operand:
         lead = len(shape) - len(self.dims)
         if lead < 0:
             raise NotFusable("bad_expand", str(list(shape)))
+        shape = [norm_size(n) for n in shape]
         new = [[table.new(n)] if n != 1 else [] for n in shape[:lead]]
         for g, n in zip(self.dims, shape[lead:], strict=True):
             cur = table.extent(g)

@@ -51,13 +51,15 @@ from amplite.passes.contraction_rules import (
     LinearRule,
     MatmulRule,
     Rejection,
+    SymbolicExtents,
     Traced,
     add_view,
     chain_input,
+    copies,
     fake_call,
     is_number,
+    node_shape,
     scale_of,
-    static_shape,
     trace_operand,
 )
 from amplite.passes.einsum_equation import ModeTable, NotFusable, Operand
@@ -135,6 +137,7 @@ class FuseContractions:
     def __call__(self, gm: torch.fx.GraphModule) -> FusionResult:
         """Fuse every eligible contraction in ``gm`` in place."""
         res = FusionResult(gm, False, Counter())
+        self._syms = SymbolicExtents(gm.graph)
         erased: set[torch.fx.Node] = set()
         for node in call_function_nodes(gm):
             rule = next((r for r in RULES if node.target in r.targets), None)
@@ -148,8 +151,10 @@ class FuseContractions:
             except NotFusable as e:
                 self._reject(res, node, rule.name, e.reason, e.detail)
                 continue
-            if plan["gain"] <= 0 and not self.fuse_plain:
+            kernels, views = plan["gain"]
+            if kernels <= 0 and views <= 0 and not self.fuse_plain:
                 res.counters["skipped:nothing_to_absorb"] += 1
+                res.rejections.append(Rejection(node.name, rule.name, "nothing_to_absorb", plan["gain_detail"]))
                 continue
             erased |= self._replace(gm.graph, node, rule, plan, res)
             res.modified = True
@@ -178,7 +183,7 @@ class FuseContractions:
         dtype = dts.pop()
         if dtype not in self.dtypes:
             raise NotFusable("dtype_not_enabled", str(dtype))
-        out_shape = static_shape(node)
+        out_shape = node_shape(node)
         for keep_expand in (False, True):
             notes: list[Rejection] = []
             try:
@@ -190,6 +195,9 @@ class FuseContractions:
                     raise NotFusable("shape_mismatch", node.name)
                 plan = self._plan_output(node, rule, ins, dtype, notes)
                 plan["eq"] = eq = eqn.build_equation(table, ta.operand, tb.operand, groups, plan["c_shape"])
+                for what, shape in (("a view", eq.a_view), ("b view", eq.b_view), ("bias view", eq.c_view)):
+                    self._syms.check(shape or [], what)
+                self._syms.check(node_shape(plan["last"]), "output view")
                 break
             except NotFusable as e:
                 # An output mode that only an absorbed expand provides cannot be written as einsum:
@@ -200,9 +208,15 @@ class FuseContractions:
         self._commit(res, notes)
         plan["alpha"] *= ta.operand.scale * tb.operand.scale * eq.factor
         moved = [n for t in (ta, tb) for n in t.chain if cast_dtype(n) is None]
-        # Split views of the sources are free but are new nodes: absorbing only a split gains nothing.
-        new_views = [v for v, t in ((eq.a_view, ta), (eq.b_view, tb)) if v != static_shape(t.source)]
-        plan.update(a=ta, b=tb, gain=len(moved) + len(plan["tail"]) - len(new_views))
+        # Gain = (kernels saved, free views saved net of new ones). A scaling, a bias add, a clone, a
+        # contiguous or reshape that copies (of a non-contiguous value) is a kernel eager runs: absorbing
+        # one always pays. Views are free; split views of the sources are new nodes, so absorbing only
+        # views pays only when it removes more of them than it adds.
+        kernels = [n for n in moved if n.target in SCALES or copies(n)] + plan["tail"]
+        new_views = [v for v, t in ((eq.a_view, ta), (eq.b_view, tb)) if v != node_shape(t.source)]
+        views = len(moved) - len(kernels) + len(plan["tail"]) - len(new_views)
+        plan.update(a=ta, b=tb, gain=(len(kernels), views))
+        plan["gain_detail"] = f"{len(moved)} free view(s) absorbed, {len(new_views)} new view(s) needed"
         return plan
 
     def _plan_output(
@@ -216,33 +230,59 @@ class FuseContractions:
             scale = scale_of(user, cur)
             if scale is not None:
                 alpha, beta = alpha * scale, beta * scale
-            elif bias is None and user.target in BIAS_ADDS and self._bias_ok(user, cur, dtype):
+            elif bias is None and user.target in BIAS_ADDS and not self._bias_reason(user, cur, dtype):
                 bias = user.args[1] if user.args[0] is cur else user.args[0]
                 beta = (-1.0 if user.target is aten.sub.Tensor else 1.0) * float(user.kwargs.get("alpha", 1))
             else:
+                self._note_output_stop(user, cur, bias, dtype, rule.name, notes)
                 break
             tail.append(user)
             cur = user
-        if len(cur.users) > 1 and any(scale_of(u, cur) is not None for u in cur.users):
-            notes.append(Rejection(cur.name, rule.name, "shared_intermediate", "output scaling not absorbed"))
+        real = [u for u in cur.users if u.target is not ASSERT_META]
+        if len(cur.users) > 1 and len(real) == 1:  # e.g. a cast whose metadata export asserts first
+            self._note_output_stop(real[0], cur, bias, dtype, rule.name, notes)
+        if len(real) > 1 and any(scale_of(u, cur) is not None or u.target in BIAS_ADDS for u in real):
+            notes.append(Rejection(cur.name, rule.name, "shared_intermediate", "output scaling/bias not absorbed"))
         if bias is not None and value_dtype(bias) != dtype:
             raise NotFusable("bias_dtype", str(value_dtype(bias)))
-        c_shape = None if bias is None else static_shape(bias)
+        c_shape = None if bias is None else node_shape(bias)
         return {"bias": bias, "c_shape": c_shape, "alpha": alpha, "beta": beta, "tail": tail, "last": cur}
 
-    def _bias_ok(self, add: torch.fx.Node, cur: torch.fx.Node, dtype: torch.dtype) -> bool:
+    def _bias_reason(self, add: torch.fx.Node, cur: torch.fx.Node, dtype: torch.dtype) -> str:
+        """Why ``add`` cannot become the contraction's bias (empty when it can)."""
         p, q = add.args[0], add.args[1]
         other = q if p is cur else p if q is cur and add.target is aten.add.Tensor else None
         alpha = add.kwargs.get("alpha", 1)
-        return (
-            isinstance(other, torch.fx.Node)
-            and other is not cur
-            and set(add.kwargs) <= {"alpha"}
-            and is_number(alpha)
-            and value_dtype(other) == dtype
-            and fake_value(add) is not None
-            and fake_value(add).shape == fake_value(cur).shape  # the bias must not broadcast the result
-        )
+        if not isinstance(other, torch.fx.Node) or other is cur:
+            return "bias_not_tensor"
+        if set(add.kwargs) - {"alpha"} or not is_number(alpha):
+            return "bias_kwargs"
+        if value_dtype(other) != dtype:
+            return "bias_dtype"
+        out, val = fake_value(add), fake_value(cur)
+        if out is None or val is None or tuple(map(str, out.shape)) != tuple(map(str, val.shape)):
+            return "bias_broadcasts_output"  # the bias must not broadcast the result
+        return ""
+
+    def _note_output_stop(
+        self, user: torch.fx.Node, cur: torch.fx.Node, bias: Any, dtype: torch.dtype, rule: str, notes: list
+    ) -> None:
+        """Record why the output chain stops at ``user`` when it is a scaling, bias add or cast."""
+        if user.op != "call_function":
+            return
+        if user.target in BIAS_ADDS:
+            reason = "second_bias" if bias is not None else self._bias_reason(user, cur, dtype)
+            other = [a for a in user.args[:2] if a is not cur]
+            detail = f"{user.name}: bias {getattr(other[0], 'name', other[0]) if other else '?'} not absorbed"
+            if reason == "bias_dtype":
+                detail += f" ({value_dtype(other[0])} vs {dtype})"
+            notes.append(Rejection(user.name, rule, reason, detail))
+        elif cast_dtype(user) is not None:
+            after = [u for u in user.users if u.op == "call_function" and u.target in BIAS_ADDS]
+            what = f"; the {cast_dtype(user)} bias add {after[0].name} after it is not absorbed" if after else ""
+            notes.append(Rejection(user.name, rule, "output_cast", f"contract returns {dtype}{what}"))
+        elif user.target in SCALES:
+            notes.append(Rejection(user.name, rule, "tensor_scale", "scaling by a tensor is not absorbed"))
 
     # --- replacement -----------------------------------------------------------------------------------
 
@@ -256,8 +296,8 @@ class FuseContractions:
             a = self._operand(graph, plan["a"], eq.a_view, meta)
             b = self._operand(graph, plan["b"], eq.b_view, meta)
             c = plan["bias"]
-            if c is not None and eq.c_view is not None and eq.c_view != static_shape(c):
-                c = add_view(graph, c, eq.c_view, meta)
+            if c is not None and eq.c_view is not None and eq.c_view != node_shape(c):
+                c = add_view(graph, c, eq.c_view, meta, self._syms)
             args = (eq.equation, a, b, c, plan["alpha"], plan["beta"] if c is not None else 0.0)
             fused = graph.call_function(CONTRACT, args)
             fused.meta.update(meta)
@@ -268,8 +308,8 @@ class FuseContractions:
             fused.meta["amplite_contract"] = {"rule": rule.name, "absorbed": absorbed}
             out = (
                 fused
-                if eq.out_shape == static_shape(last)
-                else add_view(graph, fused, static_shape(last), meta)
+                if eq.out_shape == node_shape(last)
+                else add_view(graph, fused, node_shape(last), meta, self._syms)
             )
         last.replace_all_uses_with(out)
         res.counters[f"fused:{rule.name}"] += 1
@@ -293,4 +333,4 @@ class FuseContractions:
         x = t.source
         if t.cast is not None:
             x = make_cast(graph, x, t.cast)
-        return x if view == static_shape(x) else add_view(graph, x, view, meta)
+        return x if view == node_shape(x) else add_view(graph, x, view, meta, self._syms)

@@ -1,11 +1,16 @@
-"""Small helpers shared by the passes: recognising casts, reading value dtypes, making cast nodes."""
+"""Small helpers shared by the passes: recognising casts, reading value dtypes, making cast nodes, and
+writing symbolic extents (dynamic batch/sequence sizes) back into a graph (:class:`SymbolicExtents`)."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
+import sympy
 import torch
 import torch.fx
+
+from amplite.passes.einsum_modes import NotFusable, Size
 
 aten = torch.ops.aten
 
@@ -172,3 +177,66 @@ def source_line(node: torch.fx.Node) -> str:
                 continue
             best = f"{fname}:{lineno}"
     return best
+
+
+class SymbolicExtents:
+    """Graph nodes for symbolic extents: ``sym_size`` of a graph input holding the symbol, times constants.
+
+    The nodes go right after the graph's placeholders, so they dominate every use; each extent is built once.
+    """
+
+    def __init__(self, graph: torch.fx.Graph) -> None:
+        self.graph = graph
+        self.where: dict[sympy.Symbol, tuple[torch.fx.Node, int]] = {}
+        self.cursor: torch.fx.Node | None = None
+        self.built: dict[Any, torch.fx.Node] = {}
+        for n in graph.nodes:
+            if n.op != "placeholder":
+                continue
+            self.cursor = n
+            val = fake_value(n)
+            for d, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
+                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                    self.where.setdefault(size.node.expr, (n, d))
+
+    def _factors(self, size: Size) -> tuple[int, list[sympy.Symbol]] | None:
+        coeff, rest = sympy.sympify(size).as_coeff_Mul()
+        if not coeff.is_Integer or coeff <= 0:
+            return None
+        syms: list[sympy.Symbol] = []
+        for base, exp in rest.as_powers_dict().items():
+            if base == 1:
+                continue
+            if base not in self.where or not sympy.sympify(exp).is_Integer or exp < 1:
+                return None
+            syms.extend([base] * int(exp))
+        return int(coeff), syms
+
+    def check(self, shape: list[Size], what: str) -> None:
+        """NotFusable (``symbolic_view``) when a view of ``shape`` could not be written in the graph."""
+        for n in shape:
+            if not isinstance(n, int) and self._factors(n) is None:
+                raise NotFusable("symbolic_view", f"{what} extent {n} is not a product of input sizes")
+
+    def arg(self, size: Size) -> int | torch.fx.Node:
+        """``size`` as a view argument: the int, or a node computing it."""
+        if isinstance(size, int):
+            return size
+        if size not in self.built:
+            coeff, syms = self._factors(size)
+            node: torch.fx.Node | None = None
+            for sym in syms:
+                p, d = self.where[sym]
+                x = self._emit(aten.sym_size.int, (p, d), fake_value(p).shape[d])
+                node = x if node is None else self._emit(operator.mul, (node, x), node.meta["val"] * x.meta["val"])
+            if coeff != 1:
+                node = self._emit(operator.mul, (node, coeff), node.meta["val"] * coeff)
+            self.built[size] = node
+        return self.built[size]
+
+    def _emit(self, target: Any, args: tuple, val: Any) -> torch.fx.Node:
+        with self.graph.inserting_after(self.cursor):
+            node = self.graph.call_function(target, args)
+        node.meta["val"] = val
+        self.cursor = node
+        return node
