@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch.export import ExportedProgram
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from amplite import op_tables
 from amplite.passes.graph_utils import cast_dtype, fake_value
@@ -48,12 +49,25 @@ def node_compute_dtype(node: torch.fx.Node) -> torch.dtype | None:
     return None
 
 
+def _size(value: Any) -> int:
+    """A size as an int; a symbolic size (dynamic batch) evaluates at the example's value.
+
+    ``int()`` on a ``SymInt`` would add a guard to the program's shape environment and specialise the
+    dimension for good (the saved file would then reject any other batch); the optimisation hint reads the
+    example's value without guarding.
+    """
+    return optimization_hint(value, fallback=1) if isinstance(value, torch.SymInt) else int(value)
+
+
 def estimate_flops(node: torch.fx.Node) -> float:
-    """Rough FLOPs of one node: 2·M·N·K for contractions and convolutions, else one per output element."""
+    """Rough FLOPs of one node: 2·M·N·K for contractions and convolutions, else one per output element.
+
+    Symbolic sizes count at the example's values (see :func:`_size`); nothing here guards on them.
+    """
     val = fake_value(node)
     outs = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
     try:
-        out_numel = sum(int(v.numel()) for v in outs)
+        out_numel = sum(_size(v.numel()) for v in outs)
     except (TypeError, RuntimeError):
         return 0.0
     op = op_tables.op_name(node.target)
@@ -62,13 +76,13 @@ def estimate_flops(node: torch.fx.Node) -> float:
     try:
         if op in _MATMUL_LIKE:
             a = fake_value(node.args[1] if op in ("addmm.default", "baddbmm.default") else node.args[0])
-            return 2.0 * out_numel * int(a.shape[-1])
+            return 2.0 * out_numel * _size(a.shape[-1])
         if op in _CONV_LIKE:
             w = fake_value(node.args[1])
-            return 2.0 * out_numel * int(w.numel()) / int(w.shape[0])
+            return 2.0 * out_numel * _size(w.numel()) / _size(w.shape[0])
         if op == "scaled_dot_product_attention.default":
             q, k = fake_value(node.args[0]), fake_value(node.args[1])
-            return 4.0 * math.prod(int(s) for s in q.shape) * int(k.shape[-2])
+            return 4.0 * math.prod(_size(s) for s in q.shape) * _size(k.shape[-2])
     except (TypeError, RuntimeError, AttributeError, IndexError):
         return float(out_numel)
     return float(out_numel)

@@ -113,7 +113,11 @@ def save_golden(
     src = dict(source or {})
     if src.get("path"):
         src["sha256"] = file_sha256(src["path"])
-    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{d.name}.", suffix=".tmp"))
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{d.name}.", suffix=".tmp"))
+    except OSError as exc:  # access() says yes to root on /proc or a read-only mount
+        raise EmitError(f"cannot create golden directory {str(d)!r}: {exc.strerror or type(exc).__name__}",
+                        "choose a writable -o directory") from None  # fmt: skip
     try:
         entries = []
         for i, (label, inputs) in enumerate(batches):
@@ -140,8 +144,11 @@ def save_golden(
         }
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         _swap_into_place(tmp, d)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):  # disk full, permissions: the user's environment, not a bug
+            raise EmitError(f"writing golden directory {str(d)!r} failed: {type(exc).__name__}: {exc}",
+                            "check disk space and permissions") from exc  # fmt: skip
         raise
     return d
 
