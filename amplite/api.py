@@ -20,7 +20,7 @@ from torch import nn
 from torch.export import ExportedProgram
 
 from amplite.converter import emit
-from amplite.converter.graph_stats import graph_stats, weight_bytes
+from amplite.converter.graph_stats import graph_fingerprint, graph_stats, weight_bytes
 from amplite.converter.inputs import bind_inputs, bind_to_program, example_inputs, normalize_inputs
 from amplite.converter.loading import LoadedModel, load_any, torchscript_to_program
 from amplite.converter.pipeline import PipelineOutput, lower_inputs, run_pipeline
@@ -374,7 +374,7 @@ def _report(
         config["contract_backend"] = backend_description(device)
     low = cfg.policy.low_dtype
     return build_report(
-        source=_source(loaded),
+        source={**_source(loaded), "graph_fingerprint": graph_fingerprint(out.original)},
         config=config,
         records=out.records,
         plan=out.plan,

@@ -267,6 +267,7 @@ def check(
         if not m.passed
     ]
     if base_line is not None:
+        golden_mod.check_baseline_matches(report, base_line)
         regressions = golden_mod.compare_baseline(report["verification"]["outputs"], base_line, baseline_margin_db)
         report["baseline"] = {
             "margin_db": baseline_margin_db,

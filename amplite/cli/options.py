@@ -26,7 +26,7 @@ FactoryOpt = Annotated[str | None, typer.Option("--model-factory", help="module:
 DynOpt = Annotated[bool, typer.Option("--dynamic-batch", help="Make dim 0 of every input dynamic.")]
 DynDimOpt = Annotated[
     list[str],
-    typer.Option("--dynamic-dim", help="NAME:DIM[,DIM]: make these dims of input NAME dynamic (e.g. ids:1). Repeatable."),
+    typer.Option("--dynamic-dim", help="NAME:DIM[,DIM]: make these dims of input NAME dynamic (ids:1). Repeatable."),
 ]
 CalibOpt = Annotated[
     Path | None, typer.Option("--calib", help="Directory of calibration batches for the range rules (as --data).")

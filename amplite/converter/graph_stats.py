@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import operator
 from collections import Counter
@@ -126,3 +127,19 @@ def weight_bytes(program: ExportedProgram) -> int:
     total = sum(t.nbytes for t in program.state_dict.values() if isinstance(t, torch.Tensor))
     total += sum(t.nbytes for t in program.constants.values() if isinstance(t, torch.Tensor))
     return total
+
+
+def graph_fingerprint(program: ExportedProgram) -> str:
+    """A short hash of what identifies a model: its ops in graph order and its weights' names and shapes.
+
+    Input sizes are left out (the same model verified on another batch size has the same fingerprint);
+    two reports with different fingerprints describe different models (``check --baseline`` refuses them).
+    """
+    h = hashlib.sha256()
+    for node in program.graph.nodes:
+        if node.op == "call_function":
+            h.update(str(node.target).encode() + b";")
+    for name, t in sorted(program.state_dict.items()):
+        if isinstance(t, torch.Tensor):
+            h.update(f"{name}:{tuple(t.shape)};".encode())
+    return h.hexdigest()[:16]

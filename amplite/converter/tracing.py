@@ -120,9 +120,9 @@ def static_batch_inputs(program: ExportedProgram) -> list[str]:
     user = {s.arg.name for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"}
     for node in program.graph.nodes:
         val = node.meta.get("val")
-        if node.op == "placeholder" and node.name in user and isinstance(val, torch.Tensor) and val.dim() > 0:
-            if is_concrete_int(val.shape[0]):
-                out.append(f"{node.name} (fixed to {int(val.shape[0])})")
+        is_user = node.op == "placeholder" and node.name in user
+        if is_user and isinstance(val, torch.Tensor) and val.dim() > 0 and is_concrete_int(val.shape[0]):
+            out.append(f"{node.name} (fixed to {int(val.shape[0])})")
     return out
 
 

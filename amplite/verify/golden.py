@@ -257,6 +257,24 @@ def load_baseline(baseline: str | Path | dict[str, Any] | None) -> dict[str, Any
     return data
 
 
+def check_baseline_matches(report: dict[str, Any], baseline: dict[str, Any], where: str = "--baseline") -> None:
+    """Refuse a baseline report of another model: other output names or another graph fingerprint.
+
+    Raises:
+        ConfigError: Naming what differs.
+    """
+    fix = "pass a report.json of this model (or drop --baseline and accept a new one)"
+    mine = report.get("source", {}).get("graph_fingerprint")
+    theirs = baseline.get("source", {}).get("graph_fingerprint")
+    if mine and theirs and mine != theirs:
+        raise ConfigError(f"{where} is a report of another model (graph fingerprint {theirs}, this model {mine})", fix)
+    names = [o["name"] for o in report.get("verification", {}).get("outputs", [])]
+    old = [o["name"] for o in baseline.get("verification", {}).get("outputs", [])]
+    if names and old and sorted(names) != sorted(old):
+        raise ConfigError(f"{where} is a report of another model: its outputs are {', '.join(old)}, "
+                          f"this model's {', '.join(names)}", fix)  # fmt: skip
+
+
 def _num(v: Any) -> float | None:
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         return float(v)
