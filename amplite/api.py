@@ -8,7 +8,6 @@ every package below it (converter, passes, ops, verify, report, onnx); none of t
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,13 @@ from amplite.converter.graph_stats import graph_fingerprint, graph_stats, weight
 from amplite.converter.inputs import bind_inputs, bind_to_program, example_inputs, normalize_inputs
 from amplite.converter.loading import LoadedModel, load_any, torchscript_to_program
 from amplite.converter.pipeline import PipelineOutput, lower_inputs, run_pipeline
-from amplite.converter.tracing import Inputs, parse_dynamic_dims, static_batch_inputs, summarize_exception
+from amplite.converter.tracing import (
+    Inputs,
+    parse_dynamic_dims,
+    private_buffers,
+    static_batch_inputs,
+    summarize_exception,
+)
 from amplite.errors import ConfigError, InputSpecError
 from amplite.ops import backend_description
 from amplite.passes.range_guard import RangeRules
@@ -32,6 +37,7 @@ from amplite.policy import LEVEL_ENV, Level, PrecisionPolicy, make_overrides, re
 from amplite.report.document import Report, build_report
 from amplite.verify.budget import fallback_search as search_budget
 from amplite.verify.compare import DEFAULT_TOLERANCES, Tolerance, compare, parse_tolerance, run_model
+from amplite.verify.data import calibration_batches
 
 
 @dataclass
@@ -215,7 +221,7 @@ def convert(
         dynamic_dims=cfg.dynamic_dims,
         fuse_contractions=fuse_contractions,
         range_rules=cfg.rules,
-        calibration=_calibration(calibration),
+        calibration=calibration_batches(calibration),
         fold_batchnorm=fold_batchnorm,
     )
     timings.update(out.timings)
@@ -281,35 +287,6 @@ def _subject(
     bind_inputs(loaded.module, inputs)
     module = private_buffers(loaded.module)
     return module, module, inputs
-
-
-def private_buffers(model: nn.Module) -> nn.Module:
-    """``model`` with its parameters shared and its buffers copied, in the mode it was passed in.
-
-    Running the model (the FP32 reference) or its exported program writes the buffers ``forward`` updates
-    (BatchNorm's running statistics and ``num_batches_tracked`` in train mode) in place; on the copy the
-    user's model stays bit-identical, in whichever mode it was given. Parameters are shared, not copied
-    (no second copy of the weights; nothing writes them).
-    """
-    memo: dict[int, Any] = {id(p): p for p in model.parameters()}
-    return copy.deepcopy(model, memo)
-
-
-def _calibration(calibration: Iterable[Any] | str | Path | None) -> list[Inputs] | None:
-    """The calibration batches: given, read from a directory, or produced by a ``module:function`` loader
-    (the pipeline binds each to the program's inputs, so named inputs work on a .pt2 too)."""
-    if calibration is None:
-        return None
-    if isinstance(calibration, (str, Path)):
-        from amplite.verify.data import batches_from_dir, batches_from_loader
-
-        if isinstance(calibration, Path) or Path(calibration).is_dir() or ":" not in str(calibration):
-            batches = [b for _, b in batches_from_dir(calibration, option="--calib")]
-        else:
-            batches = [b for _, b in batches_from_loader(str(calibration), option="--calib-loader")]
-    else:
-        batches = [b for b in map(normalize_inputs, calibration) if b is not None]
-    return batches
 
 
 def _reference_outputs(reference: Any, inputs: Inputs) -> Any:

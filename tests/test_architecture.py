@@ -63,3 +63,26 @@ def test_golden_takes_every_option_the_reference_export_uses() -> None:
     from amplite import gate
 
     assert {p.name for p in LOADING_PARAMS} == set(gate._LOAD_KEYS)
+
+
+def test_batch_manifest_defaults_accept_every_conversion_option(tmp_path: Path) -> None:
+    """A ``[defaults]`` table may set every option ``amplite convert`` has (the same names, minus the CLI's
+    ``no_`` spelling: ``fold_batchnorm = false``)."""
+    from amplite.batch.manifest import CONVERT_KEYS, JOB_KEYS, parse_manifest
+
+    cli = {p.name for p in CONVERSION_PARAMS} - {"no_fold_batchnorm"} | {"fold_batchnorm", "verify"}
+    assert cli <= set(JOB_KEYS), sorted(cli - set(JOB_KEYS))
+    api = set(inspect.signature(amplite.convert).parameters)
+    assert set(CONVERT_KEYS) <= api, sorted(set(CONVERT_KEYS) - api)
+    (tmp_path / "calib").mkdir()
+    (tmp_path / "m.pt2").write_bytes(b"")
+    (tmp_path / "batch.toml").write_text(
+        "[defaults]\n"
+        'dynamic_dims = ["ids:1"]\nrange_rules = false\ndata_max = 100.0\nmax_reduction_depth = 64\n'
+        'fold_batchnorm = false\ncalib = "calib"\nlow_precision_io = true\nfuse_contractions = true\n'
+        '[[model]]\npath = "m.pt2"\n'
+    )
+    (job,) = parse_manifest(tmp_path / "batch.toml")
+    assert (job.dynamic_dims, job.range_rules, job.data_max, job.max_reduction_depth, job.fold_batchnorm) == (
+        ("ids:1",), False, 100.0, 64, False)  # fmt: skip
+    assert job.calib == str((tmp_path / "calib").resolve())

@@ -72,7 +72,7 @@ def test_dynamic_dim_errors_name_the_problem() -> None:
     model, inputs = make("mlp")
     with pytest.raises(ConfigError, match="fixes that dim to 32"):
         amplite.convert(model, inputs, dynamic_dims=["x:1"], verify=False)
-    with pytest.raises(ConfigError, match="no tensor input 'y'.*x"):
+    with pytest.raises(ConfigError, match=r"no tensor input 'y'.*x"):
         amplite.convert(model, inputs, dynamic_dims=["y:0"], verify=False)
     with pytest.raises(ConfigError, match="cannot parse --dynamic-dim"):
         amplite.convert(model, inputs, dynamic_dims=["x"], verify=False)

@@ -126,6 +126,22 @@ def static_batch_inputs(program: ExportedProgram) -> list[str]:
     return out
 
 
+def private_buffers(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its parameters shared and its buffers copied, in the mode it was passed in.
+
+    Running the model (the FP32 reference) or its exported program writes the buffers ``forward`` updates
+    (BatchNorm's running statistics and ``num_batches_tracked`` in train mode) in place; on the copy the
+    user's model stays bit-identical, in whichever mode it was given. Parameters are shared, not copied
+    (no second copy of the weights; nothing writes them).
+    """
+    memo: dict[int, Any] = {id(p): p for p in model.parameters()}
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as exc:  # an attribute that cannot be copied (a lock, a handle): trace the model itself
+        log.debug("cannot copy the model's buffers (%s): tracing the model itself", exc)
+        return model
+
+
 def export_model(
     model: torch.nn.Module,
     inputs: Inputs,

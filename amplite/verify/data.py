@@ -89,6 +89,20 @@ def batches_from_loader(spec: str, max_batches: int = 64, option: str = "--data-
     return batches
 
 
+def calibration_batches(calibration: Any) -> list[Inputs] | None:
+    """The range rules' calibration batches: given (an iterable of batches), read from a directory
+    (``--calib DIR``, as ``--data``), or from a ``module:function`` loader (``--calib-loader``)."""
+    from amplite.converter.inputs import normalize_inputs
+
+    if calibration is None:
+        return None
+    if isinstance(calibration, (str, Path)):
+        if isinstance(calibration, Path) or Path(calibration).is_dir() or ":" not in str(calibration):
+            return [b for _, b in batches_from_dir(calibration, option="--calib")]
+        return [b for _, b in batches_from_loader(str(calibration), option="--calib-loader")]
+    return [b for b in map(normalize_inputs, calibration) if b is not None]
+
+
 def random_batches(
     example: Inputs | None, n: int, *, specs: Sequence[str] = (), seed: int = 0
 ) -> list[tuple[str, Inputs]]:
