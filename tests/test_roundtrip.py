@@ -102,6 +102,7 @@ def test_saved_files_run_in_a_fresh_process_on_new_inputs(name: str, configs: li
         torch.save(new, inputs)
         with torch.no_grad():
             reference = model(*new)
+        result.tolerance = None  # skip save()'s in-process ONNX Runtime check: the fresh process below checks
         for fmt in ("pt2", "onnx"):
             if (name, fmt, dynamic) in NOT_RUN:
                 continue

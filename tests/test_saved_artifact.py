@@ -51,7 +51,9 @@ def test_graph_stats_do_not_specialise_a_dynamic_batch() -> None:
     assert before["low_precision_flop_share"] == 0.0 and before["nodes_by_dtype"]
 
 
-def test_dynamic_batch_and_dim_survive_save_in_a_fresh_process(tmp_path: Path) -> None:
+def test_dynamic_batch_and_dim_survive_save_in_a_fresh_process(cli, model_files, tmp_path: Path) -> None:
+    res = cli("convert", model_files("mlp")["pt2"], "--dynamic-batch", "-o", tmp_path / "c.pt2")  # issue's repro
+    assert res.exit_code == 0, res.stderr
     model, inputs = make("transformer")
     result = amplite.convert(model, inputs, dynamic_batch=True, dynamic_dims=["ids:1"])
     assert result.report.data["config"]["dynamic_dims"] == {"ids": [1]}
@@ -64,8 +66,10 @@ def test_dynamic_batch_and_dim_survive_save_in_a_fresh_process(tmp_path: Path) -
         print(tuple(t(torch.randint(0, 1000, (5, 9))).shape))
         m = torch.export.load({str(tmp_path / "m.pt2")!r}).module()
         print(tuple(m(torch.randn(7, 32)).shape))
+        c = torch.export.load({str(tmp_path / "c.pt2")!r}).module()
+        print(tuple(c(torch.randn(7, 32)).shape))
     """)
-    assert out.split() == ["(5,", "10)", "(7,", "10)"]
+    assert out.split() == ["(5,", "10)", "(7,", "10)", "(7,", "10)"]
 
 
 def test_dynamic_dim_errors_name_the_problem() -> None:
