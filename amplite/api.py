@@ -203,7 +203,7 @@ def convert(
         low_precision_io=low_precision_io, dynamic_batch=dynamic_batch, dynamic_dims=dynamic_dims,
         fuse_contractions=fuse_contractions,
         range_rules=range_rules, data_max=data_max, max_reduction_depth=max_reduction_depth,
-        calibration=calibration, fold_batchnorm=fold_batchnorm,
+        calibration=calibration_batches(calibration), fold_batchnorm=fold_batchnorm,
     )  # fmt: skip
     timings: dict[str, float] = {}
     cfg = _resolve(options, verify, fallback_search, max_trials, tolerance)
@@ -221,7 +221,7 @@ def convert(
         dynamic_dims=cfg.dynamic_dims,
         fuse_contractions=fuse_contractions,
         range_rules=cfg.rules,
-        calibration=calibration_batches(calibration),
+        calibration=options["calibration"],  # read once: the budget search's trials reuse the list
         fold_batchnorm=fold_batchnorm,
     )
     timings.update(out.timings)
