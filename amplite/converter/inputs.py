@@ -202,13 +202,7 @@ def bind_to_program(program: Any, inputs: Inputs) -> Inputs:
             f"the inputs do not fit the program's inputs ({', '.join(names)}): {exc} (given: {given})",
             f"name each --input after one of: {', '.join(names)} (or pass them in that order)",
         ) from None
-    missing = [n for n in names if n not in bound.arguments]
-    if missing:
-        raise InputSpecError(
-            f"the program takes inputs ({', '.join(names)}) but {', '.join(missing)} is not given",
-            f"add --input {missing[0]}:SHAPE:DTYPE (or pass every input in an --inputs file)",
-        )
-    values = [bound.arguments[n] for n in names]
+    values = [bound.arguments[n] for n in names]  # every parameter is required: bind() checked that
     return tuple(values[:n_pos]), dict(zip(names[n_pos:], values[n_pos:], strict=True))
 
 
