@@ -8,7 +8,7 @@ every package below it (converter, passes, ops, verify, report, onnx); none of t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
@@ -20,11 +20,17 @@ from torch.export import ExportedProgram
 
 from amplite.checkpoint import convert_checkpoint, is_checkpoint_dir
 from amplite.converter import emit
-from amplite.converter.graph_stats import graph_stats, weight_bytes
-from amplite.converter.inputs import bind_inputs, example_inputs, normalize_inputs
+from amplite.converter.graph_stats import graph_fingerprint, graph_stats, weight_bytes
+from amplite.converter.inputs import bind_inputs, bind_to_program, example_inputs, normalize_inputs
 from amplite.converter.loading import LoadedModel, load_any, torchscript_to_program
 from amplite.converter.pipeline import PipelineOutput, lower_inputs, run_pipeline
-from amplite.converter.tracing import Inputs, summarize_exception
+from amplite.converter.tracing import (
+    Inputs,
+    parse_dynamic_dims,
+    private_buffers,
+    static_batch_inputs,
+    summarize_exception,
+)
 from amplite.errors import ConfigError, InputSpecError
 from amplite.estimate import DEFAULT_PROFILE, estimate, get_profile
 from amplite.ops import backend_description
@@ -34,6 +40,7 @@ from amplite.policy import LEVEL_ENV, Level, PrecisionPolicy, make_overrides, re
 from amplite.report.document import Report, build_report
 from amplite.verify.budget import fallback_search as search_budget
 from amplite.verify.compare import DEFAULT_TOLERANCES, Tolerance, compare, parse_tolerance, run_model
+from amplite.verify.data import calibration_batches
 
 
 @dataclass
@@ -136,6 +143,7 @@ def convert(
     force_low: Sequence[str] = (),
     low_precision_io: bool = False,
     dynamic_batch: bool = False,
+    dynamic_dims: Sequence[str] | Mapping[str, Sequence[int]] = (),
     fuse_contractions: bool | str = "auto",
     trust_pickle: bool = False,
     model_factory: str | None = None,
@@ -144,7 +152,7 @@ def convert(
     range_rules: bool | None = None,
     data_max: float = RangeRules.data_max,
     max_reduction_depth: int | None = RangeRules.max_reduction_depth,
-    calibration: Iterable[Any] | None = None,
+    calibration: Iterable[Any] | str | Path | None = None,
     fallback_search: bool = False,
     max_trials: int | None = None,
     reference_outputs: Any = None,
@@ -167,6 +175,8 @@ def convert(
         force_low: Patterns to force into low precision.
         low_precision_io: Graph inputs and outputs in the low dtype too.
         dynamic_batch: Make dim 0 of every input dynamic.
+        dynamic_dims: More dynamic dims, by input name: ``["ids:1"]`` (``NAME:DIM[,DIM]``) or
+            ``{"ids": [1]}`` (e.g. a sequence length). A dim the model fixes is an error.
         fuse_contractions: Fuse matmul chains into ``amplite::contract`` after the precision passes: ``auto``
             (off until a GPU measurement shows it faster; see ``amplite.ops.fusion_default``), ``on``/``off``
             or a bool.
@@ -178,7 +188,9 @@ def convert(
             O1/O2, off at O0/O3, the speed baseline). See ``amplite.passes.range_guard``.
         data_max: Largest |activation| kept in fp16 by the range rules.
         max_reduction_depth: Longest reduction the range rules allow in low precision.
-        calibration: Batches (each like ``example_inputs``) for the range rules; default the example inputs.
+        calibration: Batches (each like ``example_inputs``) for the range rules, a directory of batch files
+            (as ``check --data``: ``--calib DIR``) or ``"module:function"`` yielding batches
+            (``--calib-loader``); default the example inputs.
         fallback_search: When verification fails the tolerance, search for the fewest nodes to move back to
             FP32 (ranked by their isolated error, then bisected); see ``amplite.verify.budget``.
         max_trials: Bound on the search's conversions (default 2·log2(candidates) + 10).
@@ -199,9 +211,10 @@ def convert(
     """
     options = dict(
         precision=precision, level=level, keep_fp32=list(keep_fp32), force_low=list(force_low),
-        low_precision_io=low_precision_io, dynamic_batch=dynamic_batch, fuse_contractions=fuse_contractions,
+        low_precision_io=low_precision_io, dynamic_batch=dynamic_batch, dynamic_dims=dynamic_dims,
+        fuse_contractions=fuse_contractions,
         range_rules=range_rules, data_max=data_max, max_reduction_depth=max_reduction_depth,
-        calibration=calibration, fold_batchnorm=fold_batchnorm, gpu_profile=gpu_profile,
+        calibration=calibration_batches(calibration), fold_batchnorm=fold_batchnorm, gpu_profile=gpu_profile,
     )  # fmt: skip
     if isinstance(model, (str, Path)) and is_checkpoint_dir(model):  # streamed: never materialised
         return convert_checkpoint(model, example_inputs, **{k: options[k] for k in _CHECKPOINT_KEYS})
@@ -218,9 +231,10 @@ def convert(
         inputs,
         cfg.policy,
         dynamic_batch=dynamic_batch,
+        dynamic_dims=cfg.dynamic_dims,
         fuse_contractions=cfg.fuse,
         range_rules=cfg.rules,
-        calibration=None if calibration is None else [b for b in map(normalize_inputs, calibration) if b is not None],
+        calibration=options["calibration"],  # read once: the budget search's trials reuse the list
         fold_batchnorm=fold_batchnorm,
     )
     timings.update(out.timings)
@@ -247,6 +261,7 @@ class _Config:
     policy: PrecisionPolicy
     rules: RangeRules | None
     tolerance: Tolerance | None  # None when verification does not run
+    dynamic_dims: dict[str, list[int]] = field(default_factory=dict)
 
 
 def _resolve(
@@ -269,7 +284,7 @@ def _resolve(
     )
     tol = (tolerance or DEFAULT_TOLERANCES[options["precision"]]) if verify else None
     fuse, fuse_reason = resolve_fuse(options["fuse_contractions"])
-    return _Config(lvl, fuse, fuse_reason, policy, rules, tol)
+    return _Config(lvl, fuse, fuse_reason, policy, rules, tol, parse_dynamic_dims(options["dynamic_dims"]))
 
 
 def _subject(
@@ -286,11 +301,13 @@ def _subject(
         program = torchscript_to_program(loaded.scripted, inputs)
         return program, loaded.scripted, (inputs[0] + tuple(inputs[1].values()), {})
     if loaded.program is not None:
+        inputs = bind_to_program(loaded.program, inputs)  # named inputs onto the program's own convention
         # Unlifting costs a fraction of an export: skip it when the caller already has the FP32 outputs
         # (the budget search converts the same program once per trial).
         return loaded.program, loaded.program.module() if reference_outputs is None else None, inputs
     bind_inputs(loaded.module, inputs)
-    return loaded.module, loaded.module, inputs
+    module = private_buffers(loaded.module)
+    return module, module, inputs
 
 
 def _reference_outputs(reference: Any, inputs: Inputs) -> Any:
@@ -330,6 +347,13 @@ def _report(
             "O3 runs everything in low precision, norms and softmax included: a speed baseline, "
             "not an accuracy-preserving setting"
         )
+    if loaded.module is not None and loaded.module.training:
+        warnings.append(
+            "the model was passed in train mode and converted in train mode (BatchNorm uses batch statistics "
+            "and updates its running statistics, dropout is random): call model.eval() first for inference"
+        )
+    if options["dynamic_batch"] and (static := static_batch_inputs(out.converted)):
+        warnings.append(f"--dynamic-batch: dim 0 of {', '.join(static)} stayed static: the model fixes it")
     config = {
         "precision": options["precision"],
         "level": cfg.level.value,
@@ -338,6 +362,7 @@ def _report(
         "force_low": options["force_low"],
         "low_precision_io": options["low_precision_io"],
         "dynamic_batch": options["dynamic_batch"],
+        "dynamic_dims": cfg.dynamic_dims,
         "fuse_contractions": cfg.fuse,
         "fuse_contractions_reason": cfg.fuse_reason,
         "range_rules": vars(cfg.rules) if cfg.rules else None,
@@ -351,7 +376,7 @@ def _report(
     predicted = estimate(out.original, out.converted, low, profile=options["gpu_profile"])
     timings["estimate"] = perf_counter() - start
     report = build_report(
-        source={"path": loaded.path, "format": loaded.kind},
+        source={**_source(loaded), "graph_fingerprint": graph_fingerprint(out.original)},
         config=config,
         records=out.records,
         plan=out.plan,
@@ -365,6 +390,14 @@ def _report(
     )
     report.data["estimate"] = predicted
     return report
+
+
+def _source(loaded: LoadedModel) -> dict[str, Any]:
+    """The report's ``source``: path, format, and for a module the mode it was traced in (as passed)."""
+    source: dict[str, Any] = {"path": loaded.path, "format": loaded.kind}
+    if loaded.module is not None:
+        source["mode"] = "train" if loaded.module.training else "eval"
+    return source
 
 
 def _env_level() -> bool:

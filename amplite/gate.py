@@ -17,7 +17,7 @@ import torch
 from torch.export import ExportedProgram
 
 from amplite.converter import emit
-from amplite.errors import ConfigError, ExportError, InputSpecError
+from amplite.errors import ConfigError, EmitError, ExportError, InputSpecError
 from amplite.report.document import Report
 from amplite.verify import data as data_mod
 from amplite.verify import golden as golden_mod
@@ -27,7 +27,7 @@ from amplite.verify.converted import infer_precision, load_converted, report_for
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 _NOT_CONVERT_OPTIONS = {"model", "example_inputs", "verify", "tolerance"}
 _OTHER_MODEL = "this golden directory was made from another model: pass the right --golden or regenerate it"
-_LOAD_KEYS = ("trust_pickle", "model_factory", "dynamic_batch")
+_LOAD_KEYS = ("trust_pickle", "model_factory", "dynamic_batch", "dynamic_dims")
 
 
 @dataclass
@@ -267,6 +267,7 @@ def check(
         if not m.passed
     ]
     if base_line is not None:
+        golden_mod.check_baseline_matches(report, base_line)
         regressions = golden_mod.compare_baseline(report["verification"]["outputs"], base_line, baseline_margin_db)
         report["baseline"] = {
             "margin_db": baseline_margin_db,
@@ -304,7 +305,11 @@ def write_reports(data: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
     from amplite.report.markdown import render_markdown
 
     d = Path(out_dir)
-    d.mkdir(exist_ok=True)
+    try:
+        d.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise EmitError(f"cannot create report directory {str(d)!r}: {exc.strerror or type(exc).__name__}",
+                        "choose a writable --report directory") from None  # fmt: skip
     return {
         "json": emit.write_text(d / "report.json", Report(data).to_json()),
         "md": emit.write_text(d / "report.md", render_markdown(data)),

@@ -15,7 +15,7 @@ from typing import Any
 from amplite.api import ConversionResult, convert
 from amplite.checkpoint import StreamedConversion, checkpoint_to_files, is_checkpoint_dir
 from amplite.converter import emit
-from amplite.errors import ConfigError
+from amplite.errors import ConfigError, EmitError
 from amplite.policy import resolve_level
 from amplite.verify.compare import parse_tolerance
 
@@ -109,8 +109,16 @@ def convert_to_files(
         conversion["tolerance"] = parse_tolerance(tolerance, precision)
         conversion["fallback_search"] = True
     result = convert(model, example_inputs, **conversion)
-    for fmt, path in targets:
-        result.save(path, format=fmt, external_data=True if external_data else None, opset=opset,
-                    layernorm_stash=onnx_layernorm)  # fmt: skip
-    result.report.save(report_path)
+    written: list[Path] = []
+    try:
+        for fmt, path in targets:
+            written.append(result.save(path, format=fmt, external_data=True if external_data else None,
+                                       opset=opset, layernorm_stash=onnx_layernorm))  # fmt: skip
+        result.report.save(report_path)
+    except EmitError:  # a later write failed (disk full): leave no half set of outputs behind
+        for done in written:
+            done.unlink(missing_ok=True)
+            if done.suffix == ".onnx":
+                done.with_name(done.name + ".data").unlink(missing_ok=True)
+        raise
     return SavedConversion(result, [p for _, p in targets], report_path)

@@ -38,14 +38,27 @@ JOB_KEYS: dict[str, str] = {
     "dynamic_batch": "true or false",
     "low_precision_io": "true or false",
     "fuse_contractions": "true or false",
+    "dynamic_dims": 'a list of NAME:DIM[,DIM] specs, e.g. ["ids:1"]',
+    "range_rules": "true or false (default: on at O1/O2)",
+    "data_max": "the largest |activation| kept in fp16 (a positive number)",
+    "max_reduction_depth": "the longest reduction kept in low precision (a positive integer)",
+    "fold_batchnorm": "true or false",
+    "calib": "a directory of calibration batches",
+    "calib_loader": "module:function yielding calibration batches",
     "verify": "true or false",
     "timeout": "seconds (a positive number)",
     "max_memory_gb": "GiB of address space for the worker (a positive number)",
 }
 MODEL_ONLY = ("name", "path")
-_LISTS = ("inputs", "keep_fp32", "force_low", "formats")
-_BOOLS = ("trust_pickle", "dynamic_batch", "low_precision_io", "fuse_contractions", "verify")
-_STRINGS = ("path", "inputs_file", "precision", "model_factory")
+_LISTS = ("inputs", "keep_fp32", "force_low", "formats", "dynamic_dims")
+_BOOLS = ("trust_pickle", "dynamic_batch", "low_precision_io", "fuse_contractions", "verify", "range_rules",
+          "fold_batchnorm")  # fmt: skip
+_STRINGS = ("path", "inputs_file", "precision", "model_factory", "calib", "calib_loader")
+#: Job keys passed to ``amplite.convert`` unchanged (the conversion options; ``calib``/``calib_loader``
+#: become its ``calibration``).
+CONVERT_KEYS = ("precision", "level", "keep_fp32", "force_low", "low_precision_io", "dynamic_batch", "dynamic_dims",
+                "fuse_contractions", "trust_pickle", "model_factory", "verify", "range_rules", "data_max",
+                "max_reduction_depth", "fold_batchnorm")  # fmt: skip
 _TOLERANCE_KEYS = ("min_sqnr_db", "min_cosine", "max_mismatch")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 #: File suffixes taken from a directory source (self-contained: they store their example inputs).
@@ -81,6 +94,13 @@ class Job:
     dynamic_batch: bool = False
     low_precision_io: bool = False
     fuse_contractions: bool = False
+    dynamic_dims: tuple[str, ...] = ()
+    range_rules: bool | None = None
+    data_max: float = 512.0
+    max_reduction_depth: int = 4096
+    fold_batchnorm: bool = True
+    calib: str | None = None
+    calib_loader: str | None = None
     verify: bool = True
     timeout: float | None = None
     max_memory_gb: float | None = None
@@ -183,7 +203,11 @@ def _check_value(key: str, value: Any) -> Any:
         if text not in ("O0", "O1", "O2", "O3"):
             raise ValueError(f"unknown level {value!r}")
         return text
-    if key in ("timeout", "max_memory_gb"):
+    if key == "max_reduction_depth":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"expected {JOB_KEYS[key]}, got {value!r}")
+        return value
+    if key in ("timeout", "max_memory_gb", "data_max"):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ValueError(f"expected {JOB_KEYS[key]}, got {value!r}")
         return float(value)
@@ -222,8 +246,9 @@ def make_job(data: dict[str, Any], base: Path, line_of: Any, *, where: str) -> J
         raise _fail(where, line_of("name"), None, "no 'path'", 'add path = "model.pt2" to the entry')
     path = (base / Path(values["path"]).expanduser()).resolve()
     values["path"] = str(path)
-    if "inputs_file" in values:
-        values["inputs_file"] = str((base / Path(values["inputs_file"]).expanduser()).resolve())
+    for key in ("inputs_file", "calib"):
+        if key in values:
+            values[key] = str((base / Path(values[key]).expanduser()).resolve())
     name = values.get("name") or safe_name(path)
     if not _NAME.match(name):
         raise _fail(

@@ -46,21 +46,13 @@ def convert_job(job: dict[str, Any], out: Path) -> dict[str, Any]:
         tol = None
         if job.get("tolerance"):
             tol = Tolerance(**{**vars(DEFAULT_TOLERANCES[job["precision"]]), **job["tolerance"]})
-        result = amplite.convert(
-            job["path"],
-            _inputs(job),
-            precision=job["precision"],
-            level=job["level"],
-            keep_fp32=job["keep_fp32"],
-            force_low=job["force_low"],
-            low_precision_io=job["low_precision_io"],
-            dynamic_batch=job["dynamic_batch"],
-            fuse_contractions=job["fuse_contractions"],
-            trust_pickle=job["trust_pickle"],
-            model_factory=job["model_factory"],
-            verify=job["verify"],
-            tolerance=tol,
-        )
+        from amplite.batch.manifest import CONVERT_KEYS
+
+        options = {k: job[k] for k in CONVERT_KEYS if k in job}
+        options["keep_fp32"], options["force_low"] = list(job["keep_fp32"]), list(job["force_low"])
+        options["dynamic_dims"] = list(job.get("dynamic_dims") or ())
+        calibration = Path(job["calib"]) if job.get("calib") else job.get("calib_loader")
+        result = amplite.convert(job["path"], _inputs(job), tolerance=tol, calibration=calibration, **options)
         files = [result.save(out / f"model.{fmt}", format=fmt).name for fmt in job["formats"]]
         result.report.save(out / "report.json")
         row = _success_row(job, result)

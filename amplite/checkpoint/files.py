@@ -17,8 +17,9 @@ from amplite.policy import resolve_level
 
 FORMATS = ("safetensors", "pt2")
 #: amplite.convert keywords that mean nothing for a streamed checkpoint (with their defaults).
-_NOT_APPLICABLE = {"dynamic_batch": False, "fuse_contractions": "auto", "trust_pickle": False, "model_factory": None,
-                   "fold_batchnorm": True, "calibration": None, "fallback_search": False}  # fmt: skip
+_NOT_APPLICABLE = {"dynamic_batch": False, "dynamic_dims": [], "fuse_contractions": "auto", "trust_pickle": False,
+                   "model_factory": None, "fold_batchnorm": True, "calibration": None,
+                   "fallback_search": False}  # fmt: skip
 _PASSED = ("precision", "level", "keep_fp32", "force_low", "low_precision_io", "range_rules")
 
 
@@ -59,7 +60,7 @@ def checkpoint_to_files(
         AmpliteError: A bad directory, option or destination (before anything is written).
     """
     for key, default in _NOT_APPLICABLE.items():
-        if key in conversion and conversion[key] != default:
+        if key in conversion and conversion[key] not in (default, None) and not (default == [] and not conversion[key]):
             raise ConfigError(f"{key} does not apply to a checkpoint directory",
                               "drop it (checkpoints are streamed from their shards)")  # fmt: skip
     src = Path(source)

@@ -12,8 +12,6 @@ from amplite.cli.app import _inputs, _run, app
 from amplite.cli.options import (
     DataOpt,
     DebugOpt,
-    DynOpt,
-    FactoryOpt,
     InputOpt,
     InputsFile,
     LoaderOpt,
@@ -21,9 +19,9 @@ from amplite.cli.options import (
     ModelArg,
     RandomOpt,
     ToleranceOpt,
-    TrustOpt,
     UpdateOpt,
     conversion_options,
+    loading_options,
 )
 from amplite.cli.output import out, print_check
 
@@ -78,6 +76,7 @@ def check(
 
 
 @app.command()
+@loading_options
 def golden(
     model: ModelArg,
     output: Annotated[Path, typer.Option("--output", "-o", help="Golden directory to write.")],
@@ -88,10 +87,9 @@ def golden(
     data_loader: LoaderOpt = None,
     random_batches: RandomOpt = 0,
     max_batches: MaxBatchOpt = 64,
-    trust_pickle: TrustOpt = False,
-    model_factory: FactoryOpt = None,
-    dynamic_batch: DynOpt = False,
     debug: DebugOpt = False,
+    *,
+    conversion: dict[str, Any],
 ) -> None:
     """Save inputs and FP32 reference outputs (safetensors + metadata) for `check --golden`."""
 
@@ -100,8 +98,7 @@ def golden(
 
         path = make_golden(
             model, _inputs(input, inputs), output=output, update=update_golden, data=data, data_loader=data_loader,
-            random_batches=random_batches, input_specs=input, max_batches=max_batches, trust_pickle=trust_pickle,
-            model_factory=model_factory, dynamic_batch=dynamic_batch,
+            random_batches=random_batches, input_specs=input, max_batches=max_batches, **conversion,
         )  # fmt: skip
         out.print(escape(f"wrote golden references to {path}"))
         return 0

@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
+from amplite.errors import AmpliteError, ConfigError
+
 ModelArg = Annotated[Path, typer.Argument(help="Model file: .pt2, TorchScript, state dict or pickled module.")]
 Precision = Annotated[str, typer.Option("--precision", "-p", help="fp16 or bf16.")]
 LevelOpt = Annotated[str | None, typer.Option("--level", "-l", help="O0-O3 (default: $AMPLITE_LEVEL, else O1).")]
@@ -22,6 +24,16 @@ LowOpt = Annotated[list[str], typer.Option("--force-low", help="Force low precis
 TrustOpt = Annotated[bool, typer.Option("--trust-pickle", help="Allow unpickling (runs code from the file).")]
 FactoryOpt = Annotated[str | None, typer.Option("--model-factory", help="module:callable for a state dict.")]
 DynOpt = Annotated[bool, typer.Option("--dynamic-batch", help="Make dim 0 of every input dynamic.")]
+DynDimOpt = Annotated[
+    list[str],
+    typer.Option("--dynamic-dim", help="NAME:DIM[,DIM]: make these dims of input NAME dynamic (ids:1). Repeatable."),
+]
+CalibOpt = Annotated[
+    Path | None, typer.Option("--calib", help="Directory of calibration batches for the range rules (as --data).")
+]
+CalibLoaderOpt = Annotated[
+    str | None, typer.Option("--calib-loader", help="module:function yielding calibration batches.")
+]
 IoOpt = Annotated[bool, typer.Option("--low-precision-io", help="Inputs and outputs in the low dtype too.")]
 FuseOpt = Annotated[
     bool | None,
@@ -66,35 +78,53 @@ CONVERSION_PARAMS: tuple[inspect.Parameter, ...] = tuple(
         ("trust_pickle", TrustOpt, False),
         ("model_factory", FactoryOpt, None),
         ("dynamic_batch", DynOpt, False),
+        ("dynamic_dims", DynDimOpt, []),
         ("low_precision_io", IoOpt, False),
         ("fuse_contractions", FuseOpt, None),
         ("range_rules", RangeOpt, None),
         ("data_max", DataMaxOpt, 512.0),
         ("max_reduction_depth", DepthOpt, 4096),
         ("no_fold_batchnorm", NoFoldOpt, False),
+        ("calib", CalibOpt, None),
+        ("calib_loader", CalibLoaderOpt, None),
         ("gpu_profile", GpuProfileOpt, "H100"),
     )
 )
+#: CLI options whose ``amplite.convert`` keyword has another name (``calib``/``calib_loader`` both feed
+#: ``calibration``: a directory, or a ``module:function`` string).
+API_NAMES = {"no_fold_batchnorm": "fold_batchnorm", "calib": "calibration", "calib_loader": "calibration"}
+#: The conversion options that only load and trace the model: what ``amplite golden`` takes.
+LOADING_NAMES = ("trust_pickle", "model_factory", "dynamic_batch", "dynamic_dims")
+LOADING_PARAMS = tuple(p for p in CONVERSION_PARAMS if p.name in LOADING_NAMES)
 
 
 def to_api(values: dict[str, Any]) -> dict[str, Any]:
     """CLI conversion option values -> ``amplite.convert`` keyword arguments."""
     kwargs = dict(values)
-    kwargs["fold_batchnorm"] = not kwargs.pop("no_fold_batchnorm")
-    if kwargs.get("fuse_contractions") is None:
+    if "fuse_contractions" in kwargs and kwargs["fuse_contractions"] is None:
         kwargs["fuse_contractions"] = "auto"
-    kwargs["keep_fp32"] = list(kwargs["keep_fp32"])
-    kwargs["force_low"] = list(kwargs["force_low"])
+    if "no_fold_batchnorm" in kwargs:
+        kwargs["fold_batchnorm"] = not kwargs.pop("no_fold_batchnorm")
+    for key in ("keep_fp32", "force_low", "dynamic_dims"):
+        if key in kwargs:
+            kwargs[key] = list(kwargs[key])
+    calib, loader = kwargs.pop("calib", None), kwargs.pop("calib_loader", None)
+    if calib is not None and loader is not None:
+        raise ConfigError("--calib and --calib-loader are both given", "pass one source of calibration batches")
+    if calib is not None or loader is not None:
+        kwargs["calibration"] = Path(calib) if calib is not None else loader
     return kwargs
 
 
-def conversion_options(command: Callable[..., Any]) -> Callable[..., Any]:
+def conversion_options(
+    command: Callable[..., Any], params: tuple[inspect.Parameter, ...] = CONVERSION_PARAMS
+) -> Callable[..., Any]:
     """Give a command every conversion option; they reach it as one ``conversion`` dict of API keywords.
 
     The command declares ``conversion: dict`` as its last keyword instead of the options themselves, so a
     new conversion option added to :data:`CONVERSION_PARAMS` appears on every converting command at once.
     """
-    names = {p.name for p in CONVERSION_PARAMS}
+    names = {p.name for p in params}
     own = [
         p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
         for p in inspect.signature(command, eval_str=True).parameters.values()
@@ -103,12 +133,23 @@ def conversion_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> Any:
-        conversion = to_api({k: kwargs.pop(k) for k in names})
+        try:
+            conversion = to_api({k: kwargs.pop(k) for k in names})
+        except AmpliteError as exc:  # before the command's own error handling: report it the same way
+            from amplite.cli.output import err
+
+            err.print(f"[bold red]error:[/] {exc.one_line()}", soft_wrap=True)
+            raise typer.Exit(exc.exit_code) from None
         return command(conversion=conversion, **kwargs)
 
     debug = [p for p in own if p.name == "debug"]
     rest = [p for p in own if p.name != "debug"]
-    wrapper.__signature__ = inspect.Signature([*rest, *CONVERSION_PARAMS, *debug])  # type: ignore[attr-defined]
+    wrapper.__signature__ = inspect.Signature([*rest, *params, *debug])  # type: ignore[attr-defined]
     wrapper.__annotations__ = {p.name: p.annotation for p in wrapper.__signature__.parameters.values()}
     del wrapper.__wrapped__  # typer must read the new signature, not the command's
     return wrapper
+
+
+def loading_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Like :func:`conversion_options`, with only the options that load and trace (``amplite golden``)."""
+    return conversion_options(command, LOADING_PARAMS)

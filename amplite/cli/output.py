@@ -19,18 +19,44 @@ out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
+def _nonfinite(o: dict[str, Any]) -> str:
+    """The NaN/Inf count of an output row: the converted output's, and the reference's when it has any."""
+    text = str(o.get("out_nonfinite", 0))
+    return text + (f" (ref {o['ref_nonfinite']})" if o.get("ref_nonfinite") else "")
+
+
+def _partial(o: dict[str, Any]) -> bool:
+    """Whether the float metrics were computed on the finite part only."""
+    return o.get("compared", 0) < o.get("elements", 0)
+
+
+def _metric(o: dict[str, Any], key: str, spec: str) -> str:
+    """A metric cell; marked † when computed on the finite part only."""
+    v = o[key]
+    cell = v if isinstance(v, str) else format(v, spec)
+    return cell + ("†" if _partial(o) else "")
+
+
+def _footnote(rows: list[dict[str, Any]]) -> None:
+    for o in rows:
+        if _partial(o):
+            out.print(f"† {o['name']}: metrics on the finite part only ({o['compared']} of {o['elements']} "
+                      f"elements; {o['elements'] - o['compared']} NaN/Inf)")  # fmt: skip
+
+
 def print_check(res: Any) -> None:
     """The verdict of ``check``: per-output metrics, top error-introducing nodes, failure reasons, files."""
     data = res.report.data
     verification = data.get("verification", {})
     table = Table(title=f"amplite check: {'[green]PASS[/]' if res.exit_code == 0 else '[red]FAIL[/]'}")
-    for col in ("output", "SQNR dB", "max abs", "cosine", "result"):
+    for col in ("output", "NaN/Inf", "SQNR dB", "max abs", "cosine", "result"):
         table.add_column(col)
-    for o in verification.get("outputs", []):
-        sqnr = o["sqnr_db"] if isinstance(o["sqnr_db"], str) else f"{o['sqnr_db']:.1f}"
-        verdict = "pass" if o["passed"] else "FAIL"
-        table.add_row(escape(o["name"]), sqnr, f"{o['max_abs']:.3g}", f"{o['cosine']:.6f}", verdict)
+    rows = verification.get("outputs", [])
+    for o in rows:
+        table.add_row(escape(o["name"]), _nonfinite(o), _metric(o, "sqnr_db", ".1f"), _metric(o, "max_abs", ".3g"),
+                      _metric(o, "cosine", ".6f"), "pass" if o["passed"] else "FAIL")  # fmt: skip
     out.print(table)
+    _footnote(rows)
     top = (data.get("layerwise") or {}).get("top_introducers") or []
     if top:
         out.print("top error-introducing nodes (isolated error, fed FP32 inputs):")
@@ -106,14 +132,14 @@ def print_summary(data: dict[str, Any], written: list[Path], report_path: Path) 
     verification = data.get("verification")
     if verification:
         vt = Table(title="verification against FP32 (example inputs)")
-        for col in ("output", "max abs", "max rel", "cosine", "SQNR dB", "result"):
+        for col in ("output", "NaN/Inf", "max abs", "max rel", "cosine", "SQNR dB", "result"):
             vt.add_column(col)
         for o in verification["outputs"]:
-            sqnr = o["sqnr_db"] if isinstance(o["sqnr_db"], str) else f"{o['sqnr_db']:.1f}"
             verdict = "[green]pass[/]" if o["passed"] else "[red]FAIL[/] " + escape("; ".join(o["notes"]))
-            name = escape(o["name"])
-            vt.add_row(name, f"{o['max_abs']:.3g}", f"{o['max_rel']:.3g}", f"{o['cosine']:.6f}", sqnr, verdict)
+            vt.add_row(escape(o["name"]), _nonfinite(o), _metric(o, "max_abs", ".3g"), _metric(o, "max_rel", ".3g"),
+                       _metric(o, "cosine", ".6f"), _metric(o, "sqnr_db", ".1f"), verdict)  # fmt: skip
         out.print(vt)
+        _footnote(verification["outputs"])
         blocks = verification.get("blocks") or []
         if blocks:
             worst = min(blocks, key=lambda b: b["sqnr_db"])

@@ -63,6 +63,15 @@ def check_writable(path: str | Path) -> Path:
         raise EmitError(f"output directory {str(parent)!r} does not exist", "create it or choose another -o")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise EmitError(f"output directory {str(parent)!r} is not writable", "choose a writable -o path")
+    try:  # access() says yes to root on /proc or a read-only mount: creating a file there is the real test
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{p.name}.", suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise EmitError(
+            f"cannot write to output directory {str(parent)!r}: {exc.strerror or type(exc).__name__}",
+            "choose a writable -o path",
+        ) from None
     return p
 
 
@@ -76,9 +85,10 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
         EmitError: If writing fails (disk full, permissions); no file is left behind.
     """
     p = check_writable(path)
-    tmp_dir = Path(tempfile.mkdtemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp"))
-    tmp = tmp_dir / p.name
+    tmp_dir: Path | None = None
     try:
+        tmp_dir = Path(tempfile.mkdtemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp"))
+        tmp = tmp_dir / p.name
         write(str(tmp))
         os.replace(tmp, p)
     except BaseException as exc:
@@ -88,7 +98,8 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
             f"writing {str(p)!r} failed: {type(exc).__name__}: {exc}", "check disk space and permissions"
         ) from exc
     finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
     return p
 
 

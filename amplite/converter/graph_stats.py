@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import operator
 from collections import Counter
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch.export import ExportedProgram
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from amplite import op_tables
 from amplite.passes.graph_utils import cast_dtype, fake_value
@@ -48,26 +50,25 @@ def node_compute_dtype(node: torch.fx.Node) -> torch.dtype | None:
     return None
 
 
-def _hint(n: Any) -> int:
-    """An extent as a number: a symbolic one's example value, read without adding a guard.
+def _size(value: Any) -> int:
+    """A size as an int; a symbolic size (dynamic batch) evaluates at the example's value.
 
-    ``int(SymInt)`` would specialise the program's shape environment to the example's batch size, and a
-    dynamic-batch ``.pt2`` would then save with a static input (and refuse other batch sizes when loaded).
+    ``int()`` on a ``SymInt`` would add a guard to the program's shape environment and specialise the
+    dimension for good (the saved file would then reject any other batch); the optimisation hint reads the
+    example's value without guarding.
     """
-    if isinstance(n, torch.SymInt):
-        hint = n.node.hint
-        if isinstance(hint, int):
-            return hint
-        raise TypeError("symbolic extent without a hint")
-    return int(n)
+    return optimization_hint(value, fallback=1) if isinstance(value, torch.SymInt) else int(value)
 
 
 def estimate_flops(node: torch.fx.Node) -> float:
-    """Rough FLOPs of one node: 2·M·N·K for contractions and convolutions, else one per output element."""
+    """Rough FLOPs of one node: 2·M·N·K for contractions and convolutions, else one per output element.
+
+    Symbolic sizes count at the example's values (see :func:`_size`); nothing here guards on them.
+    """
     val = fake_value(node)
     outs = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
     try:
-        out_numel = sum(_hint(v.numel()) for v in outs)
+        out_numel = sum(_size(v.numel()) for v in outs)
     except (TypeError, RuntimeError):
         return 0.0
     op = op_tables.op_name(node.target)
@@ -76,13 +77,13 @@ def estimate_flops(node: torch.fx.Node) -> float:
     try:
         if op in _MATMUL_LIKE:
             a = fake_value(node.args[1] if op in ("addmm.default", "baddbmm.default") else node.args[0])
-            return 2.0 * out_numel * _hint(a.shape[-1])
+            return 2.0 * out_numel * _size(a.shape[-1])
         if op in _CONV_LIKE:
             w = fake_value(node.args[1])
-            return 2.0 * out_numel * _hint(w.numel()) / _hint(w.shape[0])
+            return 2.0 * out_numel * _size(w.numel()) / _size(w.shape[0])
         if op == "scaled_dot_product_attention.default":
             q, k = fake_value(node.args[0]), fake_value(node.args[1])
-            return 4.0 * math.prod(_hint(s) for s in q.shape) * _hint(k.shape[-2])
+            return 4.0 * math.prod(_size(s) for s in q.shape) * _size(k.shape[-2])
     except (TypeError, RuntimeError, AttributeError, IndexError):
         return float(out_numel)
     return float(out_numel)
@@ -126,3 +127,19 @@ def weight_bytes(program: ExportedProgram) -> int:
     total = sum(t.nbytes for t in program.state_dict.values() if isinstance(t, torch.Tensor))
     total += sum(t.nbytes for t in program.constants.values() if isinstance(t, torch.Tensor))
     return total
+
+
+def graph_fingerprint(program: ExportedProgram) -> str:
+    """A short hash of what identifies a model: its ops in graph order and its weights' names and shapes.
+
+    Input sizes are left out (the same model verified on another batch size has the same fingerprint);
+    two reports with different fingerprints describe different models (``check --baseline`` refuses them).
+    """
+    h = hashlib.sha256()
+    for node in program.graph.nodes:
+        if node.op == "call_function":
+            h.update(str(node.target).encode() + b";")
+    for name, t in sorted(program.state_dict.items()):
+        if isinstance(t, torch.Tensor):
+            h.update(f"{name}:{tuple(t.shape)};".encode())
+    return h.hexdigest()[:16]

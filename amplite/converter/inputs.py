@@ -156,6 +156,56 @@ def bind_inputs(model: torch.nn.Module, inputs: Inputs) -> Inputs:
     return inputs
 
 
+def program_signature(program: Any) -> tuple[list[str], int] | None:
+    """The top-level input names of an exported program (or its ``.module()``) and how many are positional.
+
+    The names are ``forward()``'s parameter names that ``torch.export`` recorded (the module call graph's
+    ``forward_arg_names``; the unlifted module's codegen carries the same list). None when the program
+    does not record them.
+    """
+    info = getattr(getattr(getattr(program, "graph", None), "_codegen", None), "pytree_info", None)
+    if info is not None and not hasattr(program, "graph_signature"):
+        names, in_spec = list(info.orig_args), info.in_spec
+    else:
+        calls = getattr(program, "module_call_graph", None) or []
+        sig = calls[0].signature if calls else None
+        if sig is None or not sig.forward_arg_names:
+            return None
+        names, in_spec = list(sig.forward_arg_names), program.call_spec.in_spec
+    if in_spec is None or in_spec.type is not tuple or in_spec.num_children != 2:
+        return None
+    n_pos = in_spec.child(0).num_children
+    return (names, n_pos) if len(names) == n_pos + in_spec.child(1).num_children else None
+
+
+def bind_to_program(program: Any, inputs: Inputs) -> Inputs:
+    """``inputs`` rearranged to the calling convention the program was exported with.
+
+    A program exported from ``forward(x)`` called positionally takes ``x`` positionally only (its
+    ``.module()`` rejects ``x=`` with "kwarg keyword mismatch"); named inputs (``--input x:4x32:float32``,
+    a dict inputs file) are bound to the recorded parameter names, positional or keyword as exported.
+
+    Raises:
+        InputSpecError: Naming the program's inputs when ``inputs`` do not bind to them.
+    """
+    found = program_signature(program)
+    if found is None:
+        return inputs
+    names, n_pos = found
+    args, kwargs = inputs
+    params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
+    try:
+        bound = inspect.Signature(params).bind(*args, **kwargs)
+    except TypeError as exc:
+        given = ", ".join([f"#{i}" for i in range(len(args))] + list(kwargs)) or "none"
+        raise InputSpecError(
+            f"the inputs do not fit the program's inputs ({', '.join(names)}): {exc} (given: {given})",
+            f"name each --input after one of: {', '.join(names)} (or pass them in that order)",
+        ) from None
+    values = [bound.arguments[n] for n in names]  # every parameter is required: bind() checked that
+    return tuple(values[:n_pos]), dict(zip(names[n_pos:], values[n_pos:], strict=True))
+
+
 def normalize_inputs(example_inputs: Any) -> Inputs | None:
     """Accept a tensor, a tuple/list (positional), a dict (keyword) or an explicit ``(args, kwargs)``."""
     if example_inputs is None:

@@ -21,7 +21,8 @@ from torch.utils import _pytree as pytree
 
 from amplite import op_tables
 from amplite.converter.calibration import ValueRange, collect_ranges
-from amplite.converter.tracing import Inputs, export_model
+from amplite.converter.inputs import bind_to_program
+from amplite.converter.tracing import DynamicDims, Inputs, export_model
 from amplite.passes.annotate_precision import AnnotatePrecision
 from amplite.passes.base import Pass, PassManager, PassRecord
 from amplite.passes.cleanup_casts import CleanupCasts
@@ -167,6 +168,8 @@ def rewrite(
     timings: dict[str, float] = {}
     start = perf_counter()
     gm = original.module()
+    # calibration batches in the program's calling convention (named inputs onto positional parameters)
+    batches = [inputs] if calibration is None else [bind_to_program(gm, b) for b in calibration]
     strip_export_checks(gm)
     if policy.low_precision_io:
         for node in gm.graph.nodes:
@@ -182,7 +185,7 @@ def rewrite(
         ranges = {}  # bf16 has FP32's range: only the depth rule applies, and it needs shapes, not values
     elif ranges is None:
         calib_start = perf_counter()
-        ranges = collect_ranges(gm, calibration if calibration is not None else [inputs])
+        ranges = collect_ranges(gm, batches)
         timings["calibration"] = perf_counter() - calib_start
     passes = build_passes(policy, fuse_contractions=fuse_contractions, ranges=ranges, range_rules=range_rules)
     gm, rest = PassManager(passes)(gm)
@@ -196,6 +199,7 @@ def run_pipeline(
     policy: PrecisionPolicy,
     *,
     dynamic_batch: bool = False,
+    dynamic_dims: DynamicDims | None = None,
     fuse_contractions: bool = False,
     range_rules: RangeRules | None = None,
     calibration: Iterable[Inputs] | None = None,
@@ -208,6 +212,7 @@ def run_pipeline(
         inputs: Example inputs ``(args, kwargs)`` for tracing.
         policy: The precision policy.
         dynamic_batch: Make dim 0 of every input dynamic.
+        dynamic_dims: Also make these dims of these named inputs dynamic (``{"ids": [1]}``).
         fuse_contractions: Run the contraction-fusion pass last.
         range_rules: Apply these range rules (None: no range rules).
         calibration: Batches for the range rules (default: the example inputs).
@@ -215,7 +220,8 @@ def run_pipeline(
     """
     timings: dict[str, float] = {}
     start = perf_counter()
-    original = model if isinstance(model, ExportedProgram) else export_model(model, inputs, dynamic_batch=dynamic_batch)
+    dynamic = {"dynamic_batch": dynamic_batch, "dynamic_dims": dynamic_dims}
+    original = model if isinstance(model, ExportedProgram) else export_model(model, inputs, **dynamic)
     timings["export"] = perf_counter() - start
     if policy.level is Level.O0:
         return PipelineOutput(original, original, timings=timings | {"passes": 0.0, "reexport": 0.0})
@@ -227,7 +233,7 @@ def run_pipeline(
     timings.update(done.timings)
     start = perf_counter()
     export_inputs = lower_inputs(inputs, policy.low_dtype) if policy.low_precision_io else inputs
-    converted = export_model(done.module, export_inputs, dynamic_batch=dynamic_batch, what="the converted model")
+    converted = export_model(done.module, export_inputs, **dynamic, what="the converted model")
     timings["reexport"] = perf_counter() - start
     return PipelineOutput(original, converted, done.records, done.plan, timings, done.ranges)
 

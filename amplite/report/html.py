@@ -29,8 +29,8 @@ th{background:#f5f5f5;text-align:left} .pass{color:#087f23;font-weight:600} .fai
 """
 
 
-_OUTPUT_HEAD = ["output", "SQNR dB", "cosine", "max abs", "p99 abs", "max rel", "top-1", "top-5", "KL",
-                "min atol / rtol", "new NaN/Inf", "result"]  # fmt: skip
+_OUTPUT_HEAD = ["output", "NaN/Inf", "SQNR dB", "cosine", "max abs", "p99 abs", "max rel", "top-1", "top-5", "KL",
+                "min atol / rtol", "result"]  # fmt: skip
 _TOP_HEAD = ["#", "node", "op", "module", "source", "dtype", "isolated SQNR", "accumulated SQNR",
              "introduces NaN/Inf", "FP32 max |x|"]  # fmt: skip
 
@@ -245,11 +245,16 @@ def render_html(data: dict[str, Any]) -> str:
                 if o["passed"]
                 else ('<span class="fail">FAIL</span> ' + escape("; ".join(failed + o.get("notes", []))))
             )
-            rows.append([o["name"], fmt(o["sqnr_db"]), fmt(o["cosine"], 7), fmt(o["max_abs"], 3),
-                         fmt(o.get("p99_abs"), 3), fmt(o.get("max_rel"), 3), fmt(o.get("top1")), fmt(o.get("top5")),
-                         fmt(o.get("kl_div"), 3), f"{fmt(o.get('min_atol'), 3)} / {fmt(o.get('min_rtol'), 3)}",
-                         o.get("new_nonfinite", 0), res])  # fmt: skip
+            mark = "†" if o.get("compared", 0) < o.get("elements", 0) else ""
+            nonfinite = f"{o.get('out_nonfinite', 0)} ({o.get('new_nonfinite', 0)} new)"
+            rows.append([o["name"], nonfinite, fmt(o["sqnr_db"]) + mark, fmt(o["cosine"], 7) + mark,
+                         fmt(o["max_abs"], 3) + mark, fmt(o.get("p99_abs"), 3) + mark, fmt(o.get("max_rel"), 3) + mark,
+                         fmt(o.get("top1")), fmt(o.get("top5")), fmt(o.get("kl_div"), 3),
+                         f"{fmt(o.get('min_atol'), 3)} / {fmt(o.get('min_rtol'), 3)}", res])  # fmt: skip
         parts.append(_table(_OUTPUT_HEAD, rows, raw={11}))
+        parts += [f"<p class='muted'>† {escape(o['name'])}: metrics on the finite part only ({o['compared']} of "
+                  f"{o['elements']} elements)</p>" for o in ver["outputs"]
+                  if o.get("compared", 0) < o.get("elements", 0)]  # fmt: skip
     if data.get("budget"):
         parts.append(_budget_section(data["budget"], figs.get("budget-search", "")))
     if data.get("estimate"):

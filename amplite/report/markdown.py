@@ -63,17 +63,23 @@ def render_markdown(data: dict[str, Any], top_n: int = 5) -> str:
     lines.append("")
     if ver:
         lines += [
-            "| output | SQNR dB | cosine | max abs | p99 abs | top-1 | min atol | result |",
-            "|---|---|---|---|---|---|---|---|",
+            "| output | NaN/Inf | SQNR dB | cosine | max abs | p99 abs | top-1 | min atol | result |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for o in ver["outputs"]:
+            mark = "†" if o.get("compared", 0) < o.get("elements", 0) else ""
             failed = [c["criterion"] for c in o.get("checks", []) if not c["passed"]]
             result = "pass" if o["passed"] else "**FAIL** " + _cell("; ".join(failed + o.get("notes", [])))
             lines.append(
-                f"| `{_cell(o['name'])}` | {fmt(o['sqnr_db'])} | {fmt(o['cosine'], 7)} | {fmt(o['max_abs'], 3)} "
-                f"| {fmt(o.get('p99_abs'), 3)} | {fmt(o.get('top1'))} | {fmt(o.get('min_atol'), 3)} | {result} |"
+                f"| `{_cell(o['name'])}` | {o.get('out_nonfinite', 0)} | {fmt(o['sqnr_db'])}{mark} "
+                f"| {fmt(o['cosine'], 7)}{mark} | {fmt(o['max_abs'], 3)}{mark} | {fmt(o.get('p99_abs'), 3)}{mark} "
+                f"| {fmt(o.get('top1'))} | {fmt(o.get('min_atol'), 3)} | {result} |"
             )
         lines.append("")
+        lines += [f"† `{_cell(o['name'])}`: metrics on the finite part only ({o['compared']} of {o['elements']} "
+                  "elements)" for o in ver["outputs"] if o.get("compared", 0) < o.get("elements", 0)]  # fmt: skip
+        if lines[-1] != "":
+            lines.append("")
     if check.get("reasons"):
         lines += ["**Why it failed:**", ""] + [f"- {_cell(r)}" for r in check["reasons"][:10]] + [""]
     if data.get("budget"):

@@ -34,8 +34,10 @@ Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 SUFFIXES = (".pt", ".pth", ".npz", ".safetensors")
 
 
-def batches_from_dir(path: str | Path) -> list[tuple[str, Inputs]]:
+def batches_from_dir(path: str | Path, option: str = "--data") -> list[tuple[str, Inputs]]:
     """One batch per data file in ``path`` (name order), labelled with the file name.
+
+    ``option`` names the option in messages (``--data``, ``--calib``).
 
     Raises:
         InputSpecError: Missing or empty directory, or an unreadable file.
@@ -43,19 +45,20 @@ def batches_from_dir(path: str | Path) -> list[tuple[str, Inputs]]:
     p = Path(path)
     if not p.is_dir():
         raise InputSpecError(
-            f"--data {str(p)!r} is not a directory", "pass a directory of .pt/.npz/.safetensors batches"
+            f"{option} {str(p)!r} is not a directory", "pass a directory of .pt/.npz/.safetensors batches"
         )
     files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in SUFFIXES)
     if not files:
         raise InputSpecError(
-            f"--data directory {str(p)!r} has no .pt, .pth, .npz or .safetensors files",
+            f"{option} directory {str(p)!r} has no .pt, .pth, .npz or .safetensors files",
             "save one batch per file there (torch.save, numpy.savez or safetensors)",
         )
     return [(f.name, load_inputs_file(f)) for f in files]
 
 
-def batches_from_loader(spec: str, max_batches: int = 64) -> list[tuple[str, Inputs]]:
-    """Batches from ``module:function`` (the current directory is importable).
+def batches_from_loader(spec: str, max_batches: int = 64, option: str = "--data-loader") -> list[tuple[str, Inputs]]:
+    """Batches from ``module:function`` (the current directory is importable); ``option`` names the option
+    in messages.
 
     Raises:
         InputSpecError: Bad spec, import failure, a loader that raises, yields nothing or yields non-tensors.
@@ -64,7 +67,7 @@ def batches_from_loader(spec: str, max_batches: int = 64) -> list[tuple[str, Inp
 
     mod_name, _, fn_name = spec.partition(":")
     if not mod_name or not fn_name:
-        raise InputSpecError(f"--data-loader {spec!r} is not module:function", "write e.g. mypkg.data:batches")
+        raise InputSpecError(f"{option} {spec!r} is not module:function", "write e.g. mypkg.data:batches")
     if "" not in sys.path and str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
     try:
@@ -75,15 +78,29 @@ def batches_from_loader(spec: str, max_batches: int = 64) -> list[tuple[str, Inp
                 break
             batches.append((f"{spec}[{i}]", normalize_inputs(batch)))
     except InputSpecError as exc:
-        raise InputSpecError(f"--data-loader {spec}: {exc.problem}", exc.fix) from exc
+        raise InputSpecError(f"{option} {spec}: {exc.problem}", exc.fix) from exc
     except Exception as exc:
         raise InputSpecError(
-            f"--data-loader {spec} failed: {summarize_exception(exc)}",
+            f"{option} {spec} failed: {summarize_exception(exc)}",
             "fix the loader so that it yields tensors, tuples or dicts of tensors",
         ) from exc
     if not batches:
-        raise InputSpecError(f"--data-loader {spec} yielded no batches", "make it yield at least one batch")
+        raise InputSpecError(f"{option} {spec} yielded no batches", "make it yield at least one batch")
     return batches
+
+
+def calibration_batches(calibration: Any) -> list[Inputs] | None:
+    """The range rules' calibration batches: given (an iterable of batches), read from a directory
+    (``--calib DIR``, as ``--data``), or from a ``module:function`` loader (``--calib-loader``)."""
+    from amplite.converter.inputs import normalize_inputs
+
+    if calibration is None:
+        return None
+    if isinstance(calibration, (str, Path)):
+        if isinstance(calibration, Path) or Path(calibration).is_dir() or ":" not in str(calibration):
+            return [b for _, b in batches_from_dir(calibration, option="--calib")]
+        return [b for _, b in batches_from_loader(str(calibration), option="--calib-loader")]
+    return [b for b in map(normalize_inputs, calibration) if b is not None]
 
 
 def random_batches(

@@ -113,7 +113,11 @@ def save_golden(
     src = dict(source or {})
     if src.get("path"):
         src["sha256"] = file_sha256(src["path"])
-    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{d.name}.", suffix=".tmp"))
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{d.name}.", suffix=".tmp"))
+    except OSError as exc:  # access() says yes to root on /proc or a read-only mount
+        raise EmitError(f"cannot create golden directory {str(d)!r}: {exc.strerror or type(exc).__name__}",
+                        "choose a writable -o directory") from None  # fmt: skip
     try:
         entries = []
         for i, (label, inputs) in enumerate(batches):
@@ -140,8 +144,11 @@ def save_golden(
         }
         (tmp / META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         _swap_into_place(tmp, d)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):  # disk full, permissions: the user's environment, not a bug
+            raise EmitError(f"writing golden directory {str(d)!r} failed: {type(exc).__name__}: {exc}",
+                            "check disk space and permissions") from exc  # fmt: skip
         raise
     return d
 
@@ -248,6 +255,24 @@ def load_baseline(baseline: str | Path | dict[str, Any] | None) -> dict[str, Any
     if not isinstance(data, dict) or data.get("schema") != "amplite.report" or "verification" not in data:
         raise ConfigError(f"--baseline {str(baseline)!r} is not an amplite report with verification", fix)
     return data
+
+
+def check_baseline_matches(report: dict[str, Any], baseline: dict[str, Any], where: str = "--baseline") -> None:
+    """Refuse a baseline report of another model: other output names or another graph fingerprint.
+
+    Raises:
+        ConfigError: Naming what differs.
+    """
+    fix = "pass a report.json of this model (or drop --baseline and accept a new one)"
+    mine = report.get("source", {}).get("graph_fingerprint")
+    theirs = baseline.get("source", {}).get("graph_fingerprint")
+    if mine and theirs and mine != theirs:
+        raise ConfigError(f"{where} is a report of another model (graph fingerprint {theirs}, this model {mine})", fix)
+    names = [o["name"] for o in report.get("verification", {}).get("outputs", [])]
+    old = [o["name"] for o in baseline.get("verification", {}).get("outputs", [])]
+    if names and old and sorted(names) != sorted(old):
+        raise ConfigError(f"{where} is a report of another model: its outputs are {', '.join(old)}, "
+                          f"this model's {', '.join(names)}", fix)  # fmt: skip
 
 
 def _num(v: Any) -> float | None:
