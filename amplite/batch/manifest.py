@@ -45,6 +45,7 @@ JOB_KEYS: dict[str, str] = {
     "fold_batchnorm": "true or false",
     "calib": "a directory of calibration batches",
     "calib_loader": "module:function yielding calibration batches",
+    "gpu_profile": "the GPU of the report's time estimate (H100, H200, A100, L4, RTX4090)",
     "verify": "true or false",
     "timeout": "seconds (a positive number)",
     "max_memory_gb": "GiB of address space for the worker (a positive number)",
@@ -53,12 +54,12 @@ MODEL_ONLY = ("name", "path")
 _LISTS = ("inputs", "keep_fp32", "force_low", "formats", "dynamic_dims")
 _BOOLS = ("trust_pickle", "dynamic_batch", "low_precision_io", "fuse_contractions", "verify", "range_rules",
           "fold_batchnorm")  # fmt: skip
-_STRINGS = ("path", "inputs_file", "precision", "model_factory", "calib", "calib_loader")
+_STRINGS = ("path", "inputs_file", "precision", "model_factory", "calib", "calib_loader", "gpu_profile")
 #: Job keys passed to ``amplite.convert`` unchanged (the conversion options; ``calib``/``calib_loader``
 #: become its ``calibration``).
 CONVERT_KEYS = ("precision", "level", "keep_fp32", "force_low", "low_precision_io", "dynamic_batch", "dynamic_dims",
                 "fuse_contractions", "trust_pickle", "model_factory", "verify", "range_rules", "data_max",
-                "max_reduction_depth", "fold_batchnorm")  # fmt: skip
+                "max_reduction_depth", "fold_batchnorm", "gpu_profile")  # fmt: skip
 _TOLERANCE_KEYS = ("min_sqnr_db", "min_cosine", "max_mismatch")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 #: File suffixes taken from a directory source (self-contained: they store their example inputs).
@@ -101,6 +102,7 @@ class Job:
     fold_batchnorm: bool = True
     calib: str | None = None
     calib_loader: str | None = None
+    gpu_profile: str = "H100"
     verify: bool = True
     timeout: float | None = None
     max_memory_gb: float | None = None
