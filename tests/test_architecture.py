@@ -47,7 +47,9 @@ def test_every_converting_command_accepts_every_conversion_option(command: str) 
     flags = {opt for p in click_cmd.params for opt in [*p.opts, *p.secondary_opts]}
     for param in CONVERSION_PARAMS:
         info = param.annotation.__metadata__[0]
-        declared = info.param_decls or (f"--{param.name.replace('_', '-')}",)
+        # With Annotated, typer keeps the first flag in `default` (e.g. --import for import_modules).
+        first = (info.default,) if isinstance(info.default, str) and info.default.startswith("-") else ()
+        declared = info.param_decls or first or (f"--{param.name.replace('_', '-')}",)
         for flag in declared:
             for part in flag.split("/"):
                 assert part in flags, f"`amplite {command}` lacks {part}"

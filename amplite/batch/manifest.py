@@ -299,6 +299,14 @@ def parse_manifest(path: str | Path, defaults: Mapping[str, Any] | None = None) 
             )
         )
     check_unique(jobs, where)
+    confirmed = bool((defaults or {}).get("trust_pickle"))
+    for job in jobs:
+        if job.trust_pickle and not confirmed:  # a manifest is a file like the models: it cannot opt in alone
+            raise ManifestError(
+                f"{where}: model {job.name!r} sets trust_pickle = true (line {job.line}); unpickling runs code "
+                "from its model file",
+                "pass --trust-pickle to `amplite batch` as well, only if you trust the models",
+            )
     return jobs
 
 

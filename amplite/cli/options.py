@@ -21,6 +21,10 @@ KeepOpt = Annotated[list[str], typer.Option("--keep-fp32", help="Keep FP32: op:,
 LowOpt = Annotated[list[str], typer.Option("--force-low", help="Force low precision (same patterns).")]
 TrustOpt = Annotated[bool, typer.Option("--trust-pickle", help="Allow unpickling (runs code from the file).")]
 FactoryOpt = Annotated[str | None, typer.Option("--model-factory", help="module:callable for a state dict.")]
+ImportOpt = Annotated[
+    list[str],
+    typer.Option("--import", help="Import MODULE first (custom-op library, pytree types of a .pt2). Repeatable."),
+]
 DynOpt = Annotated[bool, typer.Option("--dynamic-batch", help="Make dim 0 of every input dynamic.")]
 IoOpt = Annotated[bool, typer.Option("--low-precision-io", help="Inputs and outputs in the low dtype too.")]
 FuseOpt = Annotated[bool, typer.Option("--fuse-contractions", help="Fuse matmul chains into amplite::contract.")]
@@ -56,6 +60,7 @@ CONVERSION_PARAMS: tuple[inspect.Parameter, ...] = tuple(
         ("force_low", LowOpt, []),
         ("trust_pickle", TrustOpt, False),
         ("model_factory", FactoryOpt, None),
+        ("import_modules", ImportOpt, []),
         ("dynamic_batch", DynOpt, False),
         ("low_precision_io", IoOpt, False),
         ("fuse_contractions", FuseOpt, False),
@@ -73,6 +78,7 @@ def to_api(values: dict[str, Any]) -> dict[str, Any]:
     kwargs["fold_batchnorm"] = not kwargs.pop("no_fold_batchnorm")
     kwargs["keep_fp32"] = list(kwargs["keep_fp32"])
     kwargs["force_low"] = list(kwargs["force_low"])
+    kwargs["import_modules"] = list(kwargs["import_modules"])
     return kwargs
 
 
