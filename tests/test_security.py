@@ -20,12 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.filterwarnings("ignore:Duplicate name")
-
 import amplite
 from amplite.converter.pt2 import load_program
 from amplite.errors import AmpliteError, LoadError
 
+pytestmark = pytest.mark.filterwarnings("ignore:Duplicate name")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -98,10 +97,16 @@ def json_edit(fn: Callable[[dict], None]) -> Callable[[bytes], bytes]:
 W = "data/weights/model_weights_config.json"
 C = "data/constants/model_constants_config.json"
 P = "models/model.json"
+CD = "data/constants/"
+W0, C0 = "data/weights/weight_0", f"{CD}tensor_0"
 
 
-def _set(section: str, fqn: str, **values: object) -> Callable[[dict], None]:
-    return lambda doc: doc["config"][fqn].update(values)
+def _resize(fqn: str, sizes: list[int]) -> Callable[[dict], None]:
+    return lambda doc: doc["config"][fqn]["tensor_meta"].update(sizes=[{"as_int": n} for n in sizes])
+
+
+def _set(fqn: str, **values: object) -> Callable[[bytes], bytes]:
+    return json_edit(lambda doc: doc["config"][fqn].update(values))
 
 
 def _add_obj(name: str) -> Callable[[dict], None]:
@@ -134,14 +139,10 @@ def hostile(case: str, base: Path, d: Path, marker: Path) -> Path:
     touch = f"__import__('pathlib').Path({str(marker)!r}).touch()"
     recipes: dict[str, tuple] = {
         "sample_inputs": ({"data/sample_inputs/model.pt": lambda _: saved(((evil,), {}))},),
-        "pickled_weight": (
-            {W: json_edit(_set("weights", "lin.weight", use_pickle=True)), "data/weights/weight_0": lambda _: saved(evil)},
-        ),
-        "pickled_constant": (
-            {C: json_edit(_set("constants", "const", use_pickle=True)), "data/constants/tensor_0": lambda _: saved(evil)},
-        ),
-        "custom_object": ({C: json_edit(_add_obj("custom_obj_0"))}, [("data/constants/custom_obj_0", saved(evil))]),
-        "opaque_object": ({C: json_edit(_add_obj("opaque_obj_0"))}, [("data/constants/opaque_obj_0", pickle.dumps(evil))]),
+        "pickled_weight": ({W: _set("lin.weight", use_pickle=True), W0: lambda _: saved(evil)},),
+        "pickled_constant": ({C: _set("const", use_pickle=True), C0: lambda _: saved(evil)},),
+        "custom_object": ({C: json_edit(_add_obj("custom_obj_0"))}, [(f"{CD}custom_obj_0", saved(evil))]),
+        "opaque_object": ({C: json_edit(_add_obj("opaque_obj_0"))}, [(f"{CD}opaque_obj_0", pickle.dumps(evil))]),
         "legacy_constants": ({}, [("data/constants/model.pt", saved(evil))]),
         "sympy_eval": ({P: json_edit(_first_size(touch))},),
         "guard_exec": ({P: json_edit(lambda doc: doc.update(guards_code=[f"{touch} is None"]))},),
@@ -149,8 +150,7 @@ def hostile(case: str, base: Path, d: Path, marker: Path) -> Path:
         "duplicate_entry": ({}, [("data/sample_inputs/model.pt", saved(((evil,), {})))]),
         "bad_json": ({W: lambda _: b"{not json"},),
         "bad_schema": ({C: lambda _: b'{"config": {"const": {"path_name": "tensor_0", "is_param": "yes"}}}'},),
-        "size_mismatch": ({W: json_edit(lambda doc: doc["config"]["lin.weight"]["tensor_meta"].update(
-            sizes=[{"as_int": 3000}, {"as_int": 4}]))},),  # fmt: skip
+        "size_mismatch": ({W: json_edit(_resize("lin.weight", [3000, 4]))},),
         "node_target": ({P: json_edit(_node("target", "torch.os.system"))},),
         "node_name": ({P: json_edit(_node("name", "linear = __import__('os')"))},),
     }
@@ -256,7 +256,7 @@ def test_manifest_cannot_opt_in_to_unpickling_alone(base: Path, tmp_path: Path) 
 
     manifest = tmp_path / "m.toml"
     manifest.write_text(f'[[model]]\npath = "{base}"\ntrust_pickle = true\n')
-    with pytest.raises(AmpliteError, match="trust_pickle = true.*--trust-pickle"):
+    with pytest.raises(AmpliteError, match=r"trust_pickle = true.*--trust-pickle"):
         load_jobs(manifest)
     assert load_jobs(manifest, {"trust_pickle": True})[0].trust_pickle
 
@@ -270,7 +270,7 @@ def test_trusted_benign_pickle_loads_and_untrusted_is_refused(base: Path, tmp_pa
     path = rebuild(
         base,
         tmp_path / "benign.pt2",
-        {W: json_edit(_set("weights", "lin.weight", use_pickle=True)), "data/weights/weight_0": lambda _: saved(weight)},
+        {W: _set("lin.weight", use_pickle=True), W0: lambda _: saved(weight)},
     )
     res = cli("convert", path, "-o", tmp_path / "out.pt2")
     assert res.exit_code == 2 and "class fractions.Fraction" in res.stderr and "--trust-pickle" in res.stderr
