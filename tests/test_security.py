@@ -299,3 +299,64 @@ def test_inputs_file_with_a_pickle_payload_is_refused(base: Path, tmp_path: Path
     res = cli("convert", base, "--inputs", inputs, "-o", tmp_path / "out.pt2")
     assert res.exit_code == 2 and "Traceback" not in res.stderr and not marker.exists()
     assert not (tmp_path / "out.pt2").exists()
+
+
+def _run_cli(*args: object, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "amplite", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=cwd)
+
+
+def test_unregistered_output_type_is_named_and_import_fixes_it(tmp_path: Path, monkeypatch) -> None:
+    """Issue 13.3: the error names the pytree class (not custom ops); `--import MODULE` (fresh process) loads it."""
+    import torch.utils._pytree as pytree
+
+    from tests.models.pytree_output import TwoHeads
+
+    path = tmp_path / "pair.pt2"
+    torch.export.save(torch.export.export(TwoHeads().eval(), (torch.randn(3, 8),)), str(path))
+    name = "tests.models.pytree_output.Pair"
+    monkeypatch.delitem(pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE, name)  # as in a process that never imported it
+    with pytest.raises(LoadError) as info:
+        amplite.convert(path)
+    message = str(info.value)
+    assert f"pytree type {name}" in message and "custom ops" not in message
+    assert "--import tests.models.pytree_output" in message
+    monkeypatch.undo()
+    res = _run_cli("convert", path, "--import", "tests.models.pytree_output", "-o", tmp_path / "out.pt2", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "out.pt2").exists()
+
+
+def test_archive_cannot_make_amplite_import_a_local_module(base: Path, tmp_path: Path, monkeypatch) -> None:
+    """A type name from the file is imported only from the allowlist (installed), never from the working dir."""
+    marker = tmp_path / "pwned"
+    (tmp_path / "evil_local.py").write_text(f"open({str(marker)!r}, 'w').write('pwned')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def rename_output(doc: dict) -> None:
+        sig = doc["graph_module"]["module_call_graph"][0]["signature"]
+        sig["out_spec"] = json.dumps([1, {"type": "evil_local.Out", "context": "null", "children_spec": []}])
+
+    path = rebuild(base, tmp_path / "m.pt2", {P: json_edit(rename_output)})
+    with pytest.raises(LoadError, match=r"pytree type evil_local\.Out.*--import evil_local"):
+        amplite.convert(path)
+    assert not marker.exists() and "evil_local" not in sys.modules
+
+
+def test_transformers_model_output_pt2_converts_in_a_fresh_process(tmp_path: Path) -> None:
+    """A .pt2 of a transformers model returning a ModelOutput: transformers is imported on its own (allowlisted)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    path = tmp_path / "bert.pt2"
+    torch.export.save(torch.export.export(model, (ids,)), str(path))
+    res = _run_cli("convert", path, "-o", tmp_path / "out.pt2", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "out.pt2").exists()

@@ -200,7 +200,7 @@ def resolve_target(target: str) -> Any:
     root, *names = target.split(".")
     obj: Any = {"_operator": operator, "math": math, "torch": torch}.get(root)
     for name in names:
-        if obj is None or not re.match(r"[A-Za-z][A-Za-z0-9_]*\Z", name) or not hasattr(obj, name):
+        if obj is None or name.startswith("__") or not name.isidentifier() or not hasattr(obj, name):
             return None
         obj = getattr(obj, name)
     if isinstance(obj, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
