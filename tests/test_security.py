@@ -360,3 +360,27 @@ def test_transformers_model_output_pt2_converts_in_a_fresh_process(tmp_path: Pat
     res = _run_cli("convert", path, "-o", tmp_path / "out.pt2", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "out.pt2").exists()
+
+
+class CondModel(torch.nn.Module):
+    """Symbolic sizes (srepr expressions), a guard, a torch.cond subgraph and a float input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        y = torch.cond(x.sum() > 0, lambda a: self.lin(a) * 2, lambda a: self.lin(a) - 1, (x,))
+        return y[: x.shape[0] // 2] * scale
+
+
+def test_safe_loader_accepts_dynamic_shapes_guards_and_subgraphs(tmp_path: Path) -> None:
+    """The inspector's rules admit what torch.export.save writes for such a program (no false refusal)."""
+    batch = torch.export.Dim("batch", min=2, max=64)
+    ep = torch.export.export(CondModel().eval(), (torch.randn(4, 4), 3.0), dynamic_shapes=({0: 2 * batch}, None))
+    path = tmp_path / "cond.pt2"
+    torch.export.save(ep, str(path))
+    ours, theirs = load_program(path), torch.export.load(str(path))
+    assert theirs._guards_code and ours._guards_code == theirs._guards_code
+    for x in (torch.randn(6, 4), -torch.rand(10, 4)):
+        assert torch.equal(ours.module()(x, 3.0), theirs.module()(x, 3.0))

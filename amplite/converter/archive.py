@@ -41,9 +41,12 @@ _FQN_KEYS = {
 }  # fmt: skip
 _VALUE_MAPS = {"tensor_values", "sym_int_values", "sym_bool_values", "sym_float_values", "custom_obj_values"}
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\u2028\u2029]")
-# A symbolic expression torch passes to sympy.sympify (an eval): names, numbers, arithmetic, comparisons,
-# calls. Attribute access, strings, subscripts, lambdas and keywords are not part of torch's printer output.
-_EXPR_TOKEN = re.compile(r"\s+|[A-Za-z_][A-Za-z0-9_]*|\d+(\.\d*)?(e[+-]?\d+)?|\*\*|//|[-+*/%(),<>=!&|~]=?")
+# A symbolic expression torch passes to sympy.sympify (an eval): names, numbers, plain quoted words (symbol
+# names), arithmetic, comparisons, keyword arguments and calls of the sympy classes below. Attribute access,
+# subscripts, lambdas and other strings are not part of torch's printer output (sympy.srepr).
+_EXPR_TOKEN = re.compile(
+    r"\s+|'[A-Za-z0-9_.+-]*'|[A-Za-z_][A-Za-z0-9_]*|\d+(\.\d*)?(e[+-]?\d+)?|\*\*|//|[-+*/%(),<>=!&|~]=?"
+)
 # Guards torch turns into Python and exec-s: "L['x'].size()[0] == 4", "L['x'].size()[0] >= 2", ...
 _GUARD_TOKEN = re.compile(
     r"\s+|L(\['[A-Za-z0-9_]+'\]|\[\d+\])+|\.(size|stride|storage_offset|dim|numel)\(\)|\[\d+\]"
@@ -58,6 +61,10 @@ _SYMPY_CALLS = frozenset(
         "TruncToFloat", "TruncToInt", "RoundToInt", "RoundDecimal", "ToFloat", "FloatPow", "PowByNatural",
         "Identity", "Max", "Min", "Eq", "Ne", "Lt", "Le", "Gt", "Ge", "And", "Or", "Not", "Abs", "floor",
         "ceiling", "Piecewise", "sqrt",
+        # sympy.srepr, which torch's serializer writes: Mul(Integer(2), Symbol('s0', positive=True, integer=True))
+        "Integer", "Symbol", "Mul", "Add", "Pow", "Rational", "Float", "Equality", "Unequality", "StrictLessThan",
+        "StrictGreaterThan", "LessThan", "GreaterThan", "ExprCondPair", "Tuple", "BooleanTrue", "BooleanFalse",
+        "Half", "One", "Zero", "NegativeOne", "Infinity", "NegativeInfinity", "IntInfinity", "NegativeIntInfinity",
     }
 )  # fmt: skip
 
@@ -350,7 +357,7 @@ def _check_string(path: Path, record: str, key: str, value: str) -> None:
     bad = f"{record}: {key} {value[:60]!r}"
     if _CONTROL.search(value) or ("\n" in value and key != "stack_trace"):
         raise _refuse(path, f"{bad} contains control characters")
-    if key == "name" and not _IDENT.match(value):
+    if key == "name" and value and not _IDENT.match(value):
         raise _refuse(path, f"{bad} is not an identifier (it would be written into generated code)")
     if key in _FQN_KEYS and not _FQN.match(value):
         raise _refuse(path, f"{bad} is not a dotted attribute name")
