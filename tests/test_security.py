@@ -384,3 +384,12 @@ def test_safe_loader_accepts_dynamic_shapes_guards_and_subgraphs(tmp_path: Path)
     assert theirs._guards_code and ours._guards_code == theirs._guards_code
     for x in (torch.randn(6, 4), -torch.rand(10, 4)):
         assert torch.equal(ours.module()(x, 3.0), theirs.module()(x, 3.0))
+
+
+def test_inputs_file_zip_bomb_is_refused(base: Path, tmp_path: Path, cli) -> None:
+    bomb = tmp_path / "inputs.npz"
+    with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as z, z.open("x.npy", "w", force_zip64=True) as f:
+        _bomb(f)
+    res = cli("convert", base, "--inputs", bomb, "-o", tmp_path / "out.pt2")
+    assert res.exit_code == 2 and "zip bomb" in res.stderr and "re-save the inputs" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "out.pt2").exists()

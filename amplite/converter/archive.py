@@ -156,17 +156,25 @@ def inspect_archive(path: Path) -> Archive:
         raise
 
 
-def check_zip(path: Path) -> set[str]:
-    """The entry names (without the root folder) of any torch zip file, after the structural checks.
+def check_zip(path: Path, *, rooted: bool = True, fix: str = _RE_FIX) -> set[str]:
+    """The entry names (without the root folder) of a zip file, after the structural checks.
+
+    Args:
+        path: The file.
+        rooted: Entries must share one root folder (every torch file does; ``.npz`` files do not).
+        fix: The fix to print on refusal.
 
     Raises:
         LoadError: A corrupt zip, duplicate names, entries outside the root folder, or a zip bomb.
     """
     with path.open("rb") as handle:
-        return _check_zip(path, handle, path.stat().st_size)
+        try:
+            return _check_zip(path, handle, path.stat().st_size, rooted)
+        except LoadError as exc:
+            raise LoadError(exc.problem, fix) from None
 
 
-def _check_zip(path: Path, handle: Any, size: int) -> set[str]:
+def _check_zip(path: Path, handle: Any, size: int, rooted: bool = True) -> set[str]:
     try:
         infos = zipfile.ZipFile(handle).infolist()
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
@@ -184,6 +192,8 @@ def _check_zip(path: Path, handle: Any, size: int) -> set[str]:
             f"its entries claim {declared:,} uncompressed bytes in a {size:,}-byte file (a zip bomb); "
             "torch.export.save stores entries uncompressed",
         )
+    if not rooted:
+        return set(names)
     root = names[0].split("/", 1)[0] if names else ""
     stray = [n for n in names if not n.startswith(root + "/")]
     if not names or stray:
