@@ -160,8 +160,8 @@ def hostile(case: str, base: Path, d: Path, marker: Path) -> Path:
 
 CASES = {
     "sample_inputs": "example inputs with pickled Python objects",
-    "pickled_weight": "pickled weight 'lin.weight' with pickled Python objects",
-    "pickled_constant": "pickled constant 'const' with pickled Python objects",
+    "pickled_weight": "the weight 'lin.weight' (use_pickle) with pickled Python objects",
+    "pickled_constant": "the constant 'const' (use_pickle) with pickled Python objects",
     "custom_object": "a TorchScript custom object",
     "opaque_object": "an opaque Python object",
     "legacy_constants": "legacy pickled format",

@@ -266,7 +266,7 @@ def _check_payloads(
         if kind == "tensor" and not meta.get("use_pickle"):
             _check_tensor_bytes(path, where, meta.get("tensor_meta"), reader.archive_file.get_record_size(base + name))
         elif kind == "tensor":
-            out.append(Pickled(base + name, "tensor", f"pickled {section[:-1]} {fqn!r}", fqn, section))
+            out.append(Pickled(base + name, "tensor", f"the {section[:-1]} {fqn!r} (use_pickle)", fqn, section))
         else:
             what = "a TorchScript custom object" if kind == "custom_obj" else "an opaque Python object"
             out.append(Pickled(base + name, kind, f"{what} (constant {fqn!r})", fqn, section))
