@@ -132,6 +132,19 @@ def _bomb(f: io.BufferedIOBase) -> None:
         f.write(zeros)
 
 
+def _inner_bomb(data: bytes) -> bytes:
+    """The sample inputs (a torch.save zip, stored in the archive) with a deflated bomb inside."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as zin, zipfile.ZipFile(buf, "w") as zout:
+        for info in zin.infolist():
+            zout.writestr(info, zin.read(info))
+        info = zipfile.ZipInfo(f"{zin.namelist()[0].split('/')[0]}/bomb")
+        info.compress_type = zipfile.ZIP_DEFLATED
+        with zout.open(info, "w", force_zip64=True) as f:
+            _bomb(f)
+    return buf.getvalue()
+
+
 def hostile(case: str, base: Path, d: Path, marker: Path) -> Path:
     """Build the hostile archive ``case`` in ``d``."""
     evil = Payload(marker)
@@ -147,6 +160,7 @@ def hostile(case: str, base: Path, d: Path, marker: Path) -> Path:
         "sympy_eval": ({P: json_edit(_first_size(touch))},),
         "guard_exec": ({P: json_edit(lambda doc: doc.update(guards_code=[f"{touch} is None"]))},),
         "zip_bomb": ({}, [("extra/bomb", _bomb)]),
+        "nested_zip_bomb": ({"data/sample_inputs/model.pt": _inner_bomb},),
         "duplicate_entry": ({}, [("data/sample_inputs/model.pt", saved(((evil,), {})))]),
         "bad_json": ({W: lambda _: b"{not json"},),
         "bad_schema": ({C: lambda _: b'{"config": {"const": {"path_name": "tensor_0", "is_param": "yes"}}}'},),
@@ -168,6 +182,7 @@ CASES = {
     "sympy_eval": "symbolic expression",
     "guard_exec": "guard",
     "zip_bomb": "zip bomb",
+    "nested_zip_bomb": "model.pt': its entries claim",
     "duplicate_entry": "two entries are named",
     "bad_json": "is not valid JSON",
     "bad_schema": "is_param is not true/false",

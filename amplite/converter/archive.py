@@ -15,6 +15,7 @@ loaded. See ``docs/security.md``.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import zipfile
@@ -172,6 +173,11 @@ def check_zip(path: Path, *, rooted: bool = True, fix: str = _RE_FIX) -> set[str
             return _check_zip(path, handle, path.stat().st_size, rooted)
         except LoadError as exc:
             raise LoadError(exc.problem, fix) from None
+
+
+def check_zip_bytes(label: Path, data: bytes) -> set[str]:
+    """:func:`check_zip` for a zip held in memory (a torch.save file inside an archive), named ``label``."""
+    return _check_zip(label, io.BytesIO(data), len(data))
 
 
 def _check_zip(path: Path, handle: Any, size: int, rooted: bool = True) -> set[str]:

@@ -32,7 +32,15 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from amplite.converter.archive import CONSTANTS, TRUST_FIX, WEIGHTS, Archive, Pickled, inspect_archive
+from amplite.converter.archive import (
+    CONSTANTS,
+    TRUST_FIX,
+    WEIGHTS,
+    Archive,
+    Pickled,
+    check_zip_bytes,
+    inspect_archive,
+)
 from amplite.converter.tracing import summarize_exception
 from amplite.errors import LoadError
 
@@ -53,22 +61,33 @@ def load_program(path: Path, *, trust_pickle: bool = False, import_modules: Sequ
     import_user_modules(import_modules)
     arch = inspect_archive(path)
     try:
-        _check_targets(arch)
-        _register_pytree_types(arch)
-        for entry in arch.pickled:
-            if entry.kind in ("custom_obj", "opaque_obj", "legacy") and not trust_pickle:
-                raise LoadError(
-                    f"{str(path)!r}: {entry.record} holds {entry.what}; unpickling it runs code from the file",
-                    TRUST_FIX,
-                )
-        state_dict = _payloads(arch, "weights", trust_pickle)
-        constants = _payloads(arch, "constants", trust_pickle)
-        sample = _unpickle(arch, _entry(arch, "sample_inputs"), trust_pickle)
-        if not (isinstance(sample, tuple) and len(sample) == 2 and isinstance(sample[1], dict)):
-            raise LoadError(f"{str(path)!r}: the example inputs are not (args, kwargs)", "re-save the model")
-        return _deserialize(arch, state_dict, constants, sample)
+        return _load(arch, trust_pickle)
+    except LoadError:
+        raise
+    except Exception as exc:  # torch's own checks on what passed ours (a device this machine lacks, ...)
+        problem = f"cannot load .pt2 {str(path)!r}: {summarize_exception(exc)}"
+        raise LoadError(problem, "re-export the model with this torch version on this kind of machine") from None
     finally:
         arch.close()
+
+
+def _load(arch: Archive, trust_pickle: bool) -> ExportedProgram:
+    """Check targets and pytree types, refuse untrusted object kinds, load the entries, deserialize."""
+    path = arch.path
+    _check_targets(arch)
+    _register_pytree_types(arch)
+    for entry in arch.pickled:
+        if entry.kind in ("custom_obj", "opaque_obj", "legacy") and not trust_pickle:
+            raise LoadError(
+                f"{str(path)!r}: {entry.record} holds {entry.what}; unpickling it runs code from the file",
+                TRUST_FIX,
+            )
+    state_dict = _payloads(arch, "weights", trust_pickle)
+    constants = _payloads(arch, "constants", trust_pickle)
+    sample = _unpickle(arch, _entry(arch, "sample_inputs"), trust_pickle)
+    if not (isinstance(sample, tuple) and len(sample) == 2 and isinstance(sample[1], dict)):
+        raise LoadError(f"{str(path)!r}: the example inputs are not (args, kwargs)", "re-save the model")
+    return _deserialize(arch, state_dict, constants, sample)
 
 
 def import_user_modules(modules: Sequence[str]) -> None:
@@ -97,6 +116,8 @@ def _entry(arch: Archive, kind: str) -> Pickled:
 
 def _unpickle(arch: Archive, entry: Pickled, trust: bool) -> Any:
     data = arch.reader.read_bytes(entry.record)
+    if data[:2] == b"PK":  # a torch.save zip inside the archive: the zip checks again (a nested zip bomb)
+        check_zip_bytes(Path(f"{arch.path}:{entry.record}"), data)
     try:
         return torch.load(io.BytesIO(data), weights_only=True)
     except pickle.UnpicklingError as exc:
