@@ -13,6 +13,7 @@ from amplite.cli.options import (
     DebugOpt,
     DynOpt,
     FactoryOpt,
+    ImportOpt,
     InputOpt,
     InputsFile,
     LoaderOpt,
@@ -89,6 +90,7 @@ def golden(
     max_batches: MaxBatchOpt = 64,
     trust_pickle: TrustOpt = False,
     model_factory: FactoryOpt = None,
+    import_modules: ImportOpt = [],  # noqa: B006
     dynamic_batch: DynOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -100,7 +102,7 @@ def golden(
         path = make_golden(
             model, _inputs(input, inputs), output=output, update=update_golden, data=data, data_loader=data_loader,
             random_batches=random_batches, input_specs=input, max_batches=max_batches, trust_pickle=trust_pickle,
-            model_factory=model_factory, dynamic_batch=dynamic_batch,
+            model_factory=model_factory, import_modules=list(import_modules), dynamic_batch=dynamic_batch,
         )  # fmt: skip
         out.print(f"wrote golden references to {path}")
         return 0
