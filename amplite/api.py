@@ -147,6 +147,7 @@ def convert(
     fuse_contractions: bool | str = "auto",
     trust_pickle: bool = False,
     model_factory: str | None = None,
+    import_modules: Sequence[str] = (),
     verify: bool = True,
     tolerance: Tolerance | None = None,
     range_rules: bool | None = None,
@@ -180,8 +181,12 @@ def convert(
         fuse_contractions: Fuse matmul chains into ``amplite::contract`` after the precision passes: ``auto``
             (off until a GPU measurement shows it faster; see ``amplite.ops.fusion_default``), ``on``/``off``
             or a bool.
-        trust_pickle: Allow unpickling a whole pickled module (runs code from the file).
+        trust_pickle: Allow unpickling (runs code from the file): a whole pickled module, pickled entries
+            of a .pt2. Without it a .pt2 is loaded only if nothing in it needs unpickling beyond tensors
+            (see ``docs/security.md``).
         model_factory: ``module:callable`` building the model for a state-dict file.
+        import_modules: Modules to import before loading (custom-op libraries, packages registering the
+            pytree types of a .pt2's inputs/outputs).
         verify: Compare the converted model with the FP32 one on the example inputs.
         tolerance: Verification thresholds (default: by precision, see ``amplite.verify.compare``).
         range_rules: Keep FP32 what calibrated ranges say would overflow or lose precision (None: on at
@@ -221,7 +226,7 @@ def convert(
     timings: dict[str, float] = {}
     cfg = _resolve(options, verify, fallback_search, max_trials, tolerance)
     start = perf_counter()
-    loaded = load_any(model, trust_pickle=trust_pickle, model_factory=model_factory)
+    loaded = load_any(model, trust_pickle=trust_pickle, model_factory=model_factory, import_modules=import_modules)
     subject, reference, inputs = _subject(loaded, example_inputs, reference_outputs)
     timings["load"] = perf_counter() - start
     ref_out = reference_outputs if reference_outputs is not None else _reference_outputs(reference, inputs)

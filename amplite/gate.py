@@ -27,7 +27,7 @@ from amplite.verify.converted import infer_precision, load_converted, report_for
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 _NOT_CONVERT_OPTIONS = {"model", "example_inputs", "verify", "tolerance"}
 _OTHER_MODEL = "this golden directory was made from another model: pass the right --golden or regenerate it"
-_LOAD_KEYS = ("trust_pickle", "model_factory", "dynamic_batch", "dynamic_dims")
+_LOAD_KEYS = ("trust_pickle", "model_factory", "import_modules", "dynamic_batch", "dynamic_dims")
 
 
 @dataclass

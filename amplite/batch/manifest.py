@@ -45,13 +45,14 @@ JOB_KEYS: dict[str, str] = {
     "fold_batchnorm": "true or false",
     "calib": "a directory of calibration batches",
     "calib_loader": "module:function yielding calibration batches",
+    "import_modules": 'a list of modules to import first (pytree types, custom ops), e.g. ["mypkg.ops"]',
     "gpu_profile": "the GPU of the report's time estimate (H100, H200, A100, L4, RTX4090)",
     "verify": "true or false",
     "timeout": "seconds (a positive number)",
     "max_memory_gb": "GiB of address space for the worker (a positive number)",
 }
 MODEL_ONLY = ("name", "path")
-_LISTS = ("inputs", "keep_fp32", "force_low", "formats", "dynamic_dims")
+_LISTS = ("inputs", "keep_fp32", "force_low", "formats", "dynamic_dims", "import_modules")
 _BOOLS = ("trust_pickle", "dynamic_batch", "low_precision_io", "fuse_contractions", "verify", "range_rules",
           "fold_batchnorm")  # fmt: skip
 _STRINGS = ("path", "inputs_file", "precision", "model_factory", "calib", "calib_loader", "gpu_profile")
@@ -59,7 +60,7 @@ _STRINGS = ("path", "inputs_file", "precision", "model_factory", "calib", "calib
 #: become its ``calibration``).
 CONVERT_KEYS = ("precision", "level", "keep_fp32", "force_low", "low_precision_io", "dynamic_batch", "dynamic_dims",
                 "fuse_contractions", "trust_pickle", "model_factory", "verify", "range_rules", "data_max",
-                "max_reduction_depth", "fold_batchnorm", "gpu_profile")  # fmt: skip
+                "max_reduction_depth", "fold_batchnorm", "gpu_profile", "import_modules")  # fmt: skip
 _TOLERANCE_KEYS = ("min_sqnr_db", "min_cosine", "max_mismatch")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 #: File suffixes taken from a directory source (self-contained: they store their example inputs).
@@ -103,6 +104,7 @@ class Job:
     calib: str | None = None
     calib_loader: str | None = None
     gpu_profile: str = "H100"
+    import_modules: tuple[str, ...] = ()
     verify: bool = True
     timeout: float | None = None
     max_memory_gb: float | None = None
@@ -349,6 +351,14 @@ def parse_manifest(path: str | Path, defaults: Mapping[str, Any] | None = None) 
             )
         )
     check_unique(jobs, where)
+    confirmed = bool((defaults or {}).get("trust_pickle"))
+    for job in jobs:
+        if job.trust_pickle and not confirmed:  # a manifest is a file like the models: it cannot opt in alone
+            raise ManifestError(
+                f"{where}: model {job.name!r} sets trust_pickle = true (line {job.line}); unpickling runs code "
+                "from its model file",
+                "pass --trust-pickle to `amplite batch` as well, only if you trust the models",
+            )
     return jobs
 
 

@@ -23,6 +23,10 @@ KeepOpt = Annotated[list[str], typer.Option("--keep-fp32", help="Keep FP32: op:,
 LowOpt = Annotated[list[str], typer.Option("--force-low", help="Force low precision (same patterns).")]
 TrustOpt = Annotated[bool, typer.Option("--trust-pickle", help="Allow unpickling (runs code from the file).")]
 FactoryOpt = Annotated[str | None, typer.Option("--model-factory", help="module:callable for a state dict.")]
+ImportOpt = Annotated[
+    list[str],
+    typer.Option("--import", help="Import MODULE first (custom-op library, pytree types of a .pt2). Repeatable."),
+]
 DynOpt = Annotated[bool, typer.Option("--dynamic-batch", help="Make dim 0 of every input dynamic.")]
 DynDimOpt = Annotated[
     list[str],
@@ -77,6 +81,7 @@ CONVERSION_PARAMS: tuple[inspect.Parameter, ...] = tuple(
         ("force_low", LowOpt, []),
         ("trust_pickle", TrustOpt, False),
         ("model_factory", FactoryOpt, None),
+        ("import_modules", ImportOpt, []),
         ("dynamic_batch", DynOpt, False),
         ("dynamic_dims", DynDimOpt, []),
         ("low_precision_io", IoOpt, False),
@@ -94,7 +99,7 @@ CONVERSION_PARAMS: tuple[inspect.Parameter, ...] = tuple(
 #: ``calibration``: a directory, or a ``module:function`` string).
 API_NAMES = {"no_fold_batchnorm": "fold_batchnorm", "calib": "calibration", "calib_loader": "calibration"}
 #: The conversion options that only load and trace the model: what ``amplite golden`` takes.
-LOADING_NAMES = ("trust_pickle", "model_factory", "dynamic_batch", "dynamic_dims")
+LOADING_NAMES = ("trust_pickle", "model_factory", "import_modules", "dynamic_batch", "dynamic_dims")
 LOADING_PARAMS = tuple(p for p in CONVERSION_PARAMS if p.name in LOADING_NAMES)
 
 
@@ -105,7 +110,7 @@ def to_api(values: dict[str, Any]) -> dict[str, Any]:
         kwargs["fuse_contractions"] = "auto"
     if "no_fold_batchnorm" in kwargs:
         kwargs["fold_batchnorm"] = not kwargs.pop("no_fold_batchnorm")
-    for key in ("keep_fp32", "force_low", "dynamic_dims"):
+    for key in ("keep_fp32", "force_low", "dynamic_dims", "import_modules"):
         if key in kwargs:
             kwargs[key] = list(kwargs[key])
     calib, loader = kwargs.pop("calib", None), kwargs.pop("calib_loader", None)

@@ -96,7 +96,13 @@ def load_inputs_file(path: str | Path) -> Inputs:
     p = Path(path)
     if not p.is_file():
         raise InputSpecError(f"inputs file {str(p)!r} does not exist", "pass an existing file to --inputs")
-    head = p.read_bytes()[:8]
+    with p.open("rb") as f:
+        head = f.read(8)
+    if head.startswith(b"PK"):  # torch.save and .npz files are zips: no zip bombs or duplicate entries
+        from amplite.converter.archive import check_zip
+
+        npz = p.suffix == ".npz" or _is_npz(p)
+        check_zip(p, rooted=not npz, fix="re-save the inputs (torch.save, numpy.savez or safetensors)")
     try:
         if p.suffix == ".safetensors":
             from safetensors.torch import load_file

@@ -1,7 +1,9 @@
 """Load a model from a file, detecting its format from the content (never the extension).
 
-Formats: ``torch.export.save`` archives (.pt2), TorchScript archives, ``torch.save`` state dicts (with a
-``--model-factory``), and whole pickled modules (only with ``trust_pickle``: unpickling runs code).
+Formats: ``torch.export.save`` archives (.pt2, inspected and loaded without torch's unpickling paths by
+:mod:`amplite.converter.pt2`), TorchScript archives, ``torch.save`` state dicts (with a ``--model-factory``),
+and whole pickled modules (only with ``trust_pickle``: unpickling runs code). Every model file amplite reads
+goes through :func:`load_model`; ``docs/security.md`` says what is checked.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import os
 import pickle
 import re
 import sys
-import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,8 @@ import torch
 from torch import nn
 from torch.export import ExportedProgram
 
+from amplite.converter.archive import check_zip
+from amplite.converter.pt2 import import_user_modules, load_program
 from amplite.converter.tracing import summarize_exception
 from amplite.errors import InputSpecError, LoadError
 
@@ -61,19 +65,12 @@ def detect_format(path: Path) -> str:
     with path.open("rb") as f:
         head = f.read(4)
     if head.startswith(b"PK"):
-        try:
-            with zipfile.ZipFile(path) as z:
-                names = z.namelist()
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:
-            raise LoadError(
-                f"{str(path)!r} is a truncated or corrupt zip archive ({exc})",
-                "re-save the model (torch.export.save or torch.save) and copy it again",
-            ) from None
-        if any(n.endswith("/archive_format") or n == "archive_format" for n in names):
+        names = check_zip(path)  # zip bombs, duplicate or stray entries: before any reader sees the file
+        if "archive_format" in names:
             return "pt2"
-        if any("/code/" in n for n in names) and any(n.endswith("constants.pkl") for n in names):
+        if any(n.startswith("code/") for n in names) and "constants.pkl" in names:
             return "torchscript"
-        if any(n.endswith("data.pkl") for n in names):
+        if "data.pkl" in names:
             return "torch_zip"
     elif head[:1] == b"\x80":
         return "pickle"
@@ -89,14 +86,16 @@ def load_model(
     trust_pickle: bool = False,
     model_factory: str | None = None,
     example_inputs: Inputs | None = None,
+    import_modules: Sequence[str] = (),
 ) -> LoadedModel:
     """Load ``path`` as whatever it contains.
 
     Args:
         path: The model file.
-        trust_pickle: Allow unpickling arbitrary objects (a whole pickled nn.Module).
+        trust_pickle: Allow unpickling arbitrary objects (a whole pickled nn.Module, pickled entries of a .pt2).
         model_factory: ``package.module:callable`` building the model for a state dict.
         example_inputs: Needed to convert TorchScript (it has no stored inputs).
+        import_modules: Modules to import first (custom-op libraries, pytree type registrations).
 
     Raises:
         LoadError: With the reason and the fix.
@@ -104,15 +103,10 @@ def load_model(
     p = Path(path)
     fmt = detect_format(p)
     if fmt == "pt2":
-        try:
-            program = torch.export.load(str(p))
-        except Exception as exc:
-            raise LoadError(
-                f"cannot load .pt2 {str(p)!r}: {summarize_exception(exc)}",
-                "import the package that defines its custom ops, or re-export the model",
-            ) from exc
+        program = load_program(p, trust_pickle=trust_pickle, import_modules=import_modules)
         stored = getattr(program, "example_inputs", None)
         return LoadedModel("pt2", program=program, example_inputs=_as_inputs(stored), path=str(p))
+    import_user_modules(import_modules)
     if fmt == "torchscript":
         return _load_torchscript(p)
     obj = _safe_load(p, trust_pickle)
@@ -258,17 +252,21 @@ def _as_inputs(stored: Any) -> Inputs | None:
     return None
 
 
-def load_any(model: Any, *, trust_pickle: bool = False, model_factory: str | None = None) -> LoadedModel:
+def load_any(
+    model: Any, *, trust_pickle: bool = False, model_factory: str | None = None, import_modules: Sequence[str] = ()
+) -> LoadedModel:
     """Wrap what ``amplite.convert`` was given (a module, a program or a path) as a :class:`LoadedModel`."""
     from amplite.converter.inputs import normalize_inputs
 
+    if not isinstance(model, (str, Path)):
+        import_user_modules(import_modules)
     if isinstance(model, ExportedProgram):
         stored = getattr(model, "example_inputs", None)
         return LoadedModel("pt2", program=model, example_inputs=normalize_inputs(stored) if stored else None)
     if isinstance(model, nn.Module):
         return LoadedModel("module", module=model)
     if isinstance(model, (str, Path)):
-        return load_model(model, trust_pickle=trust_pickle, model_factory=model_factory)
+        return load_model(model, trust_pickle=trust_pickle, model_factory=model_factory, import_modules=import_modules)
     raise InputSpecError(
         f"cannot convert a {type(model).__name__}", "pass an nn.Module, an ExportedProgram or a file path"
     )

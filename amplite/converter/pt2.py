@@ -1,0 +1,305 @@
+"""Load a .pt2 without torch's unsafe paths: the archive is inspected first, then built from what was checked.
+
+amplite does not call ``torch.export.load``. It reads the entries :func:`~amplite.converter.archive.
+inspect_archive` checked through the same reader, unpickles only with ``torch.load(weights_only=True)``
+(anything else needs ``trust_pickle``), never loads AOTInductor binaries, and hands torch's program
+deserializer ready tensors, so torch's own fallbacks to ``weights_only=False`` are never reached.
+
+Modules named in the archive (pytree types of inputs/outputs, custom-op libraries) are imported only when the
+user names them (``--import MODULE``) or they belong to :data:`SAFE_AUTO_IMPORT`, installed outside the
+working directory: importing a module runs its code, so a name taken from an untrusted file must not pick it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import io
+import json
+import math
+import operator
+import os
+import pickle
+import re
+import site
+import sys
+import sysconfig
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+
+from amplite.converter.archive import (
+    CONSTANTS,
+    TRUST_FIX,
+    WEIGHTS,
+    Archive,
+    Pickled,
+    check_zip_bytes,
+    inspect_archive,
+)
+from amplite.converter.tracing import summarize_exception
+from amplite.errors import LoadError
+
+#: Packages whose modules amplite imports on its own when the archive names one of their pytree types (their
+#: import registers the type: transformers' ModelOutput classes). Only installed copies count: a same-named
+#: folder in the working directory is never imported on the archive's word.
+SAFE_AUTO_IMPORT = ("transformers", "diffusers")
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
+
+
+def load_program(path: Path, *, trust_pickle: bool = False, import_modules: Sequence[str] = ()) -> ExportedProgram:
+    """The ExportedProgram in ``path``, loaded without running code from the file (unless trusted).
+
+    Raises:
+        LoadError: A hostile or malformed archive, an entry that needs unpickling without ``trust_pickle``,
+            an unregistered custom op or pytree type (naming the ``--import`` that fixes it).
+    """
+    import_user_modules(import_modules)
+    arch = inspect_archive(path)
+    try:
+        return _load(arch, trust_pickle)
+    except LoadError:
+        raise
+    except Exception as exc:  # torch's own checks on what passed ours (a device this machine lacks, ...)
+        problem = f"cannot load .pt2 {str(path)!r}: {summarize_exception(exc)}"
+        raise LoadError(problem, "re-export the model with this torch version on this kind of machine") from None
+    finally:
+        arch.close()
+
+
+def _load(arch: Archive, trust_pickle: bool) -> ExportedProgram:
+    """Check targets and pytree types, refuse untrusted object kinds, load the entries, deserialize."""
+    path = arch.path
+    _check_targets(arch)
+    _register_pytree_types(arch)
+    for entry in arch.pickled:
+        if entry.kind in ("custom_obj", "opaque_obj", "legacy") and not trust_pickle:
+            raise LoadError(
+                f"{str(path)!r}: {entry.record} holds {entry.what}; unpickling it runs code from the file",
+                TRUST_FIX,
+            )
+    state_dict = _payloads(arch, "weights", trust_pickle)
+    constants = _payloads(arch, "constants", trust_pickle)
+    sample = _unpickle(arch, _entry(arch, "sample_inputs"), trust_pickle)
+    if not (isinstance(sample, tuple) and len(sample) == 2 and isinstance(sample[1], dict)):
+        raise LoadError(f"{str(path)!r}: the example inputs are not (args, kwargs)", "re-save the model")
+    return _deserialize(arch, state_dict, constants, sample)
+
+
+def import_user_modules(modules: Sequence[str]) -> None:
+    """Import what the user named with ``--import`` (custom-op libraries, pytree registrations).
+
+    Raises:
+        LoadError: A malformed name or an import that fails.
+    """
+    if modules and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the user's own packages, as for --model-factory
+    for name in modules:
+        if not _MODULE.match(name):
+            raise LoadError(f"--import {name!r} is not a module name", "write e.g. --import mypkg.ops")
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            raise LoadError(
+                f"--import {name}: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}",
+                "install the package or run from the directory that contains it",
+            ) from None
+
+
+def _entry(arch: Archive, kind: str) -> Pickled:
+    return next(e for e in arch.pickled if e.kind == kind)
+
+
+def _unpickle(arch: Archive, entry: Pickled, trust: bool) -> Any:
+    data = arch.reader.read_bytes(entry.record)
+    if data[:2] == b"PK":  # a torch.save zip inside the archive: the zip checks again (a nested zip bomb)
+        check_zip_bytes(Path(f"{arch.path}:{entry.record}"), data)
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if not trust:
+            found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+            cls = f" (class {found.group(1)})" if found else ""
+            raise LoadError(
+                f"{str(arch.path)!r}: {entry.record} holds {entry.what} with pickled Python objects{cls}; "
+                "unpickling them runs code from the file",
+                TRUST_FIX,
+            ) from None
+    except Exception as exc:
+        problem = f"{str(arch.path)!r}: {entry.record} is not a torch.save file ({summarize_exception(exc)})"
+        raise LoadError(problem, "re-save the model") from None
+    try:
+        return torch.load(io.BytesIO(data), weights_only=False)
+    except Exception as exc:
+        problem = f"{str(arch.path)!r}: unpickling {entry.record} failed: {summarize_exception(exc)}"
+        raise LoadError(problem, "make its classes importable (run from the project directory)") from None
+
+
+def _payloads(arch: Archive, section: str, trust: bool) -> dict[str, Any] | bytes:
+    """Weights or constants as torch's loader builds them (aliases share storage), pickles loaded safely."""
+    from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE, deserialize_device
+
+    base = WEIGHTS if section == "weights" else CONSTANTS
+    legacy = [e for e in arch.pickled if e.kind == "legacy" and e.section == section]
+    if legacy:  # only reached with trust_pickle: torch's deserializer unpickles the bytes
+        return arch.reader.read_bytes(legacy[0].record)
+    config = arch.weights if section == "weights" else arch.constants
+    pickled = {e.fqn: e for e in arch.pickled if e.section == section}
+    storages: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
+    for fqn, meta in config.items():
+        entry = pickled.get(fqn)
+        if entry is not None:
+            if entry.kind == "tensor":
+                value = _unpickle(arch, entry, trust)
+                if not isinstance(value, torch.Tensor):
+                    raise LoadError(f"{str(arch.path)!r}: {entry.what} is not a tensor", "re-save the model")
+                out[fqn] = value
+            elif entry.kind == "custom_obj":
+                out[fqn] = torch._C._pickle_load_obj(arch.reader.read_bytes(entry.record))
+            else:
+                out[fqn] = pickle.loads(arch.reader.read_bytes(entry.record))
+            continue
+        tm = meta["tensor_meta"]
+        dtype = _SERIALIZE_TO_TORCH_DTYPE[tm["dtype"]]
+        name = meta["path_name"]
+        if name not in storages:
+            nbytes = arch.reader.archive_file.get_record_size(base + name)
+            numel = nbytes // dtype.itemsize
+            flat = torch.empty(0, dtype=dtype)
+            if numel:
+                raw = arch.reader.archive_file.get_storage_from_record(base + name, numel, dtype)
+                flat.set_(raw.untyped_storage(), 0, (numel,), (1,))
+            storages[name] = flat
+        sizes = [s["as_int"] for s in tm["sizes"]]
+        strides = [s["as_int"] for s in tm["strides"]]
+        tensor = torch.as_strided(storages[name], sizes, strides, tm["storage_offset"]["as_int"])
+        device = deserialize_device(_device(tm))
+        if device != torch.device("cpu"):
+            tensor = tensor.to(device)
+        if meta.get("is_param"):
+            tensor = torch.nn.Parameter(tensor, requires_grad=bool(tm.get("requires_grad")))
+        elif tm.get("requires_grad"):
+            tensor.requires_grad_(True)
+        out[fqn] = tensor
+    return out
+
+
+def _device(tm: dict[str, Any]) -> Any:
+    from torch._export.serde import schema
+    from torch._export.serde.serialize import _dict_to_dataclass
+
+    return _dict_to_dataclass(schema.Device, tm.get("device") or {"type": "cpu"})
+
+
+def _deserialize(arch: Archive, state_dict: Any, constants: Any, sample: Any) -> ExportedProgram:
+    from torch._export.serde import schema
+    from torch._export.serde.serialize import ExportedProgramDeserializer, _dict_to_dataclass
+
+    try:
+        serialized = _dict_to_dataclass(schema.ExportedProgram, arch.program_json)
+        return ExportedProgramDeserializer(None).deserialize(serialized, state_dict, constants, sample)
+    except Exception as exc:
+        raise LoadError(
+            f"cannot load .pt2 {str(arch.path)!r}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
+            "re-export the model with this torch version",
+        ) from None
+
+
+def resolve_target(target: str) -> Any:
+    """The operator ``target`` names (as torch's deserializer resolves it), or None if it is not one.
+
+    torch resolves ``torch.``/``math.``/``_operator.`` targets by attribute lookup, so ``torch.os.system``
+    would become a graph node that runs a shell command: only operators are accepted.
+    """
+    from torch._export.serde.serialize import _SYM_OPS
+
+    root, *names = target.split(".")
+    obj: Any = {"_operator": operator, "math": math, "torch": torch}.get(root)
+    for name in names:
+        if obj is None or name.startswith("__") or not name.isidentifier() or not hasattr(obj, name):
+            return None
+        obj = getattr(obj, name)
+    if isinstance(obj, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+        return obj
+    return obj if any(obj is op for op in _SYM_OPS) else None
+
+
+def _check_targets(arch: Archive) -> None:
+    missing = []
+    for target in sorted(arch.targets):
+        if target.startswith("#"):
+            continue  # extension ops: resolved by handlers code registered, never by name lookup
+        if resolve_target(target) is not None:
+            continue
+        if re.match(r"torch\.ops\.[A-Za-z_]\w*\.[A-Za-z_]\w*(\.[A-Za-z_]\w*)?\Z", target):
+            ns, op = target.split(".")[2:4]
+            missing.append(f"{ns}::{op}")
+            continue
+        problem = f"{str(arch.path)!r}: a node calls {target[:80]!r}, which is not an operator"
+        raise LoadError(problem, "re-export the model with torch.export")
+    if missing:
+        raise LoadError(
+            f"{str(arch.path)!r} uses custom ops that are not registered: {', '.join(missing[:5])}",
+            "pass --import MODULE (import_modules=[...]) naming the package that registers them",
+        )
+
+
+def _treespec_types(arch: Archive) -> set[str]:
+    names: set[str] = set()
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("type"), str):
+                names.add(node["type"])
+            for child in node.get("children_spec") or []:
+                visit(child)
+
+    for entry in arch.program_json.get("graph_module", {}).get("module_call_graph", []) or []:
+        signature = (entry or {}).get("signature") or {}
+        for key in ("in_spec", "out_spec"):
+            try:
+                spec = json.loads(signature.get(key) or "null")
+            except ValueError:
+                continue  # torch reports it when it parses the spec
+            if isinstance(spec, list) and len(spec) == 2:
+                visit(spec[1])
+    return names
+
+
+def _register_pytree_types(arch: Archive) -> None:
+    """Make the pytree types the program's signature names known (import rule: see the module docstring)."""
+    import torch.utils._pytree as pytree
+
+    for name in sorted(_treespec_types(arch)):
+        if name in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE:
+            continue
+        module = name.rpartition(".")[0]
+        if _MODULE.match(name) and _safe_to_auto_import(module):
+            with contextlib.suppress(Exception):  # the name was the archive's: fall through to the message
+                importlib.import_module(module)
+        if name not in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE:
+            raise LoadError(
+                f"{str(arch.path)!r}: its inputs or outputs use the pytree type {name}, which is not registered "
+                "(not a custom-op problem)",
+                f"pass --import {module or 'MODULE'} (import_modules=[...]) naming the module that registers it",
+            )
+
+
+def _safe_to_auto_import(module: str) -> bool:
+    top = module.split(".", 1)[0]
+    if top not in SAFE_AUTO_IMPORT:
+        return False
+    if top in sys.modules:
+        return True
+    spec = importlib.util.find_spec(top)
+    if spec is None or not spec.origin:
+        return False
+    origin = Path(spec.origin).resolve()
+    dirs = {*site.getsitepackages(), site.getusersitepackages(), *sysconfig.get_paths().values()}
+    installed = [Path(d).resolve() for d in dirs if "site-packages" in d or "dist-packages" in d]
+    return any(origin.is_relative_to(d) for d in installed)
