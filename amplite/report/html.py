@@ -288,7 +288,9 @@ def render_html(data: dict[str, Any]) -> str:
         parts.append(
             f"<h2>Gradients</h2><p>loss: {escape(str(grads['loss']))}; min SQNR {fmt(grads['min_sqnr_db'])} dB; "
             f"underflow in {escape(str(u.get('dtype')))} without scaling {fmt(u.get('underflow_unscaled'), 3)}; "
-            f"recommended loss scale {fmt(u.get('recommended_loss_scale'))}.</p>"
+            f"recommended: {escape(u.get('advice') or 'loss scale ' + str(fmt(u.get('recommended_loss_scale'))))}; "
+            f"{grads['parameters']} parameters compared; missing gradients: "
+            f"{escape(', '.join(grads.get('missing_gradients') or []) or 'none')}.</p>"
         )
         parts.append(
             _table(

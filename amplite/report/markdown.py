@@ -107,7 +107,8 @@ def render_markdown(data: dict[str, Any], top_n: int = 5) -> str:
         lines.append(
             f"**Gradients** ({grads['loss']}): min SQNR {fmt(grads['min_sqnr_db'])} dB; "
             f"{fmt(100 * u.get('underflow_unscaled', 0.0), 3)} % underflow in {u.get('dtype')} unscaled; "
-            f"recommended loss scale {fmt(u.get('recommended_loss_scale'))}."
+            f"recommended: {u.get('advice') or 'loss scale ' + str(fmt(u.get('recommended_loss_scale')))}; "
+            f"{grads['parameters']} parameters compared, {len(grads.get('missing_gradients') or [])} missing."
         )
     gold = data.get("golden")
     if gold:

@@ -74,7 +74,49 @@ def pair_nodes(ref: torch.fx.Graph, conv: torch.fx.Graph) -> dict[torch.fx.Node,
         queue = pending.get(key(n))
         if queue:
             pairs[n] = queue.pop(0)
+    _pair_folded_batchnorm(pairs)
     return pairs
+
+
+aten = torch.ops.aten
+_CONVS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default}
+_BNS = {aten.batch_norm.default, aten._native_batch_norm_legit_no_training.default}
+
+
+def _bn_output(conv: torch.fx.Node) -> torch.fx.Node | None:
+    """The node holding the output of the inference BatchNorm that is ``conv``'s only user (or None)."""
+    if conv.op != "call_function" or conv.target not in _CONVS or len(conv.users) != 1:
+        return None
+    bn = next(iter(conv.users))
+    if bn.op != "call_function" or bn.target not in _BNS or bn.args[0] is not conv:
+        return None
+    if bn.target is aten.batch_norm.default:
+        return bn
+    first = [u for u in bn.users if u.target is operator.getitem and u.args[1] == 0]
+    return first[0] if len(first) == 1 else None
+
+
+def _pair_folded_batchnorm(pairs: dict[torch.fx.Node, torch.fx.Node]) -> None:
+    """Pair a folded conv with its reference's conv+BatchNorm output, not the conv's pre-BN value.
+
+    ``fold_batchnorm`` removed the BatchNorm: the converted conv computes what the reference's BN returns.
+    A reference BN whose output no converted node pairs with was folded (with ``--no-fold-batchnorm`` the
+    converted graph keeps its own BN, paired with the reference's, and nothing changes).
+    """
+    taken = set(pairs.values())
+    for n, r in list(pairs.items()):
+        if n.op == "call_function" and n.target in _CONVS:
+            out = _bn_output(r)
+            if out is not None and out not in taken and next(iter(r.users)) not in taken:
+                pairs[n] = out
+
+
+def _folded_conv(n: torch.fx.Node, r: torch.fx.Node) -> torch.fx.Node | None:
+    """The reference conv of a folded pair (``n`` a converted conv paired with a BN output), else None."""
+    if n.target not in _CONVS or r.target in _CONVS:
+        return None
+    bn = r.args[0] if r.target is operator.getitem else r
+    return bn.args[0] if isinstance(bn, torch.fx.Node) and isinstance(bn.args[0], torch.fx.Node) else None
 
 
 def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
@@ -255,14 +297,17 @@ class Shadow(_Runner):
         iso = {"sqnr_db": math.inf, "max_abs": 0.0, "rel_l2": 0.0, "new_nonfinite": 0} if exact else None
         if shadow is not None:
             iso = node_error(refv, shadow)
+        conv = _folded_conv(n, r)  # a folded conv: named as the conv the plan knows, measured as conv+BN
+        site = conv if conv is not None else r
+        op = self.names.get(n) or op_tables.op_name(site.target) or str(site.target)
         self.records.append(
             NodeError(
                 index=len(self.records),
-                node=r.name,
-                op=self.names.get(n) or op_tables.op_name(r.target) or str(r.target),
-                module=module_path(r),
-                source=source_line(r),
-                layer=_layer(module_path(r)),
+                node=site.name,
+                op=f"{op}+batch_norm" if conv is not None else op,
+                module=module_path(site),
+                source=source_line(site),
+                layer=_layer(module_path(site)),
                 dtype=str(out.dtype).removeprefix("torch."),
                 accumulated=acc,
                 isolated=iso,
