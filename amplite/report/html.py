@@ -155,7 +155,9 @@ def _budget_section(budget: dict[str, Any], chart: str) -> str:
     parts = [
         f"<h2>Accuracy budget</h2><p>Tolerance <code>{escape(spec)}</code>: <span class='{cls}'>{word}</span> "
         f"with {len(moved)} of {budget['candidates']} candidate nodes moved to FP32, in {budget['trials']} trials "
-        f"(bound {budget['trial_bound']}), {fmt(budget['seconds'])} s.</p>",
+        f"(bound {budget['trial_bound']}), {fmt(budget['seconds'])} s"
+        + (f"; the prune phase took {budget['prune']['before']} nodes down to {budget['prune']['after']}"
+           if budget.get("prune", {}).get("trials") else "") + ".</p>",
         f"<p class='fail'>{escape(budget['message'])}</p>" if budget.get("message") else "",
         chart,
     ]

@@ -36,6 +36,9 @@ def budget_line(budget: dict[str, Any], names: int = 5) -> str:
         f"{len(moved)} of {budget['candidates']} candidate nodes moved to FP32{f' ({shown})' if moved else ''}, "
         f"{budget['trials']} trials (bound {budget['trial_bound']}), {fmt(budget['seconds'], 3)} s."
     )
+    prune = budget.get("prune")
+    if prune and prune["trials"]:
+        text += f" The prune phase took {prune['before']} nodes down to {prune['after']}."
     return text + (f" {_cell(budget['message'])}" if budget.get("message") else "")
 
 
