@@ -31,6 +31,8 @@ def print_check(res: Any) -> None:
     for i, n in enumerate(top[:5], 1):
         flag = " introduces NaN/Inf" if n.get("introduces_nonfinite") else ""
         out.print(f"  {i}. {n['node']} ({n['op']}) {n.get('source') or n.get('module') or ''}{flag}")
+    for d in (data.get("layerwise") or {}).get("decisions") or []:
+        out.print(f"decision {d['node']} ({d['op']}): {d['agreement']:.2%} of {d['elements']} indices agree with FP32")
     grads = data.get("gradients")
     if grads:
         out.print(gradient_line(grads))

@@ -111,6 +111,13 @@ def _pair_folded_batchnorm(pairs: dict[torch.fx.Node, torch.fx.Node]) -> None:
                 pairs[n] = out
 
 
+def _decision_op(n: torch.fx.Node) -> str | None:
+    """The op name when ``n`` is a discrete decision or an output of one (``topk(...)[1]``), else None."""
+    src = n.args[0] if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) else n
+    name = op_tables.op_name(src.target)
+    return name if name in op_tables.DISCRETE_DECISION_OPS else None
+
+
 def _folded_conv(n: torch.fx.Node, r: torch.fx.Node) -> torch.fx.Node | None:
     """The reference conv of a folded pair (``n`` a converted conv paired with a BN output), else None."""
     if n.target not in _CONVS or r.target in _CONVS:
@@ -206,10 +213,14 @@ class Shadow(_Runner):
         self.casts: dict[tuple[torch.fx.Node, torch.dtype], torch.Tensor] = {}
         self.weights: dict[torch.fx.Node, bool] = {}
         self.weight_like: dict[torch.fx.Node, bool] = {}
+        self.decisions: list[dict[str, Any]] = []
 
     def visit(self, n: torch.fx.Node, out: Any) -> None:
         r = self.pairs.get(n)
         if r is None or n.op != "call_function" or _is_view(n):
+            return
+        if isinstance(out, torch.Tensor) and not out.dtype.is_floating_point and _decision_op(n):
+            self._record_decision(n, r, out)
             return
         if n.target is operator.getitem and n.args[0] in self.tuples:
             self.names[n] = f"{self.names.get(n.args[0], 'op')}[{n.args[1]}]"
@@ -221,6 +232,17 @@ class Shadow(_Runner):
             self.names[n] = op_tables.op_name(n.target) or str(n.target)
         elif isinstance(out, torch.Tensor) and out.dtype.is_floating_point:
             self._record(n, r, out, *self._shadow(n))
+
+    def _record_decision(self, n: torch.fx.Node, r: torch.fx.Node, out: torch.Tensor) -> None:
+        """Index agreement of a discrete decision (topk/argmax/sort indices) with the reference's."""
+        refv = self.ref.values.get(r)
+        if not isinstance(refv, torch.Tensor) or refv.shape != out.shape:
+            return
+        op = _decision_op(n)
+        site = r.args[0] if r.target is operator.getitem and isinstance(r.args[0], torch.fx.Node) else r
+        agree = float((refv == out).double().mean()) if out.numel() else 1.0
+        self.decisions.append({"node": site.name, "op": op, "module": module_path(site), "source": source_line(site),
+                               "elements": out.numel(), "agreement": agree})  # fmt: skip
 
     def _shadow(self, n: torch.fx.Node) -> tuple[Any, bool, bool]:
         """Re-run ``n`` on the reference's values; returns (output or None, exact, inherited NaN/Inf)."""
