@@ -39,6 +39,7 @@ LOW_PRECISION_OPS: tuple[str, ...] = (
     "conv3d.padding",
     "convolution.default",
     "_convolution.default",
+    "_convolution.deprecated",  # the 12-argument signature autocast lists too
     "conv_tbc.default",
     "conv_transpose1d.default",
     "conv_transpose2d.input",
