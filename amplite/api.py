@@ -78,7 +78,7 @@ class ConversionResult:
         format: str | None = None,
         external_data: bool | None = None,
         opset: int | None = None,
-        layernorm_stash: str = "exact",
+        layernorm_stash: str = "off",
     ) -> Path:
         """Save the converted model; the format (``pt2`` or ``onnx``) comes from the suffix unless given.
 
@@ -90,9 +90,10 @@ class ConversionResult:
             format: ``pt2`` or ``onnx`` (default: from the suffix).
             external_data: ONNX only: force (True) or forbid (False) external weights; None decides by size.
             opset: ONNX only: default-domain opset (None: 20 for fp16, 22 for bf16).
-            layernorm_stash: ONNX only: write FP32 LayerNorm islands as one low-precision
-                ``LayerNormalization`` (FP32 statistics via ``stash_type``) when scale and bias are exact
-                in the low dtype (``exact``), always, rounding them (``round``), or never (``off``).
+            layernorm_stash: ONNX only: ``off`` (default) keeps FP32 LayerNorm islands; ``stash`` writes
+                them as one low-precision ``LayerNormalization`` (FP32 statistics via ``stash_type``) when
+                scale and bias are exact in the low dtype, ``round`` always, rounding them. The rewrite
+                matches ONNX Runtime's kernels, not the ONNX spec (which rounds before scale and bias).
 
         Raises:
             ConfigError: Unknown format or an opset too old. ExportError: an op has no ONNX translation.

@@ -39,6 +39,7 @@ LOW_PRECISION_OPS: tuple[str, ...] = (
     "conv3d.padding",
     "convolution.default",
     "_convolution.default",
+    "_convolution.deprecated",  # the 12-argument signature autocast lists too
     "conv_tbc.default",
     "conv_transpose1d.default",
     "conv_transpose2d.input",
@@ -168,6 +169,25 @@ FP32_OPS: dict[str, tuple[str, ...]] = {
 #: ``x - x.amax()`` of a hand-written stable softmax), so that op gets FP32 operands without a cast.
 NORMALISER_OPS: tuple[str, ...] = ("amax.default", "amin.default", "max.dim", "min.dim")
 
+#: Ops that turn values into discrete decisions (indices, orders): a rounding that swaps two close values
+#: changes the decision itself (an MoE router picks another expert). The ``discrete-decision`` rule keeps
+#: them and the producers of the values they read in FP32 at O1/O2 (``policy.DISCRETE_DECISION``).
+DISCRETE_DECISION_OPS: tuple[str, ...] = (
+    "topk.default",
+    "argmax.default",
+    "argmin.default",
+    "sort.default",
+    "sort.stable",
+    "argsort.default",
+    "argsort.stable",
+    "kthvalue.default",
+    "msort.default",
+)
+
+#: How many producers upstream of a discrete decision the rule walks (through views, elementwise ops and
+#: FP32 ops, up to the first compute-bound op, which it includes).
+DISCRETE_DECISION_DEPTH = 8
+
 #: Ops that only move or view data; they never change values, so casts commute with them.
 DATA_MOVEMENT_OPS: tuple[str, ...] = (
     "view.default",
@@ -227,6 +247,7 @@ def _fp32_index() -> dict[str, str]:
 def all_entries() -> list[str]:
     """Every op named in the tables (for the existence test)."""
     entries = list(LOW_PRECISION_OPS) + list(NORMALISER_OPS) + list(DATA_MOVEMENT_OPS) + list(PROMOTING_OPS)
+    entries += list(DISCRETE_DECISION_OPS)
     for ops in FP32_OPS.values():
         entries.extend(ops)
     return entries

@@ -10,7 +10,9 @@ Priority, highest first (documented in README and docs/policy.md):
    ``encoder.*`` also matches the module ``encoder`` itself).
 3. An ``op:`` override (glob on the ATen op, e.g. ``softmax`` or ``softmax.int``).
 4. An unprefixed override, matched against op, module path and node name.
-5. The level's rules and the op tables (:mod:`amplite.op_tables`).
+5. Fidelity rules: the ``discrete-decision`` rule (O1/O2) keeps a ``topk``/``argmax``/``sort``… and the
+   producers of the values it reads in FP32 (:meth:`PrecisionPolicy.for_discrete_decision`).
+6. The level's rules and the op tables (:mod:`amplite.op_tables`).
 
 Within one rank, keep-FP32 beats force-low: when a user's patterns disagree, stay safe.
 Overrides do not apply at O0, which converts nothing.
@@ -30,6 +32,8 @@ from amplite import op_tables
 from amplite.errors import ConfigError
 
 LEVEL_ENV = "AMPLITE_LEVEL"
+#: Reason of the fidelity rule for values that feed discrete decisions (topk, argmax, sort, ...).
+DISCRETE_DECISION = "discrete-decision"
 
 
 class Level(str, Enum):
@@ -146,6 +150,22 @@ class PrecisionPolicy:
             return Decision("low", f"low-list:{op.split('.')[0]}")
         return Decision("follow", "follow-inputs")
 
+    def for_discrete_decision(self, current: Decision) -> Decision:
+        """The decision for an op that makes, or computes the values of, a discrete decision.
+
+        At O1/O2 it computes in FP32 (reason ``discrete-decision``) so the decision is the FP32 model's
+        and does not flip between runtimes on near-ties; a user override (``force_low``), O0/O3 and an
+        op already in FP32 (``fp32-list:softmax``) keep ``current``.
+        """
+        if self.level not in (Level.O1, Level.O2) or current.reason.startswith("user:") or current.mode == "fp32":
+            return current
+        return Decision("fp32", DISCRETE_DECISION)
+
+    @staticmethod
+    def is_discrete_decision(op: str) -> bool:
+        """Whether ``op`` (a table key) turns values into indices or an order (``topk``, ``argmax``, ...)."""
+        return op in _DISCRETE
+
     def _override(self, op: str, module: str, node: str) -> Override | None:
         hits = [o for o in self.overrides if o.matches(op, module, node)]
         if not hits:
@@ -154,6 +174,7 @@ class PrecisionPolicy:
 
 
 _LOW = frozenset(op_tables.LOW_PRECISION_OPS)
+_DISCRETE = frozenset(op_tables.DISCRETE_DECISION_OPS)
 
 
 def resolve_level(level: str | Level | None) -> Level:

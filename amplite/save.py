@@ -56,7 +56,7 @@ def convert_to_files(
     report: str | Path | None = None,
     external_data: bool = False,
     opset: int | None = None,
-    onnx_layernorm: str = "exact",
+    onnx_layernorm: str = "off",
     tolerance: list[str] | None = None,
     verify_max_memory: float | None = None,
     progress: Callable[[str, int, int], None] | None = None,
@@ -93,13 +93,13 @@ def convert_to_files(
     dest = Path(output) if output is not None else default_output(model, precision, conversion.get("level"))
     emit.check_writable(dest)
     targets = emit.plan_outputs(dest, formats)
-    if (opset is not None or external_data or onnx_layernorm != "exact") and "onnx" not in dict(targets):
+    if (opset is not None or external_data or onnx_layernorm != "off") and "onnx" not in dict(targets):
         raise ConfigError("--opset, --external-data and --onnx-layernorm apply to ONNX output",
                           "add --format onnx (or -o X.onnx)")  # fmt: skip
-    if onnx_layernorm != "exact":
-        from amplite.onnx.norm import MODES  # onnx_ir imports in ~1 s: only when an ONNX option is given
+    if onnx_layernorm != "off":
+        from amplite.onnx.norm import ALIASES, MODES  # onnx_ir imports in ~1 s: only for an ONNX option
 
-        if onnx_layernorm not in MODES:
+        if ALIASES.get(onnx_layernorm, onnx_layernorm) not in MODES:
             raise ConfigError(f"unknown --onnx-layernorm {onnx_layernorm!r}", f"use one of: {', '.join(MODES)}")
     for _fmt, path in targets:
         emit.check_writable(path)

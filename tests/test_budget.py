@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import torch
+
 import amplite
 from amplite.verify.compare import parse_tolerance
 from fixtures.zoo import make
@@ -75,3 +77,50 @@ def test_search_needs_verification_and_two_trials() -> None:
         amplite.convert(model, inputs, fallback_search=True, verify=False)
     with pytest.raises(ConfigError, match="at least 2"):
         amplite.convert(model, inputs, fallback_search=True, max_trials=1)
+
+
+class Cancellation(torch.nn.Module):
+    """``post(tanh(300·(a(h) − b(h))))`` with ``b ≈ a``: only a and b need FP32 (their difference cancels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.pre, self.a, self.b = (torch.nn.Linear(32, 32) for _ in range(3))
+        self.post = torch.nn.Linear(32, 8)
+        with torch.no_grad():
+            self.b.weight.copy_(self.a.weight + 1e-3 * torch.randn(32, 32, generator=g))
+            self.b.bias.copy_(self.a.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.pre(x))
+        return self.post(torch.tanh(300 * (self.a(h) - self.b(h))))
+
+
+def test_prune_phase_returns_needless_nodes_to_low_precision() -> None:
+    from amplite.passes.graph_utils import module_path
+
+    torch.manual_seed(0)
+    model, inputs = Cancellation().eval(), ((torch.randn(16, 32),), {})
+    result = amplite.convert(model, inputs, level="O1", tolerance=parse_tolerance(["sqnr>=40"]),
+                             fallback_search=True)  # fmt: skip
+    budget = result.report.data["budget"]
+    assert result.passed and budget["passed"]
+    prune = budget["prune"]
+    assert prune["before"] > prune["after"] == 2 and prune["trials"] <= prune["bound"] <= 24
+    moved = {m["module"] for m in budget["moved_to_fp32"]}
+    assert moved == {"a", "b"}  # the subtraction ranks worst but keeping it FP32 cures nothing
+    assert "prune" in [s["kind"] for s in budget["steps"]]
+    graph = result.program.graph
+    fp32_linears = {module_path(n) for n in graph.nodes if n.target is torch.ops.aten.linear.default
+                    and n.meta["val"].dtype == torch.float32}  # fmt: skip
+    assert fp32_linears == {"a", "b"}
+
+
+def test_budget_on_batchnorm_cnn_moves_one_node() -> None:
+    from test_trust_checks import bn_cnn
+
+    model, inputs = bn_cnn()
+    plain = amplite.convert(model, inputs, level="O2")
+    tol = parse_tolerance([f"sqnr>={plain.report.outputs[0]['sqnr_db'] + 3:.2f}"])
+    budget = amplite.convert(model, inputs, level="O2", tolerance=tol, fallback_search=True).report.data["budget"]
+    assert budget["passed"] and len(budget["moved_to_fp32"]) == 1  # 5 when folded convs looked like -10 dB

@@ -192,7 +192,7 @@ def test_tolerance_strings_and_converted_file(tmp_path: Path) -> None:
     res = check(model, inputs, converted=conv, report_dir=tmp_path / "rep")
     assert res.exit_code == 0
     data = res.report.data
-    assert data["config"]["level"] == "converted" and data["config"]["converted"] == str(conv)
+    assert data["config"]["level"] == "O2" and data["config"]["converted"] == str(conv)
     assert data["graph"]["after"]["nodes_by_dtype"].get("float16", 0) >= 2
     assert data["layerwise"]["unpaired_converted_nodes"] == []  # names survive save/load
     assert data["weights"]["ratio"] < 0.6  # O2 stored the weights in fp16

@@ -26,10 +26,11 @@ def convert(
         str,
         typer.Option(
             "--onnx-layernorm",
-            help="ONNX: FP32 LayerNorm islands become one low-precision LayerNormalization (FP32 statistics) "
-            "when scale/bias are exact in the low dtype (exact), always, rounding them (round), or never (off).",
+            help="ONNX: keep FP32 LayerNorm islands (off, exact under the ONNX spec), or write them as one "
+            "low-precision LayerNormalization as ONNX Runtime computes it: when scale/bias are exact in the low "
+            "dtype (stash) or rounding them (round). The spec rounds before scale/bias: docs/onnx.md.",
         ),
-    ] = "exact",
+    ] = "off",
     input: InputOpt = [],  # noqa: B006
     inputs: InputsFile = None,
     report: Annotated[Path | None, typer.Option("--report", help="Report JSON path.")] = None,

@@ -13,7 +13,10 @@ import typer
 from amplite.errors import AmpliteError, ConfigError
 
 ModelArg = Annotated[Path, typer.Argument(help="Model file: .pt2, TorchScript, state dict or pickled module.")]
-Precision = Annotated[str, typer.Option("--precision", "-p", help="fp16 or bf16.")]
+Precision = Annotated[
+    str | None,
+    typer.Option("--precision", "-p", help="fp16 or bf16 (default fp16; check --converted: the file's own)."),
+]
 LevelOpt = Annotated[str | None, typer.Option("--level", "-l", help="O0-O3 (default: $AMPLITE_LEVEL, else O1).")]
 InputOpt = Annotated[
     list[str], typer.Option("--input", help="NAME:SHAPE:DTYPE[lo,hi), e.g. ids:2x128:int64[0,30522). Repeatable.")
@@ -71,11 +74,12 @@ NoFoldOpt = Annotated[
 
 #: The conversion options, defined once: every command that converts (convert, inspect, check) takes them
 #: through :func:`conversion_options`. Each maps to the ``amplite.convert`` keyword of the same name, except
-#: ``no_fold_batchnorm`` (``fold_batchnorm=not ...``). Defaults are the API's.
+#: ``no_fold_batchnorm`` (``fold_batchnorm=not ...``). Defaults are the API's (an option left out is not
+#: passed: ``--precision`` unset lets ``check --converted`` infer it from the file).
 CONVERSION_PARAMS: tuple[inspect.Parameter, ...] = tuple(
     inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation)
     for name, annotation, default in (
-        ("precision", Precision, "fp16"),
+        ("precision", Precision, None),
         ("level", LevelOpt, None),
         ("keep_fp32", KeepOpt, []),
         ("force_low", LowOpt, []),
@@ -106,6 +110,8 @@ LOADING_PARAMS = tuple(p for p in CONVERSION_PARAMS if p.name in LOADING_NAMES)
 def to_api(values: dict[str, Any]) -> dict[str, Any]:
     """CLI conversion option values -> ``amplite.convert`` keyword arguments."""
     kwargs = dict(values)
+    if kwargs.get("precision") is None:  # the API's default, or what check --converted reads from the file
+        kwargs.pop("precision", None)
     if "fuse_contractions" in kwargs and kwargs["fuse_contractions"] is None:
         kwargs["fuse_contractions"] = "auto"
     if "no_fold_batchnorm" in kwargs:

@@ -63,10 +63,28 @@ def print_check(res: Any) -> None:
     for i, n in enumerate(top[:5], 1):
         flag = " introduces NaN/Inf" if n.get("introduces_nonfinite") else ""
         out.print(escape(f"  {i}. {n['node']} ({n['op']}) {n.get('source') or n.get('module') or ''}{flag}"))
+    for d in (data.get("layerwise") or {}).get("decisions") or []:
+        out.print(escape(f"decision {d['node']} ({d['op']}): {d['agreement']:.2%} of {d['elements']} indices "
+                         "agree with FP32"))
+    grads = data.get("gradients")
+    if grads:
+        out.print(escape(gradient_line(grads)))
     for reason in res.reasons:
         out.print(f"[red]✗[/] {escape(str(reason))}")
     for kind, path in res.files.items():
         out.print(escape(f"{kind}: {path}"))
+
+
+def gradient_line(g: dict[str, Any]) -> str:
+    """One line on the gradient check: what was compared, how well, and the loss-scale advice."""
+    fmt = lambda v: v if isinstance(v, str) else f"{v:.1f}"  # noqa: E731
+    u = g.get("underflow", {})
+    advice = f"; recommended: {u['advice']}" if u.get("advice") else ""
+    missing = len(g.get("missing_gradients") or [])
+    return (f"gradients ({g['loss']}, {g.get('graph', 'as converted')}): {g['parameters']} parameters compared"
+            f"{f', {missing} MISSING' if missing else ''}; min SQNR {fmt(g['min_sqnr_db'])} dB, median "
+            f"{fmt(g['median_sqnr_db']) if g.get('median_sqnr_db') is not None else '-'} dB; "
+            f"underflow {u.get('underflow_unscaled', 0):.2%} unscaled{advice}")  # fmt: skip
 
 
 def print_plan(data: dict[str, Any], only: str | None) -> None:

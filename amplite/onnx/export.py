@@ -1,8 +1,9 @@
 """ONNX output: ``torch.onnx.export(dynamo=True)`` of a converted program, portable to any ONNX runtime.
 
 * Casts and FP32 islands come from the converted program unchanged; :mod:`onnx_cleanup` then removes only
-  exact redundancies and stores initializers read only in low precision in that precision, and
-  :mod:`onnx_norm` runs LayerNorm islands on the low dtype with FP32 statistics (``stash_type=1``).
+  exact redundancies and stores initializers read only in low precision in that precision; on request
+  :mod:`onnx_norm` runs LayerNorm islands on the low dtype (``stash_type=1``); :mod:`islands` wraps ops the
+  opset lacks in the low dtype (bf16 Einsum before opset 28) in FP32.
 * ``amplite::contract`` becomes ``amplite.Contract`` (or ``amplite.ContractBias`` when it has a bias), opset
   domain ``amplite`` version 1, each with a model-local function body (Cast → Einsum → scale/bias → Cast,
   FP32 inside) so every runtime can run it, while a runtime with a kernel registered for the domain claims
@@ -44,6 +45,8 @@ from amplite.converter.emit import check_writable
 from amplite.errors import ConfigError, EmitError, ExportError
 from amplite.onnx.cleanup import cleanup_casts, count_casts, set_io_dtype
 from amplite.onnx.errors import export_failure
+from amplite.onnx.islands import first_opset_with, fp32_islands
+from amplite.onnx.norm import ALIASES as LAYERNORM_ALIASES
 from amplite.onnx.norm import MODES as LAYERNORM_MODES
 from amplite.onnx.norm import stash_layernorms
 from amplite.onnx.prepare import onnx_ready
@@ -189,7 +192,7 @@ def export_model(program: ExportedProgram, *, opset: int = DEFAULT_OPSET) -> ir.
 
 def prepare_model(
     program: ExportedProgram, *, precision: str = "fp16", low_precision_io: bool = False, opset: int | None = None,
-    layernorm_stash: str = "exact",
+    layernorm_stash: str = "off",
 ) -> tuple[ir.Model, dict[str, Any]]:
     """Export, attach the ``amplite`` functions, clean up casts and optimise (without inlining).
 
@@ -198,18 +201,19 @@ def prepare_model(
         precision: ``fp16`` or ``bf16``.
         low_precision_io: Make FP32 graph inputs and outputs the low dtype.
         opset: Default-domain opset (None: 20 for fp16, 22 for bf16).
-        layernorm_stash: Run LayerNorm islands on the low dtype with FP32 statistics (``stash_type=1``)
-            where that removes Casts: ``"exact"`` where scale and bias are exact in the low dtype,
-            ``"round"`` rounding them too, ``"off"`` (:mod:`amplite.onnx.norm`).
+        layernorm_stash: ``"off"`` (default: FP32 LayerNorm islands stay, exact under the ONNX spec), or
+            run them as one low-precision LayerNormalization with FP32 statistics (``stash_type=1``),
+            as ONNX Runtime computes it: ``"stash"`` where scale and bias are exact in the low dtype,
+            ``"round"`` rounding them too (:mod:`amplite.onnx.norm`).
 
     Returns:
         The model and a dict with ``cleanup`` counters (``layernorm_stash`` among them) and ``timings``.
     """
     if precision not in _LOW:
         raise ConfigError(f"precision {precision!r} is not fp16 or bf16", "pass --precision fp16 or bf16")
-    if layernorm_stash not in LAYERNORM_MODES:
+    if LAYERNORM_ALIASES.get(layernorm_stash, layernorm_stash) not in LAYERNORM_MODES:
         raise ConfigError(f"LayerNorm stash mode {layernorm_stash!r} is not one of {', '.join(LAYERNORM_MODES)}",
-                          "pass exact (the default), round or off")
+                          "pass off (the default), stash or round")
     if opset is not None and precision == "bf16" and opset < MIN_OPSET_BF16:
         raise ConfigError(f"opset {opset} has no bfloat16 Cast (added in opset {MIN_OPSET_BF16})",
                           "use --opset 18 or newer (default 20), or --precision fp16")
@@ -238,9 +242,10 @@ def prepare_model(
     onnxscript.optimizer.optimize_ir(model, inline=False)  # folding, CSE, dead code; functions kept
     stashed = stash_layernorms(model, layernorm_stash)
     second = cleanup_casts(model)  # the optimiser's folding can expose more
+    islands = fp32_islands(model, DEFAULT_OPSET_BF16)["fp32_islands"]  # e.g. bf16 Einsum (none before 28)
     cleanup = {k: first[k] + second[k] for k in first} | {"casts_before": first["casts_before"],
-                                                           "casts_after": second["casts_after"],
-                                                           "layernorm_stash": stashed}
+                                                           "casts_after": count_casts(model),
+                                                           "layernorm_stash": stashed, "fp32_islands": islands}
     timings["optimize"] = perf_counter() - start
     return model, {"cleanup": cleanup, "timings": timings}
 
@@ -276,8 +281,10 @@ def _write_checked(model: ir.Model, dest: Path, external: bool) -> Path | None:
             found = re.search(r"op_type:(\w+).*unsupported type: tensor\((b?float16)\)", str(exc))
             if found:
                 opset = model.opset_imports.get("", DEFAULT_OPSET)
-                raise ConfigError(f"opset {opset} has no {found.group(2)} {found.group(1)}",
-                                  f"use --opset {DEFAULT_OPSET_BF16} or newer") from exc
+                newer = first_opset_with(found.group(1), found.group(2), opset)
+                fix = (f"use --opset {newer} or newer" if newer else f"keep it in FP32: --keep-fp32 op:"
+                       f"{found.group(1).lower()}, or save as .pt2")  # fmt: skip
+                raise ConfigError(f"opset {opset} has no {found.group(2)} {found.group(1)}", fix) from exc
             raise ExportError(f"the exported ONNX model fails onnx.checker: {str(exc).splitlines()[0]}",
                               "save as .pt2 (--format pt2) and report this as an amplite bug") from exc
         raise EmitError(f"writing {str(dest)!r} failed: {type(exc).__name__}: {exc}",
@@ -294,7 +301,7 @@ def save_onnx(
     low_precision_io: bool = False,
     external_data: bool | None = None,
     opset: int | None = None,
-    layernorm_stash: str = "exact",
+    layernorm_stash: str = "off",
 ) -> OnnxInfo:
     """Export a converted program to ONNX and write it atomically, checked.
 
@@ -306,9 +313,9 @@ def save_onnx(
             has low-precision I/O).
         external_data: Force (True) or forbid (False) external data; None decides by size (> ~1.9 GiB).
         opset: Default-domain opset (None: 20 for fp16, 22 for bf16, where Conv/GRU/pooling gained bf16).
-        layernorm_stash: Rewrite ``Cast → LayerNorm(FP32) → Cast`` islands as one low-precision
-            LayerNormalization with FP32 statistics (``stash_type=1``) where that removes Casts: ``"exact"``
-            only where scale and bias are exact in the low dtype, ``"round"`` rounding them, or ``"off"``.
+        layernorm_stash: ``"off"`` (default) keeps ``Cast → LayerNorm(FP32) → Cast`` islands; ``"stash"``
+            / ``"round"`` rewrite them as one low-precision LayerNormalization with FP32 statistics
+            (``stash_type=1``), which ONNX Runtime computes as the island but the ONNX spec does not.
 
     Returns:
         What was written, with Cast counts and clean-up counters.

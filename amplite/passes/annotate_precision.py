@@ -23,9 +23,10 @@ from torch.utils import _pytree as pytree
 from amplite import op_tables
 from amplite.passes.base import PassResult
 from amplite.passes.graph_utils import cast_dtype, dtypes_of, fake_value, is_float_tensor, module_path
-from amplite.policy import Decision, Level, PrecisionPolicy
+from amplite.policy import DISCRETE_DECISION, Decision, Level, PrecisionPolicy
 
 _NORMALISERS = frozenset(op_tables.NORMALISER_OPS)
+_COMPUTE_BOUND = frozenset(op_tables.LOW_PRECISION_OPS)
 
 
 def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -94,11 +95,32 @@ class AnnotatePrecision:
                 op = op_tables.op_name(node.target)
                 if op in _NORMALISERS and not dec.reason.startswith("user:") and self._feeds_fp32(node, decisions):
                     decisions[node] = Decision("fp32", "fp32-list:normaliser-feeds-fp32")
+        self._discrete_decisions(decisions)
         if self.policy.level is Level.O2:
             for node, dec in list(decisions.items()):
                 if dec.reason == "level:O2" and self._bridges_fp32(node, decisions):
                     decisions[node] = Decision("fp32", "fp32-island-bridge")
         return decisions
+
+    def _discrete_decisions(self, decisions: dict[torch.fx.Node, Decision]) -> None:
+        """Keep discrete decisions (topk, argmax, sort, ...) and the producers of their float operands FP32.
+
+        Walks upstream from each decision through views, elementwise and FP32 ops, up to and including the
+        first low-list (compute-bound) op on each path, at most ``DISCRETE_DECISION_DEPTH`` nodes deep.
+        """
+        for node in [n for n in decisions if self.policy.is_discrete_decision(op_tables.op_name(n.target) or "")]:
+            decisions[node] = self.policy.for_discrete_decision(decisions[node])
+            frontier = [a for a in _tensor_inputs(node) if is_float_tensor(a)]
+            for _ in range(op_tables.DISCRETE_DECISION_DEPTH):
+                nxt = []
+                for prod in frontier:
+                    dec = decisions.get(prod)
+                    if dec is None or dec.reason == DISCRETE_DECISION:
+                        continue
+                    decisions[prod] = self.policy.for_discrete_decision(dec)
+                    if op_tables.op_name(prod.target) not in _COMPUTE_BOUND:
+                        nxt += [a for a in _tensor_inputs(prod) if is_float_tensor(a)]
+                frontier = nxt
 
     @staticmethod
     def _bridges_fp32(node: torch.fx.Node, decisions: dict[torch.fx.Node, Decision]) -> bool:

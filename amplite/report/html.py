@@ -157,7 +157,9 @@ def _budget_section(budget: dict[str, Any], chart: str) -> str:
     parts = [
         f"<h2>Accuracy budget</h2><p>Tolerance <code>{escape(spec)}</code>: <span class='{cls}'>{word}</span> "
         f"with {len(moved)} of {budget['candidates']} candidate nodes moved to FP32, in {budget['trials']} trials "
-        f"(bound {budget['trial_bound']}), {fmt(budget['seconds'])} s.</p>",
+        f"(bound {budget['trial_bound']}), {fmt(budget['seconds'])} s"
+        + (f"; the prune phase took {budget['prune']['before']} nodes down to {budget['prune']['after']}"
+           if budget.get("prune", {}).get("trials") else "") + ".</p>",
         f"<p class='fail'>{escape(budget['message'])}</p>" if budget.get("message") else "",
         chart,
     ]
@@ -320,7 +322,9 @@ def render_html(data: dict[str, Any]) -> str:
         parts.append(
             f"<h2>Gradients</h2><p>loss: {escape(str(grads['loss']))}; min SQNR {fmt(grads['min_sqnr_db'])} dB; "
             f"underflow in {escape(str(u.get('dtype')))} without scaling {fmt(u.get('underflow_unscaled'), 3)}; "
-            f"recommended loss scale {fmt(u.get('recommended_loss_scale'))}.</p>"
+            f"recommended: {escape(u.get('advice') or 'loss scale ' + str(fmt(u.get('recommended_loss_scale'))))}; "
+            f"{grads['parameters']} parameters compared; missing gradients: "
+            f"{escape(', '.join(grads.get('missing_gradients') or []) or 'none')}.</p>"
         )
         parts.append(
             _table(

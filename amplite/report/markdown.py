@@ -47,6 +47,9 @@ def budget_line(budget: dict[str, Any], names: int = 5) -> str:
         f"{len(moved)} of {budget['candidates']} candidate nodes moved to FP32{f' ({shown})' if moved else ''}, "
         f"{budget['trials']} trials (bound {budget['trial_bound']}), {fmt(budget['seconds'], 3)} s."
     )
+    prune = budget.get("prune")
+    if prune and prune["trials"]:
+        text += f" The prune phase took {prune['before']} nodes down to {prune['after']}."
     return text + (f" {_cell(budget['message'])}" if budget.get("message") else "")
 
 
@@ -126,7 +129,8 @@ def render_markdown(data: dict[str, Any], top_n: int = 5) -> str:
         lines.append(
             f"**Gradients** ({grads['loss']}): min SQNR {fmt(grads['min_sqnr_db'])} dB; "
             f"{fmt(100 * u.get('underflow_unscaled', 0.0), 3)} % underflow in {u.get('dtype')} unscaled; "
-            f"recommended loss scale {fmt(u.get('recommended_loss_scale'))}."
+            f"recommended: {u.get('advice') or 'loss scale ' + str(fmt(u.get('recommended_loss_scale')))}; "
+            f"{grads['parameters']} parameters compared, {len(grads.get('missing_gradients') or [])} missing."
         )
     gold = data.get("golden")
     if gold:

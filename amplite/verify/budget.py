@@ -3,11 +3,13 @@
 Candidates are the converted graph's low-precision nodes ranked by the error each one *introduces*
 (the isolated "shadow" error of the layer-wise analysis). The search tries the worst node alone, then
 all candidates (if even that fails, it stops: no subset can do better, and it reports the best plan
-found), then bisects on how many of the ranked candidates to keep in FP32. A trial reruns only the
-passes, on the FP32 program (no export), with the calibrated ranges and FP32 reference outputs of the
-first conversion, and runs the rewritten module: nothing is re-exported until the plan is chosen, and
-that plan alone is converted and verified in full. Trials are bounded by ``2·log2(N) + 10`` for N
-candidates (or ``max_trials``).
+found), then bisects on how many of the ranked candidates to keep in FP32, and finally prunes that
+prefix: each of its nodes, least isolated error first, goes back to low precision if the tolerance still
+holds without it (``prune`` in the report: counts before and after). A trial reruns only the passes, on
+the FP32 program (no export), with the calibrated ranges and FP32 reference outputs of the first
+conversion, and runs the rewritten module: nothing is re-exported until the plan is chosen, and that plan
+alone is converted and verified in full. Search trials are bounded by ``2·log2(N) + 10`` for N candidates
+(or ``max_trials``), prune trials by the prefix's length (at most 24).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class Step:
     """One trial of the search."""
 
     trial: int
-    kind: str  # plan, worst, all, bisect, final
+    kind: str  # plan, worst, all, bisect, prune
     moved: int  # how many ranked candidates were kept in FP32
     passed: bool
     worst_sqnr_db: float | str
@@ -62,16 +64,17 @@ def fallback_search(
     n = len(ranked)
     bound = max_trials if max_trials is not None else 2 * math.ceil(math.log2(max(n, 2))) + 10
     steps = [Step(0, "plan", 0, False, _worst(result.report.outputs), 0.0)]
-    cache: dict[int, tuple[bool, Any]] = {}
+    cache: dict[frozenset[str], bool] = {}
     config = result.report.data["config"]
     rules = RangeRules(**config["range_rules"]) if config.get("range_rules") else None
     ranges = result.pipeline.ranges  # calibrated once, by the conversion that missed the tolerance
 
-    def trial(k: int, kind: str) -> bool:
-        if k in cache:
-            return cache[k][0]
+    def trial(names: list[str], kind: str) -> bool:
+        key = frozenset(names)
+        if key in cache:
+            return cache[key]
         t0 = perf_counter()
-        keep = [*options.get("keep_fp32", []), *(f"node:{name}" for name, _ in ranked[:k])]
+        keep = [*options.get("keep_fp32", []), *(f"node:{name}" for name in names)]
         policy = PrecisionPolicy(options["precision"], options["level"], make_overrides(keep, options["force_low"]),
                                  options["low_precision_io"])  # fmt: skip
         module = rewrite(
@@ -80,34 +83,38 @@ def fallback_search(
         ).module  # fmt: skip
         metrics = compare(result.reference, run_model(module, run_inputs), result.tolerance)
         ok = all(m.passed for m in metrics)
-        cache[k] = (ok, keep)
+        cache[key] = ok
         worst = _worst([m.to_dict() for m in metrics])
-        steps.append(Step(len(steps), kind, k, ok, worst, round(perf_counter() - t0, 3)))
+        steps.append(Step(len(steps), kind, len(names), ok, worst, round(perf_counter() - t0, 3)))
         return ok
 
+    names = [name for name, _ in ranked]
     best_k, message = None, ""
     if n == 0:
         message = "no low-precision node introduces measurable error: nothing to move back to FP32"
-    elif trial(1, "worst"):
+    elif trial(names[:1], "worst"):
         best_k = 1
-    elif n == 1 or not trial(n, "all"):
+    elif n == 1 or not trial(names, "all"):
         message = (f"even with all {n} candidate nodes in FP32 the tolerance is not met; the report holds "
                    "the most accurate plan tried — loosen --tolerance or keep more in FP32 by hand")  # fmt: skip
     else:
         lo, hi = 1, n  # prefix lo fails, prefix hi passes
         while hi - lo > 1 and len(steps) - 1 < bound:
             mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if trial(mid, "bisect") else (mid, hi)
+            lo, hi = (lo, mid) if trial(names[:mid], "bisect") else (mid, hi)
         best_k = hi
         if hi - lo > 1:
             message = f"stopped at the trial bound ({bound}); the plan found may keep more in FP32 than needed"
-    chosen = best_k if best_k is not None else n
-    final_keep = [*options.get("keep_fp32", []), *(f"node:{name}" for name, _ in ranked[:chosen])]
+    chosen = names[: best_k if best_k is not None else n]
+    before = len(chosen)
+    prune_bound = min(before, _PRUNE_MAX) if best_k is not None and before > 1 else 0
+    chosen, prune_trials = _prune(chosen, lambda kept: trial(kept, "prune"), prune_bound)
+    final_keep = [*options.get("keep_fp32", []), *(f"node:{name}" for name in chosen)]
     final = convert(
         result.original, result.inputs, **{**options, "keep_fp32": final_keep}, verify=True,
         tolerance=result.tolerance, reference_outputs=result.reference,
     )  # fmt: skip
-    moved = {name for name, _ in ranked[:chosen]}
+    moved = set(chosen)
     for entry in (*final.report.data["plan"], *final.report.data["fp32_nodes"]):
         if entry["node"] in moved and entry["reason"] == f"user:keep node:{entry['node']}":
             entry["reason"] = "budget:isolated-error"  # the search moved it, not the user
@@ -117,12 +124,36 @@ def fallback_search(
         "candidates": n,
         "trials": len(steps) - 1,
         "trial_bound": bound,
-        "moved_to_fp32": [_describe(result, name, sqnr) for name, sqnr in ranked[:chosen]],
+        "moved_to_fp32": [_describe(result, name, sqnr) for name, sqnr in ranked if name in moved],
+        "prune": {"before": before, "after": len(chosen), "trials": prune_trials, "bound": prune_bound},
         "steps": [asdict(s) for s in steps],
         "seconds": round(perf_counter() - start, 3),
         "message": message,
     }
     return final
+
+
+#: At most this many prune trials (one per node of the bisected plan, least harmful first).
+_PRUNE_MAX = 24
+
+
+def _prune(chosen: list[str], passes: Callable[[list[str]], bool], bound: int) -> tuple[list[str], int]:
+    """Return nodes of a passing FP32 set to low precision one at a time while the tolerance still holds.
+
+    The bisection keeps a prefix of the ranking, which may hold nodes that are not needed (a subtraction
+    that only shows its inputs' rounding ranks worst, yet keeping it FP32 cures nothing). Each node is tried,
+    the one with the least isolated error first and the worst last (the likeliest to be needed); one that
+    can go back to low precision is dropped for good. At most ``bound`` trials.
+    """
+    kept, tried = list(chosen), 0
+    for name in reversed(chosen):
+        if tried >= bound or len(kept) <= 1:
+            break
+        tried += 1
+        rest = [k for k in kept if k != name]
+        if passes(rest):
+            kept = rest
+    return kept, tried
 
 
 def _candidates(result: Any, run_inputs: Any, low: torch.dtype) -> list[tuple[str, float | str]]:

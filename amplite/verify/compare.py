@@ -9,8 +9,9 @@ cosine similarity of at least 0.999 (fp16) / 0.99 (bf16). Integer and bool outpu
 
 User criteria (``--tolerance``) replace those defaults: ``sqnr>=45``, ``top1>=0.999``, ``max_abs<=1e-2``,
 ``p95_abs<=1e-3``, ``allclose(atol=1e-3,rtol=1e-3)``, each optionally scoped to one output with
-``NAME:`` (``logits:sqnr>=40``). Scoped criteria replace the unscoped ones for the outputs they name.
-Criteria, their parser and the tolerances live in ``criteria`` (re-exported here).
+``NAME:`` (``logits:sqnr>=40``). Scoped criteria replace the unscoped ones for the outputs they name; a
+scope that names no output is an error (exit 2), never a criterion silently dropped. Criteria, their
+parser and the tolerances live in ``criteria`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from amplite.verify.criteria import (
     QUANTILE_METRIC,
     Criterion,
     Tolerance,
+    check_scopes,
     parse_criterion,
     parse_tolerance,
 )
@@ -119,8 +121,10 @@ def compare_batches(pairs: Sequence[tuple[Any, Any]], tolerance: Tolerance) -> l
 
     Raises:
         InputSpecError: If the two models return different numbers of outputs.
+        ConfigError: If a scoped criterion names no output of the model.
     """
     names = output_names(pairs[0][0])
+    check_scopes(tolerance, names)
     columns: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in names]
     for reference, converted in pairs:
         ref_leaves, out_leaves = pytree.tree_leaves(reference), pytree.tree_leaves(converted)

@@ -40,6 +40,36 @@ def infer_precision(program: ExportedProgram) -> str:
     return "bf16" if stats.get("bfloat16", 0) > stats.get("float16", 0) else "fp16"
 
 
+def infer_level(program: ExportedProgram, precision: str) -> str:
+    """The level a converted graph shows: O0 (nothing low), O3 (FP32-list ops such as softmax or norms run
+    low), O2 (weights stored low), else O1. Weights ``fold_batchnorm`` made are left out: they may be
+    stored low at O1 too."""
+    from amplite import op_tables
+
+    low = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    fp32_list = {"low": 0, "fp32": 0}
+    any_low = False
+    for node in program.graph.nodes:
+        if node.op != "call_function" or cast_dtype(node) is not None:
+            continue
+        dt = node_compute_dtype(node)
+        any_low |= dt == low
+        name = op_tables.op_name(node.target)
+        if name and op_tables.fp32_reason(name) and dt in (low, torch.float32):
+            fp32_list["low" if dt == low else "fp32"] += 1
+    if not any_low:
+        return "O0"
+    if fp32_list["low"] and not fp32_list["fp32"]:
+        return "O3"
+    sig = program.graph_signature
+    user = set(sig.parameters) | set(sig.buffers)
+    floats = [t for k, t in program.state_dict.items() if k in user and t.is_floating_point()
+              and not k.split(".")[-1].startswith("amplite_folded_")]  # fmt: skip
+    low_bytes = sum(t.numel() * t.element_size() for t in floats if t.dtype == low)
+    all_bytes = sum(t.numel() * t.element_size() for t in floats)
+    return "O2" if all_bytes and low_bytes * 2 >= all_bytes else "O1"
+
+
 def report_for_converted(base: dict[str, Any], conv: ExportedProgram, path: Any, precision: str) -> dict[str, Any]:
     """A report for a converted file: the reference's facts plus what the converted graph shows."""
     report = copy.deepcopy(base)
@@ -66,7 +96,8 @@ def report_for_converted(base: dict[str, Any], conv: ExportedProgram, path: Any,
     report["config"] = {
         **report["config"],
         "precision": precision,
-        "level": "converted",
+        "level": infer_level(conv, precision),
+        "level_source": "inferred from the converted file",
         "converted": str(path) if not isinstance(path, ExportedProgram) else "program",
     }
     report["plan"] = plan

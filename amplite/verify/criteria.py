@@ -157,6 +157,24 @@ class Tolerance:
         return chosen
 
 
+def check_scopes(tol: Tolerance, names: Sequence[str]) -> None:
+    """Every scoped criterion must name an output of the model: a scope that matches nothing would drop
+    the criterion silently and let the gate pass unjudged.
+
+    Raises:
+        ConfigError: For a criterion whose scope matches none of ``names``, listing the output names.
+    """
+    for text in tol.criteria:
+        c = parse_criterion(text)
+        if c.output is not None and not any(c.applies_to(n) for n in names):
+            keys = list(dict.fromkeys(_output_key(n) for n in names))
+            raise ConfigError(
+                f"tolerance {text!r} names output {c.output!r}, but the model's outputs are {', '.join(keys)}",
+                f"scope it to one of them (e.g. {keys[0] if keys else 'output'}:{str(c).split(':', 1)[1]}) "
+                "or leave the scope out to judge every output",
+            )
+
+
 DEFAULT_TOLERANCES: dict[str, Tolerance] = {
     "fp16": Tolerance(min_sqnr_db=40.0, min_cosine=0.999),
     "bf16": Tolerance(min_sqnr_db=25.0, min_cosine=0.99),

@@ -2,11 +2,12 @@
 
 The loss is the user's (``module:function`` taking the model's outputs and returning a scalar) or, by
 default, the sum of every floating-point output. Each parameter's gradient in the converted model is
-compared with FP32 (SQNR, NaN/Inf), and the FP32 gradients are checked against the low dtype's range: the
+compared with FP32 (SQNR, NaN/Inf) — a parameter that has no gradient in one of the models fails the
+check, it is never skipped —, and the FP32 gradients are checked against the low dtype's range: the
 fraction that would underflow to zero in fp16 without loss scaling, and a recommended initial loss scale
-(see :func:`amplite.verify.ranges.recommend_loss_scale`). The check fails only when the converted
-gradients have NaN/Inf that FP32's lack; the SQNR figures are for judgement (gradients of a model with
-low-precision activations are expected to be noisier than its outputs).
+(see :func:`amplite.verify.ranges.recommend_loss_scale`). The check fails when the converted gradients
+have NaN/Inf that FP32's lack or a parameter's gradient is missing; the SQNR figures are for judgement
+(gradients of a model with low-precision activations are expected to be noisier than its outputs).
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ def load_loss(spec: str | LossFn | None) -> tuple[LossFn, str]:
 
 def _backward(
     model: torch.nn.Module, inputs: Inputs, loss_fn: LossFn, what: str
-) -> tuple[float, dict[str, torch.Tensor]]:
-    params = dict(model.named_parameters())
+) -> tuple[float, dict[str, torch.Tensor | None]]:
+    """Loss and the gradient of every trainable parameter (None for one the loss does not reach)."""
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
     for p in params.values():
         p.grad = None
     try:
@@ -81,7 +83,7 @@ def _backward(
             f"the backward pass of {what} failed: {summarize_exception(exc)}",
             "check --loss (it gets the model's outputs and returns a scalar)",
         ) from exc
-    grads = {k: p.grad.detach().clone() for k, p in params.items() if p.grad is not None}
+    grads = {k: (p.grad.detach().clone() if p.grad is not None else None) for k, p in params.items()}
     for p in params.values():  # leave the modules as they were
         p.grad = None
     return float(loss.detach().float()), grads
@@ -99,6 +101,11 @@ def gradient_check(
 ) -> dict[str, Any]:
     """One backward pass through both models; the report section ``gradients``.
 
+    Every trainable parameter of either model is accounted for: compared (SQNR, NaN/Inf), or listed in
+    ``missing_gradients`` with the model that lacks it (no such parameter, or no gradient reaches it) —
+    which fails the check, as NaN/Inf gradients do. (Folded BatchNorm has no parameters to train: check a
+    graph converted with ``fold_batchnorm=False``, as ``amplite check --grad`` does.)
+
     Args:
         reference: The FP32 model (e.g. ``program.module()``). converted: The converted one.
         ref_inputs: The batch for the reference. conv_inputs: The same batch for the converted model.
@@ -110,22 +117,19 @@ def gradient_check(
     loss_fn, loss_name = load_loss(loss)
     ref_loss, ref_grads = _backward(reference, ref_inputs, loss_fn, "the FP32 model")
     conv_loss, conv_grads = _backward(converted, conv_inputs, loss_fn, "the converted model")
-    rows = []
-    for name, g in ref_grads.items():
-        err = node_error(g, conv_grads.get(name, torch.zeros_like(g)).to(g.dtype))
+    rows, missing = [], []
+    for name in [*ref_grads, *(k for k in conv_grads if k not in ref_grads)]:
+        g, c = ref_grads.get(name), conv_grads.get(name)
+        if g is None or c is None:
+            missing.append(f"{name} ({_why_missing(name, ref_grads, conv_grads)})")
+            continue
+        err = node_error(g, c.to(g.dtype))
         if err is not None:
-            rows.append(
-                {
-                    "parameter": name,
-                    "dtype": str(conv_grads[name].dtype).removeprefix("torch.") if name in conv_grads else None,
-                    **err,
-                }
-            )
+            rows.append({"parameter": name, "dtype": str(c.dtype).removeprefix("torch."), **err})
     rows.sort(key=lambda r: r["sqnr_db"])
     nonfinite = [r["parameter"] for r in rows if r["new_nonfinite"]]
-    missing = sorted(set(ref_grads) - set(conv_grads))
     finite_sqnr = [r["sqnr_db"] for r in rows if math.isfinite(r["sqnr_db"])]
-    return {
+    section: dict[str, Any] = {
         "loss": loss_name,
         "reference_loss": ref_loss,
         "converted_loss": conv_loss,
@@ -135,7 +139,33 @@ def gradient_check(
         "worst": rows[:worst],
         "nonfinite_parameters": nonfinite,
         "missing_gradients": missing,
-        "underflow": recommend_loss_scale(list(ref_grads.values()), low_dtype),
-        "passed": not nonfinite,
+        "underflow": recommend_loss_scale([g for g in ref_grads.values() if g is not None], low_dtype),
+        "passed": not nonfinite and not missing,
         "seconds": round(perf_counter() - start, 4),
     }
+    if missing and any(k.startswith("amplite_folded_") for k, _ in converted.named_parameters()):
+        section["hint"] = "the converted model has folded BatchNorm: convert with --no-fold-batchnorm to train it"
+    return section
+
+
+def _why_missing(name: str, ref: dict[str, Any], conv: dict[str, Any]) -> str:
+    parts = []
+    for what, grads in (("FP32", ref), ("converted", conv)):
+        if name not in grads:
+            parts.append(f"not a trainable parameter of the {what} model")
+        elif grads[name] is None:
+            parts.append(f"no gradient in the {what} model")
+    return "; ".join(parts)
+
+
+def failure_reasons(section: dict[str, Any]) -> list[str]:
+    """One line per way the gradient check failed (empty when it passed)."""
+    reasons = []
+    if section["nonfinite_parameters"]:
+        reasons.append("gradients: NaN/Inf in " + ", ".join(section["nonfinite_parameters"][:5]))
+    if section.get("missing_gradients"):
+        miss = section["missing_gradients"]
+        more = f" and {len(miss) - 5} more" if len(miss) > 5 else ""
+        hint = f" — {section['hint']}" if section.get("hint") else ""
+        reasons.append(f"gradients: {len(miss)} parameter(s) not compared: " + ", ".join(miss[:5]) + more + hint)
+    return reasons

@@ -19,6 +19,9 @@ output (then the producer is to blame and the node only *inherits* them). Overfl
 casts belongs to the consumer that asked for the low dtype. Nodes are ranked: introduced NaN/Inf first,
 then lowest isolated SQNR. Only the first data batch is analysed; view ops (which copy no values) are
 left out.
+
+Discrete decisions (``topk``/``argmax``/``sort`` indices, see ``op_tables.DISCRETE_DECISION_OPS``) are
+compared as decisions: the fraction of indices that agree with the reference's (``decisions``).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class LayerwiseResult:
     paired: int = 0
     unpaired: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    decisions: list[dict[str, Any]] = field(default_factory=list)
 
     def top(self, n: int = 10) -> list[NodeError]:
         """The ``n`` nodes that introduce the most error (none that introduce nothing)."""
@@ -88,6 +92,7 @@ class LayerwiseResult:
             "top_introducers": [e.to_dict() for e in self.top(top_n)],
             "layers": [pytree.tree_map(json_float, row) for row in self.layers()],
             "nodes": [e.to_dict() for e in self.nodes],
+            "decisions": self.decisions,
         }
 
 
@@ -118,6 +123,7 @@ def analyze(
         shadow.run(*flat_inputs(conv_gm, conv_inputs))
     computed = [n for n in conv_gm.graph.nodes if n.op == "call_function" and cast_dtype(n) is None]
     unpaired = [n.name for n in computed if n not in pairs]
-    result = LayerwiseResult(shadow.records, sum(1 for n in computed if n in pairs), unpaired)
+    result = LayerwiseResult(shadow.records, sum(1 for n in computed if n in pairs), unpaired,
+                             decisions=shadow.decisions)  # fmt: skip
     result.seconds = perf_counter() - start
     return result

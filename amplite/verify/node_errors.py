@@ -67,10 +67,14 @@ def node_error(ref: Any, out: Any) -> dict[str, Any] | None:
         return None
     if not ref.dtype.is_floating_point or ref.numel() == 0:
         return None
-    r, o = ref.detach().float(), out.detach().float()
-    d = o - r
+    r, o = ref.detach(), out.detach()
+    if r.dtype != torch.float32:
+        r = r.float()
+    # The subtraction promotes a low-precision output itself (no FP32 copy of it first).
+    d = o - r if o.dtype in (torch.float16, torch.bfloat16, torch.float32) else o.float() - r
     new_nonfinite = 0
-    rn, en, mx = torch.stack([r.norm(), d.norm(), d.abs().max()]).tolist()
+    lo, hi = torch.aminmax(d)  # max |d| without a |d| tensor (aminmax is also faster than max() on CPU)
+    rn, en, mx = torch.stack([r.norm(), d.norm(), torch.maximum(-lo, hi)]).tolist()
     if not (math.isfinite(rn) and math.isfinite(en)):  # NaN/Inf somewhere (inf - inf is NaN), or huge values
         rf, of = torch.isfinite(r), torch.isfinite(o)
         new_nonfinite = int((rf & ~of).sum())

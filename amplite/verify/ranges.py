@@ -93,7 +93,8 @@ def recommend_loss_scale(grads: list[torch.Tensor], dtype: torch.dtype = torch.f
 
     The scale is the largest power of two that keeps the largest gradient at least 2× below the dtype's
     max (headroom for activation gradients, which the parameters' do not show), capped at 2^24;
-    the underflow left after scaling is reported too.
+    the underflow left after scaling is reported too. bf16 has FP32's exponent range: what underflows
+    there underflows in FP32 training too, so its recommendation is 1 (no loss scaling).
     """
     vals = [g.detach().reshape(-1).float() for g in grads if isinstance(g, torch.Tensor) and g.numel()]
     if not vals:
@@ -103,6 +104,8 @@ def recommend_loss_scale(grads: list[torch.Tensor], dtype: torch.dtype = torch.f
     max_abs = float(finite.abs().max()) if finite.numel() else 0.0
     fmax = torch.finfo(dtype).max
     exp = 24 if max_abs == 0 else max(0, min(24, math.floor(math.log2(fmax / (2 * max_abs)))))
+    if dtype == torch.bfloat16:
+        exp = 0
     scale = float(2**exp)
 
     def fractions(x: torch.Tensor) -> tuple[float, float]:
@@ -120,6 +123,7 @@ def recommend_loss_scale(grads: list[torch.Tensor], dtype: torch.dtype = torch.f
         "underflow_unscaled": ftz,
         "subnormal_unscaled": sub,
         "recommended_loss_scale": scale,
+        "advice": "no loss scaling (bf16 has FP32's range)" if dtype == torch.bfloat16 else f"loss scale {scale:g}",
         "underflow_scaled": ftz_s,
         "subnormal_scaled": sub_s,
     }

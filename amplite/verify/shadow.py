@@ -74,7 +74,56 @@ def pair_nodes(ref: torch.fx.Graph, conv: torch.fx.Graph) -> dict[torch.fx.Node,
         queue = pending.get(key(n))
         if queue:
             pairs[n] = queue.pop(0)
+    _pair_folded_batchnorm(pairs)
     return pairs
+
+
+aten = torch.ops.aten
+_CONVS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default}
+_BNS = {aten.batch_norm.default, aten._native_batch_norm_legit_no_training.default}
+
+
+def _bn_output(conv: torch.fx.Node) -> torch.fx.Node | None:
+    """The node holding the output of the inference BatchNorm that is ``conv``'s only user (or None)."""
+    if conv.op != "call_function" or conv.target not in _CONVS or len(conv.users) != 1:
+        return None
+    bn = next(iter(conv.users))
+    if bn.op != "call_function" or bn.target not in _BNS or bn.args[0] is not conv:
+        return None
+    if bn.target is aten.batch_norm.default:
+        return bn
+    first = [u for u in bn.users if u.target is operator.getitem and u.args[1] == 0]
+    return first[0] if len(first) == 1 else None
+
+
+def _pair_folded_batchnorm(pairs: dict[torch.fx.Node, torch.fx.Node]) -> None:
+    """Pair a folded conv with its reference's conv+BatchNorm output, not the conv's pre-BN value.
+
+    ``fold_batchnorm`` removed the BatchNorm: the converted conv computes what the reference's BN returns.
+    A reference BN whose output no converted node pairs with was folded (with ``--no-fold-batchnorm`` the
+    converted graph keeps its own BN, paired with the reference's, and nothing changes).
+    """
+    taken = set(pairs.values())
+    for n, r in list(pairs.items()):
+        if n.op == "call_function" and n.target in _CONVS:
+            out = _bn_output(r)
+            if out is not None and out not in taken and next(iter(r.users)) not in taken:
+                pairs[n] = out
+
+
+def _decision_op(n: torch.fx.Node) -> str | None:
+    """The op name when ``n`` is a discrete decision or an output of one (``topk(...)[1]``), else None."""
+    src = n.args[0] if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) else n
+    name = op_tables.op_name(src.target)
+    return name if name in op_tables.DISCRETE_DECISION_OPS else None
+
+
+def _folded_conv(n: torch.fx.Node, r: torch.fx.Node) -> torch.fx.Node | None:
+    """The reference conv of a folded pair (``n`` a converted conv paired with a BN output), else None."""
+    if n.target not in _CONVS or r.target in _CONVS:
+        return None
+    bn = r.args[0] if r.target is operator.getitem else r
+    return bn.args[0] if isinstance(bn, torch.fx.Node) and isinstance(bn.args[0], torch.fx.Node) else None
 
 
 def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
@@ -164,10 +213,14 @@ class Shadow(_Runner):
         self.casts: dict[tuple[torch.fx.Node, torch.dtype], torch.Tensor] = {}
         self.weights: dict[torch.fx.Node, bool] = {}
         self.weight_like: dict[torch.fx.Node, bool] = {}
+        self.decisions: list[dict[str, Any]] = []
 
     def visit(self, n: torch.fx.Node, out: Any) -> None:
         r = self.pairs.get(n)
         if r is None or n.op != "call_function" or _is_view(n):
+            return
+        if isinstance(out, torch.Tensor) and not out.dtype.is_floating_point and _decision_op(n):
+            self._record_decision(n, r, out)
             return
         if n.target is operator.getitem and n.args[0] in self.tuples:
             self.names[n] = f"{self.names.get(n.args[0], 'op')}[{n.args[1]}]"
@@ -179,6 +232,17 @@ class Shadow(_Runner):
             self.names[n] = op_tables.op_name(n.target) or str(n.target)
         elif isinstance(out, torch.Tensor) and out.dtype.is_floating_point:
             self._record(n, r, out, *self._shadow(n))
+
+    def _record_decision(self, n: torch.fx.Node, r: torch.fx.Node, out: torch.Tensor) -> None:
+        """Index agreement of a discrete decision (topk/argmax/sort indices) with the reference's."""
+        refv = self.ref.values.get(r)
+        if not isinstance(refv, torch.Tensor) or refv.shape != out.shape:
+            return
+        op = _decision_op(n)
+        site = r.args[0] if r.target is operator.getitem and isinstance(r.args[0], torch.fx.Node) else r
+        agree = float((refv == out).double().mean()) if out.numel() else 1.0
+        self.decisions.append({"node": site.name, "op": op, "module": module_path(site), "source": source_line(site),
+                               "elements": out.numel(), "agreement": agree})  # fmt: skip
 
     def _shadow(self, n: torch.fx.Node) -> tuple[Any, bool, bool]:
         """Re-run ``n`` on the reference's values; returns (output or None, exact, inherited NaN/Inf)."""
@@ -255,14 +319,17 @@ class Shadow(_Runner):
         iso = {"sqnr_db": math.inf, "max_abs": 0.0, "rel_l2": 0.0, "new_nonfinite": 0} if exact else None
         if shadow is not None:
             iso = node_error(refv, shadow)
+        conv = _folded_conv(n, r)  # a folded conv: named as the conv the plan knows, measured as conv+BN
+        site = conv if conv is not None else r
+        op = self.names.get(n) or op_tables.op_name(site.target) or str(site.target)
         self.records.append(
             NodeError(
                 index=len(self.records),
-                node=r.name,
-                op=self.names.get(n) or op_tables.op_name(r.target) or str(r.target),
-                module=module_path(r),
-                source=source_line(r),
-                layer=_layer(module_path(r)),
+                node=site.name,
+                op=f"{op}+batch_norm" if conv is not None else op,
+                module=module_path(site),
+                source=source_line(site),
+                layer=_layer(module_path(site)),
                 dtype=str(out.dtype).removeprefix("torch."),
                 accumulated=acc,
                 isolated=iso,
