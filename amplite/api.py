@@ -24,7 +24,7 @@ from amplite.converter.inputs import bind_inputs, example_inputs, normalize_inpu
 from amplite.converter.loading import LoadedModel, load_any, torchscript_to_program
 from amplite.converter.pipeline import PipelineOutput, lower_inputs, run_pipeline
 from amplite.converter.tracing import Inputs, summarize_exception
-from amplite.errors import ConfigError, InputSpecError
+from amplite.errors import AmpliteError, ConfigError, InputSpecError, InternalError
 from amplite.ops import backend_description
 from amplite.passes.range_guard import RangeRules
 from amplite.policy import LEVEL_ENV, Level, PrecisionPolicy, make_overrides, resolve_level
@@ -287,7 +287,14 @@ def _verify(out: PipelineOutput, ref_out: Any, inputs: Inputs, cfg: _Config, tim
     """Run the converted program on the example inputs and compare it with the FP32 outputs."""
     start = perf_counter()
     run_inputs = lower_inputs(inputs, cfg.policy.low_dtype) if cfg.policy.low_precision_io else inputs
-    metrics = compare(ref_out, run_model(out.converted.module(), run_inputs), cfg.tolerance)
+    try:
+        converted = run_model(out.converted.module(), run_inputs)
+    except AmpliteError:
+        raise
+    except Exception as exc:  # the FP32 model ran on these inputs: a failure now is amplite's rewrite's
+        problem = f"amplite bug: the converted program fails on the example inputs: {summarize_exception(exc)}"
+        raise InternalError(problem) from exc
+    metrics = compare(ref_out, converted, cfg.tolerance)
     timings["verify"] = perf_counter() - start
     return metrics
 

@@ -132,7 +132,9 @@ def _cell(cell: dict[str, Any], autocast: dict[str, Any] | None = None) -> str:
         return "✗ " + cell.get("error", "")[:60].replace("|", "/")
     text = f"{'✓' if cell['passed'] else '✗v'} {cell['sqnr_db']:.1f}" + ("" if cell["finite"] else " NaN/Inf")
     if autocast is not None and autocast.get("sqnr_db") is not None:
-        text += f" ({autocast['sqnr_db']:.1f})"
+        text += f" ({autocast['sqnr_db']:.1f}{'' if autocast['finite'] else ' NaN/Inf'})"
+    elif autocast is not None and autocast.get("error"):
+        text += " (autocast fails¹)"
     return text
 
 
@@ -164,11 +166,17 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"{_cell(r.get('bf16-O1', {}), r.get('autocast_bf16'))} | {_cell(r.get('fp16-O2', {}))} | "
             f"{_cell(r.get('bf16-O2', {}))} | {kept} | {'; '.join(verdict(r)) or '–'} |"
         )
+    failing = [(r["name"], p, r[f"autocast_{p}"]["error"]) for r in exportable for p in ("fp16", "bf16")
+               if r.get(f"autocast_{p}", {}).get("error")]
+    if failing:
+        lines += ["", "¹ torch.autocast itself fails on the same inputs:", ""]
+        lines += [f"- {name} {p}: {err}" for name, p, err in failing]
     blocked = [r for r in rows if not r.get("exportable")]
     if blocked:
         lines += ["", "Not exportable by torch.export (not counted against amplite):", ""]
         lines += [f"- **{r['name']}** ({r['family']}): {r.get('export_error', '')}" for r in blocked]
-    return "\n".join(lines) + "\n"
+    root = str(Path(__file__).resolve().parents[1]) + "/"
+    return "\n".join(lines).replace(root, "").replace(sys.prefix + "/lib/", "") + "\n"
 
 
 def main() -> None:

@@ -185,3 +185,13 @@ def test_vanishing_activations_stay_fp32_in_fp16() -> None:
     assert sum(r.startswith("range:underflow") for r in reasons) >= 5
     sqnr = result.report.outputs[0]["sqnr_db"]
     assert math.isinf(sqnr) or sqnr > 40
+
+
+def test_converted_program_failing_at_run_time_is_an_internal_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from amplite.passes import guard_constants
+
+    # Without saturation the fp16 masked_fill fails at run time, which FakeTensor propagation cannot see.
+    monkeypatch.setattr(guard_constants.SaturateFills, "_computes_low", lambda self, node: False)
+    x, mask = torch.randn(2, 6, 16), torch.ones(2, 6, dtype=torch.bool)
+    with pytest.raises(InternalError, match="amplite bug: the converted program fails on the example inputs"):
+        amplite.convert(MaskedAttention().eval(), (x, mask), precision="fp16", level="O1", range_rules=False)
