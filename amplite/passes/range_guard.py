@@ -139,8 +139,8 @@ class RangeGuard:
         for node in gm.graph.nodes:
             if node.op != "call_function" or cast_dtype(node) is not None:
                 continue
-            reason = (self._activation(node) or self._underflow(node)) if fp16 else None
-            reason = reason or self._weights(node, weight_flags)
+            reason = (self._activation(node) if fp16 else None) or self._weights(node, weight_flags)
+            reason = reason or (self._underflow(node) if fp16 else None)  # a weight's flush is the cause: say it
             reason = reason or self._depth(node)
             if reason:
                 node.meta["amplite_range"] = reason
