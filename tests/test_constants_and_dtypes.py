@@ -195,3 +195,16 @@ def test_converted_program_failing_at_run_time_is_an_internal_error(monkeypatch:
     x, mask = torch.randn(2, 6, 16), torch.ones(2, 6, dtype=torch.bool)
     with pytest.raises(InternalError, match="amplite bug: the converted program fails on the example inputs"):
         amplite.convert(MaskedAttention().eval(), (x, mask), precision="fp16", level="O1", range_rules=False)
+
+
+def test_a_crashing_pass_is_an_internal_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Crash:
+        name = "crash"
+
+        def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+            raise KeyError("boom")
+
+    real = pipeline.build_passes
+    monkeypatch.setattr(pipeline, "build_passes", lambda *a, **k: [Crash(), *real(*a, **k)])
+    with pytest.raises(InternalError, match="amplite bug: pass crash failed: KeyError: 'boom'"):
+        amplite.convert(LargeBias().eval(), torch.randn(4, 8))
