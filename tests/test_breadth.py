@@ -18,7 +18,7 @@ from bench.bench_breadth import CONFIGS, measure, verdict
 from bench.breadth_corpus import ARCHS, BY_NAME, VOCAB
 
 
-def _check(name: str, precision: str, level: str) -> None:
+def _check(name: str, precision: str, level: str) -> tuple[torch.nn.Module, amplite.ConversionResult]:
     model, inputs = BY_NAME[name].build()
     ref = run(model, inputs)
     result = amplite.convert(model, inputs, precision=precision, level=level)
@@ -28,17 +28,16 @@ def _check(name: str, precision: str, level: str) -> None:
     if level == "O1":
         autocast = accuracy(ref, run(model, inputs, autocast=precision), logits=True)
         assert got["sqnr_db"] >= autocast["sqnr_db"] - 0.5, (got, autocast)
-    return result
+    return model, result
 
 
 @pytest.mark.parametrize(("precision", "level"), CONFIGS)
 def test_deberta_v2_converts_and_verifies(precision: str, level: str) -> None:
-    result = _check("deberta-v2", precision, level)
+    model, result = _check("deberta-v2", precision, level)
     # Other inputs than the example: other tokens, the padding in the other row and longer.
     ids = torch.randint(64, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[0, 6:] = 0
-    model, _ = BY_NAME["deberta-v2"].build()
     ref = run(model, ((), {"input_ids": ids, "attention_mask": mask}))
     out = run(result.program.module(), ((), {"input_ids": ids, "attention_mask": mask}))
     assert torch.isfinite(out).all()
