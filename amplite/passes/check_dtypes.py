@@ -6,9 +6,10 @@ arithmetic: cost independent of tensor sizes) from the placeholders' planned val
 node's real output dtype(s) with the planned ones.
 
 Guarantees afterwards (when it returns): every node's output dtype at run time equals its planned dtype,
-so no consumer receives operands of a dtype the plan did not give it. The graph is not changed. On a
-mismatch it raises :class:`amplite.errors.InternalError` naming the node, its op and source line: that
-is a bug in amplite's passes, never in the user's model.
+so no consumer receives operands of a dtype the plan did not give it — up to the first op FakeTensors
+cannot run without values (counter ``stopped_early``; data-dependent shapes export recorded are fine).
+The graph is not changed. On a mismatch it raises :class:`amplite.errors.InternalError` naming the node,
+its op and source line: that is a bug in amplite's passes, never in the user's model.
 """
 
 from __future__ import annotations
@@ -19,12 +20,27 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+)
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
 from amplite import op_tables
 from amplite.errors import InternalError
 from amplite.passes.base import PassResult
 from amplite.passes.graph_utils import dtypes_of, source_line
+
+#: FakeTensor propagation cannot go past these (values needed, or no fake kernel): the check stops there
+#: (counter ``stopped_early``) instead of failing a conversion that may well be right.
+_CANNOT_PROPAGATE = (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+    GuardOnDataDependentSymNode,
+)
 
 
 def _fake_mode(gm: torch.fx.GraphModule) -> Any:
@@ -56,6 +72,8 @@ class _Propagate(torch.fx.Interpreter):
         self.current_node = n
         try:
             out = super().run_node(n)
+        except _CANNOT_PROPAGATE:
+            raise
         except Exception as exc:
             raise InternalError(
                 f"amplite bug: its rewritten graph fails at node {n.name} ({_op(n)}"
@@ -117,4 +135,6 @@ class CheckDtypes:
                 _Propagate(gm, mode, counters).run()
         except InternalError as exc:  # re-raise without the "While executing" notes the interpreter appends
             raise InternalError(exc.problem, exc.fix) from exc.__cause__
+        except _CANNOT_PROPAGATE:
+            counters["stopped_early"] += 1
         return PassResult(gm, False, counters)
