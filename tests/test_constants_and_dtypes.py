@@ -11,9 +11,9 @@ from torch import nn
 
 import amplite
 from amplite.converter import pipeline
+from amplite.converter.dtype_check import CheckDtypes
 from amplite.errors import InternalError
 from amplite.passes.base import PassResult
-from amplite.passes.check_dtypes import CheckDtypes
 from amplite.passes.graph_utils import make_cast
 
 CONFIGS = [("fp16", "O1"), ("bf16", "O1"), ("fp16", "O2"), ("bf16", "O2")]

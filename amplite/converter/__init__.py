@@ -2,7 +2,8 @@
 
 Modules: ``loading`` (model files by content), ``inputs`` (example inputs), ``tracing`` (torch.export),
 ``calibration`` (FP32 value ranges for the range rules), ``pipeline`` (export, the pass sequence,
-re-export), ``graph_stats`` (cast/FLOP/weight counts), ``emit`` (atomic writes, ``.pt2``).
+re-export), ``dtype_check`` (the rewritten graph's real dtypes against the plan), ``graph_stats``
+(cast/FLOP/weight counts), ``emit`` (atomic writes, ``.pt2``).
 Layer: imports ``passes``, ``ops``, ``policy``, ``op_tables`` and ``errors`` only; never ``verify``,
 ``report``, ``onnx``, the API or the CLI.
 """

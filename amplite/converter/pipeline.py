@@ -21,11 +21,11 @@ from torch.utils import _pytree as pytree
 
 from amplite import op_tables
 from amplite.converter.calibration import ValueRange, collect_ranges
+from amplite.converter.dtype_check import CheckDtypes
 from amplite.converter.tracing import Inputs, export_model
 from amplite.errors import ExportError, InternalError
 from amplite.passes.annotate_precision import AnnotatePrecision
 from amplite.passes.base import Pass, PassManager, PassRecord
-from amplite.passes.check_dtypes import CheckDtypes
 from amplite.passes.cleanup_casts import CleanupCasts
 from amplite.passes.fold_batchnorm import FOLDED_PREFIX, FoldBatchNorm
 from amplite.passes.graph_utils import module_path, retype, source_line

@@ -1,4 +1,4 @@
-"""Checker (runs last): the rewritten graph computes in the dtypes the plan says it does.
+"""Checker run after the passes: the rewritten graph computes in the dtypes the plan says it does.
 
 The passes keep every node's ``meta['val']`` (its planned value: dtype, shape) up to date as they rewrite.
 This checker runs the rewritten graph once under FakeTensor propagation (shapes and dtypes only, no
