@@ -13,7 +13,9 @@ Rules (data in :class:`RangeRules`; defaults and their justification in docs/ran
   (50%) of its non-zero elements below fp16's smallest normal 2^-14 stays FP32 (``range:underflow``):
   fp16 would store them as subnormals with fewer significant bits, or flush them to zero (a randomly
   initialised CNN whose activations shrink to ~1e-25 loses every output element). Estimated on a strided
-  sample per value, and only for values whose largest |x| is below 1.
+  sample per value, and only for values whose largest |x| stays below 2^-10: rounding a subnormal errs
+  by at most 2^-25, which for a value reaching 2^-10 is 2^-15 of its scale, less than fp16's own 2^-11
+  rounding of its normal elements (a GELU's small cubic term stays low).
 * fp16 only — weights: a reader of a weight with |w| > 65504 (fp16 max) stays FP32 (``range:weight-overflow``);
   so does a reader of a weight where more than ``underflow_share`` of the non-zero values are below
   2^-24 and would flush to zero (``range:weight-underflow``).
@@ -40,7 +42,7 @@ from amplite.passes.graph_utils import cast_dtype, fake_value
 FP16_MAX = 65504.0
 FP16_FLUSH = 2.0**-24  # below half of the smallest subnormal a value rounds to zero (or to 2^-24)
 FP16_TINY = 2.0**-14  # fp16's smallest normal: below it a value keeps fewer than 11 significant bits
-_ALL_NORMAL = 1.0  # a value reaching |x| ≥ 1 is not "mostly below 2^-14" in any way that matters
+_SUBNORMALS_MATTER = 2.0**-10  # below this largest |x| subnormal rounding costs more than fp16's normal rounding
 _SAMPLE = 1 << 20
 _STAT_SAMPLE = 1 << 12
 _REDUCTIONS = frozenset(op_tables.FP32_OPS["reduction"]) | frozenset(op_tables.FP32_OPS["softmax"])
@@ -77,8 +79,8 @@ class ValueRange:
                 return
             biggest = float(a.abs().max())
         self.max_abs = max(self.max_abs, biggest)
-        if biggest >= _ALL_NORMAL:
-            return  # a sample would say little: values this large dominate whatever sits below 2^-14
+        if self.max_abs >= _SUBNORMALS_MATTER:
+            return  # the underflow rule ignores this value: no need to sample it
         sample = a[:: a.numel() // _STAT_SAMPLE + 1].abs() if a.numel() > _STAT_SAMPLE else a.abs()
         nonzero = sample > 0
         self.sampled_nonzero += int(nonzero.sum())
@@ -160,7 +162,7 @@ class RangeGuard:
         limit = self.rules.data_underflow_share
         for n in (node, *node.all_input_nodes):
             r = self.ranges.get(n.name)
-            if r is not None and n.op != "get_attr" and r.tiny_share > limit:
+            if r is not None and n.op != "get_attr" and r.max_abs < _SUBNORMALS_MATTER and r.tiny_share > limit:
                 where = "output" if n is node else f"input {n.name}"
                 return f"range:underflow {where} {r.tiny_share:.0%} of non-zeros <2^-14 (|x|max={r.max_abs:.3g})"
         return None
