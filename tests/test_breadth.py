@@ -53,10 +53,20 @@ def test_representative_architectures(name: str, precision: str, level: str) -> 
     _check(name, precision, level)
 
 
+#: Measured exceptions (docs/models.md, "Exceptions"): what they miss and why.
+KNOWN = {
+    "resnet": ("fp16 O1", "BatchNorm folding rounds the folded weights differently: the folded FP32 graph under "
+                          "autocast scores the same; --no-fold-batchnorm beats autocast"),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [a.name for a in ARCHS])
 def test_breadth_sweep(name: str) -> None:
     row = measure(BY_NAME[name])
     if not row.get("exportable"):
         pytest.skip(f"torch.export cannot trace {name}: {row.get('export_error')}")
-    assert not verdict(row), row
+    missed = verdict(row)
+    if name in KNOWN and missed and all(m.startswith(KNOWN[name][0]) for m in missed):
+        pytest.xfail(KNOWN[name][1])
+    assert not missed, row
