@@ -31,7 +31,7 @@ from amplite.converter.tracing import (
     static_batch_inputs,
     summarize_exception,
 )
-from amplite.errors import ConfigError, InputSpecError
+from amplite.errors import AmpliteError, ConfigError, InputSpecError, InternalError
 from amplite.estimate import DEFAULT_PROFILE, estimate, get_profile
 from amplite.ops import backend_description
 from amplite.ops.fusion_default import resolve as resolve_fuse
@@ -331,7 +331,14 @@ def _verify(out: PipelineOutput, ref_out: Any, inputs: Inputs, cfg: _Config, tim
     """Run the converted program on the example inputs and compare it with the FP32 outputs."""
     start = perf_counter()
     run_inputs = lower_inputs(inputs, cfg.policy.low_dtype) if cfg.policy.low_precision_io else inputs
-    metrics = compare(ref_out, run_model(out.converted.module(), run_inputs), cfg.tolerance)
+    try:
+        converted = run_model(out.converted.module(), run_inputs)
+    except AmpliteError:
+        raise
+    except Exception as exc:  # the FP32 model ran on these inputs: a failure now is amplite's rewrite's
+        problem = f"amplite bug: the converted program fails on the example inputs: {summarize_exception(exc)}"
+        raise InternalError(problem) from exc
+    metrics = compare(ref_out, converted, cfg.tolerance)
     timings["verify"] = perf_counter() - start
     return metrics
 

@@ -49,3 +49,16 @@ class ConfigError(AmpliteError):
 
 class EmitError(AmpliteError):
     """The output could not be written."""
+
+
+class InternalError(AmpliteError):
+    """amplite's own rewrite produced something wrong: a bug in amplite, not in the user's model."""
+
+    exit_code = 3
+
+    def __init__(self, problem: str, fix: str = "") -> None:
+        super().__init__(
+            problem,
+            fix or "this is an amplite bug, not a problem with your model: please report it with the output of "
+            "--debug; meanwhile --keep-fp32 on that node or a lower --level avoids it",
+        )

@@ -150,10 +150,13 @@ def test_report_schema_basics() -> None:
     assert names == [
         "fold_batchnorm",
         "range_guard",
+        "guard_constants",
         "annotate_precision",
+        "saturate_fills",
         "insert_casts",
         "cleanup_casts",
         "store_low_params",
+        "check_dtypes",
     ]
     assert data["graph"]["after"]["casts"] >= 1
     reasons = {n["op"]: n["reason"] for n in data["fp32_nodes"]}

@@ -56,7 +56,8 @@ def _run(debug: bool, body: Callable[[], int]) -> None:
     except AmpliteError as exc:
         if debug:
             traceback.print_exc()
-        err.print(f"[bold red]error:[/] {escape(exc.one_line())}", soft_wrap=True)
+        label = "internal error" if exc.exit_code == 3 else "error"
+        err.print(f"[bold red]{label}:[/] {escape(exc.one_line())}", soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         err.print("interrupted")

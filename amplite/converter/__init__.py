@@ -5,7 +5,8 @@ deserialized: zip, JSON, sizes, pickled entries), ``program_strings`` (the progr
 evaluates), ``pt2`` (the .pt2 loader built on it, without
 torch.export.load's unpickling paths; ``--import``), ``inputs`` (example inputs), ``tracing`` (torch.export),
 ``calibration`` (FP32 value ranges for the range rules), ``pipeline`` (export, the pass sequence,
-re-export), ``graph_stats`` (cast/FLOP/weight counts), ``emit`` (atomic writes, ``.pt2``).
+re-export), ``dtype_check`` (the rewritten graph's real dtypes against the plan), ``graph_stats``
+(cast/FLOP/weight counts), ``emit`` (atomic writes, ``.pt2``).
 Layer: imports ``passes``, ``ops``, ``policy``, ``op_tables`` and ``errors`` only; never ``verify``,
 ``report``, ``onnx``, the API or the CLI.
 """

@@ -21,13 +21,16 @@ from torch.utils import _pytree as pytree
 
 from amplite import op_tables
 from amplite.converter.calibration import ValueRange, collect_ranges
+from amplite.converter.dtype_check import CheckDtypes
 from amplite.converter.inputs import bind_to_program
 from amplite.converter.tracing import DynamicDims, Inputs, export_model
+from amplite.errors import ExportError, InternalError
 from amplite.passes.annotate_precision import AnnotatePrecision
 from amplite.passes.base import Pass, PassManager, PassRecord
 from amplite.passes.cleanup_casts import CleanupCasts
 from amplite.passes.fold_batchnorm import FOLDED_PREFIX, FoldBatchNorm
 from amplite.passes.graph_utils import module_path, retype, source_line
+from amplite.passes.guard_constants import GuardConstants, SaturateFills
 from amplite.passes.insert_casts import InsertCasts
 from amplite.passes.range_guard import RangeGuard, RangeRules
 from amplite.passes.store_low_params import StoreLowPrecisionParams
@@ -69,7 +72,9 @@ def build_passes(
     if ranges is not None and range_rules is not None:
         passes.append(RangeGuard(ranges, range_rules, policy.low_dtype))
     passes += [
+        GuardConstants(policy.low_dtype),  # correctness, not accuracy: runs with or without range rules
         AnnotatePrecision(policy),
+        SaturateFills(policy.low_dtype),
         InsertCasts(low_precision_io=policy.low_precision_io),
         CleanupCasts(),
     ]
@@ -131,7 +136,8 @@ class Rewrite:
         records: One record per pass.
         plan: The precision decision of every planned node.
         ranges: The calibrated value ranges the range rules used (None without range rules).
-        timings: Seconds in ``calibration`` (when run) and ``passes`` (calibration included).
+        timings: Seconds in ``calibration`` (when run), ``passes`` (calibration included) and
+            ``dtype_check`` (the checker that the rewritten graph's dtypes match the plan).
     """
 
     module: torch.fx.GraphModule
@@ -190,7 +196,9 @@ def rewrite(
     passes = build_passes(policy, fuse_contractions=fuse_contractions, ranges=ranges, range_rules=range_rules)
     gm, rest = PassManager(passes)(gm)
     timings["passes"] = perf_counter() - start
-    return Rewrite(gm, records + rest, collect_plan(gm), ranges, timings)
+    gm, check = PassManager([CheckDtypes()])(gm)  # raises InternalError when a pass broke the plan
+    timings["dtype_check"] = check[0].seconds
+    return Rewrite(gm, records + rest + check, collect_plan(gm), ranges, timings)
 
 
 def run_pipeline(
@@ -233,7 +241,12 @@ def run_pipeline(
     timings.update(done.timings)
     start = perf_counter()
     export_inputs = lower_inputs(inputs, policy.low_dtype) if policy.low_precision_io else inputs
-    converted = export_model(done.module, export_inputs, **dynamic, what="the converted model")
+    try:
+        converted = export_model(done.module, export_inputs, **dynamic, what="the converted model")
+    except ExportError as exc:  # the FP32 model traced: a failure now is amplite's rewrite, not the user's code
+        raise InternalError(
+            f"amplite bug: {exc.problem.replace('torch.export could not trace', 'torch.export rejected')}"
+        ) from exc.__cause__
     timings["reexport"] = perf_counter() - start
     return PipelineOutput(original, converted, done.records, done.plan, timings, done.ranges)
 

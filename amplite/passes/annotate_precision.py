@@ -162,7 +162,11 @@ class AnnotatePrecision:
         ):
             mode, reason = "follow", "float64-kept"
         schema = getattr(node.target, "_schema", None)
-        if schema is not None and schema.is_mutable and inputs:
+        if not float_in:
+            # No floating operand to cast (creation ops, true division of integers): the op itself fixes
+            # its output dtype, whatever the policy says, so the plan must not claim a low one.
+            compute, mode, reason = None, "follow", "no-float-operands"
+        elif schema is not None and schema.is_mutable and inputs:
             # An in-place op cannot change its destination's dtype: compute in it.
             compute = out_dtype[inputs[0]] if out_dtype[inputs[0]].is_floating_point else None
             mode, reason = "follow", "in-place"

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 
 import torch.fx
 
+from amplite.errors import AmpliteError, InternalError
+
 
 @dataclass
 class PassResult:
@@ -71,7 +73,13 @@ class PassManager:
         modified = False
         for p in self.passes:
             start = perf_counter()
-            result = p(gm)
+            try:
+                result = p(gm)
+            except AmpliteError:
+                raise
+            except Exception as exc:  # a pass that crashes is amplite's bug, whatever the model
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                raise InternalError(f"amplite bug: pass {p.name} failed: {type(exc).__name__}: {first}") from exc
             gm = result.graph_module
             if result.modified:
                 modified = True

@@ -9,6 +9,13 @@ Rules (data in :class:`RangeRules`; defaults and their justification in docs/ran
   in the FP32 reference stays FP32 (``range:activation``). 512 by default: above it fp16's spacing is
   0.5 or more, so small additive updates (residual branches, bias adds) are lost; it is also where
   fp16 is ~128× from overflow, a margin one matmul or square can use up.
+* fp16 only — underflow: a node whose output or any floating input has more than ``data_underflow_share``
+  (50%) of its non-zero elements below fp16's smallest normal 2^-14 stays FP32 (``range:underflow``):
+  fp16 would store them as subnormals with fewer significant bits, or flush them to zero (a randomly
+  initialised CNN whose activations shrink to ~1e-25 loses every output element). Estimated on a strided
+  sample per value, and only for values whose largest |x| stays below 2^-10: rounding a subnormal errs
+  by at most 2^-25, which for a value reaching 2^-10 is 2^-15 of its scale, less than fp16's own 2^-11
+  rounding of its normal elements (a GELU's small cubic term stays low).
 * fp16 only — weights: a reader of a weight with |w| > 65504 (fp16 max) stays FP32 (``range:weight-overflow``);
   so does a reader of a weight where more than ``underflow_share`` of the non-zero values are below
   2^-24 and would flush to zero (``range:weight-underflow``).
@@ -34,7 +41,10 @@ from amplite.passes.graph_utils import cast_dtype, fake_value
 
 FP16_MAX = 65504.0
 FP16_FLUSH = 2.0**-24  # below half of the smallest subnormal a value rounds to zero (or to 2^-24)
+FP16_TINY = 2.0**-14  # fp16's smallest normal: below it a value keeps fewer than 11 significant bits
+_SUBNORMALS_MATTER = 2.0**-10  # below this largest |x| subnormal rounding costs more than fp16's normal rounding
 _SAMPLE = 1 << 20
+_STAT_SAMPLE = 1 << 12
 _REDUCTIONS = frozenset(op_tables.FP32_OPS["reduction"]) | frozenset(op_tables.FP32_OPS["softmax"])
 
 
@@ -42,14 +52,20 @@ _REDUCTIONS = frozenset(op_tables.FP32_OPS["reduction"]) | frozenset(op_tables.F
 class ValueRange:
     """Range of one node's value over all calibration batches.
 
-    Only the maximum is kept: every range rule is a threshold on the largest finite |value| (one
-    overflow is one Inf), and it costs a single ``aminmax`` pass per value.
+    The maximum is exact (every overflow rule is a threshold on the largest finite |value|: one overflow
+    is one Inf; a single ``aminmax`` pass per value). The underflow statistic is estimated on a strided
+    sample of at most ``_STAT_SAMPLE`` elements per batch: it is a share, not a count.
 
     Attributes:
         max_abs: Largest finite |value| seen.
+        sampled_nonzero: Non-zero elements in the samples.
+        sampled_tiny: Of those, how many are below fp16's smallest normal (2^-14): stored in fp16 they
+            lose precision (subnormals) or flush to zero.
     """
 
     max_abs: float = 0.0
+    sampled_nonzero: int = 0
+    sampled_tiny: int = 0
 
     def update(self, t: torch.Tensor) -> None:
         """Fold one tensor into the range (non-finite values are ignored)."""
@@ -63,6 +79,17 @@ class ValueRange:
                 return
             biggest = float(a.abs().max())
         self.max_abs = max(self.max_abs, biggest)
+        if self.max_abs >= _SUBNORMALS_MATTER:
+            return  # the underflow rule ignores this value: no need to sample it
+        sample = a[:: a.numel() // _STAT_SAMPLE + 1].abs() if a.numel() > _STAT_SAMPLE else a.abs()
+        nonzero = sample > 0
+        self.sampled_nonzero += int(nonzero.sum())
+        self.sampled_tiny += int((nonzero & (sample < FP16_TINY)).sum())
+
+    @property
+    def tiny_share(self) -> float:
+        """Share of the sampled non-zero values below fp16's smallest normal (0 when none were sampled)."""
+        return self.sampled_tiny / self.sampled_nonzero if self.sampled_nonzero else 0.0
 
 
 def max_abs(t: torch.Tensor) -> float:
@@ -79,12 +106,15 @@ class RangeRules:
         data_max: Largest |activation| kept in fp16.
         weight_max: Largest |weight| kept in fp16.
         underflow_share: Largest share of non-zero weights allowed to flush to zero in fp16.
+        data_underflow_share: Largest share of a value's non-zero elements allowed below fp16's smallest
+            normal (2^-14) before its producer and readers stay FP32.
         max_reduction_depth: Longest reduction allowed in low precision (None: no limit).
     """
 
     data_max: float = 512.0
     weight_max: float = FP16_MAX
     underflow_share: float = 0.01
+    data_underflow_share: float = 0.5
     max_reduction_depth: int | None = 4096
 
 
@@ -112,6 +142,7 @@ class RangeGuard:
             if node.op != "call_function" or cast_dtype(node) is not None:
                 continue
             reason = (self._activation(node) if fp16 else None) or self._weights(node, weight_flags)
+            reason = reason or (self._underflow(node) if fp16 else None)  # a weight's flush is the cause: say it
             reason = reason or self._depth(node)
             if reason:
                 node.meta["amplite_range"] = reason
@@ -125,6 +156,15 @@ class RangeGuard:
             if r is not None and r.max_abs > limit and n.op != "get_attr":
                 where = "output" if n is node else f"input {n.name}"
                 return f"range:activation {where} |x|={r.max_abs:.3g}>{limit:g}"
+        return None
+
+    def _underflow(self, node: torch.fx.Node) -> str | None:
+        limit = self.rules.data_underflow_share
+        for n in (node, *node.all_input_nodes):
+            r = self.ranges.get(n.name)
+            if r is not None and n.op != "get_attr" and r.max_abs < _SUBNORMALS_MATTER and r.tiny_share > limit:
+                where = "output" if n is node else f"input {n.name}"
+                return f"range:underflow {where} {r.tiny_share:.0%} of non-zeros <2^-14 (|x|max={r.max_abs:.3g})"
         return None
 
     def _weight_flags(self, gm: torch.fx.GraphModule) -> dict[str, str]:
