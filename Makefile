@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench mutate clean
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -28,5 +28,14 @@ lint: install
 bench: install
 	$(PY) bench/bench_convert.py
 
+# Mutation testing of the passes, policy, op tables, verification metrics and ops (config: [tool.mutmut]
+# in pyproject.toml; results and survivors: docs/testing.md). Slow (about an hour on 2 cores): not in CI.
+# Results are cached in mutants/: a rerun only tests what changed; `rm -rf mutants` for a fresh run.
+mutate: install
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,mutate]'
+	OMP_NUM_THREADS=1 $(VENV)/bin/mutmut run --max-children 2 || true
+	$(VENV)/bin/mutmut results
+	$(VENV)/bin/mutmut export-cicd-stats && cat mutants/mutmut-cicd-stats.json
+
 clean:
-	rm -rf build .pytest_cache
+	rm -rf build .pytest_cache mutants
