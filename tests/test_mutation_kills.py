@@ -8,18 +8,36 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import sys
 import types
+from typing import ClassVar
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import amplite.ops  # registers amplite::contract
+from amplite.converter.calibration import collect_ranges
 from amplite.converter.criteria import Criterion, parse_tolerance
+from amplite.converter.pipeline import strip_export_checks
 from amplite.errors import ConfigError
 from amplite.ops import cutensor_backend
-from amplite.policy import Level, Override, resolve_level
+from amplite.passes.annotate_precision import AnnotatePrecision
+from amplite.passes.base import PassManager
+from amplite.passes.cleanup_casts import CleanupCasts
+from amplite.passes.fold_batchnorm import FoldBatchNorm
+from amplite.passes.fuse_contractions import FuseContractions
+from amplite.passes.graph_utils import cast_dtype
+from amplite.passes.insert_casts import InsertCasts
+from amplite.passes.range_guard import RangeGuard, RangeRules
+from amplite.passes.store_low_params import StoreLowPrecisionParams
+from amplite.policy import Level, Override, PrecisionPolicy, resolve_level
 
 contract_mod = importlib.import_module("amplite.ops.contract")  # amplite.ops.contract is also the op
+aten = torch.ops.aten
+CONTRACT = torch.ops.amplite.contract.default
+ALL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 # policy
 
@@ -126,3 +144,299 @@ def test_pointer_alignment_is_the_lowest_set_bit_capped_at_256(ptr: int, align: 
 
 def test_contract_is_registered() -> None:
     assert amplite.ops is not None and hasattr(torch.ops.amplite, "contract")
+
+
+# store_low_params
+
+
+class _Mixed(nn.Module):
+    """A Linear (stored low at O2), a buffer read only through a cast, a frozen weight and a LayerNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.frozen = nn.Linear(8, 8, bias=False).requires_grad_(False)
+        self.ln = nn.LayerNorm(8)
+        self.register_buffer("scale", torch.rand(8) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(self.frozen(self.lin(x) * self.scale))
+
+
+def _o2(model: nn.Module, x: torch.Tensor, prefix: str | None = None) -> tuple[torch.fx.GraphModule, dict]:
+    gm = torch.export.export(model.eval(), (x,), strict=False).module()
+    strip_export_checks(gm)
+    policy = PrecisionPolicy("fp16", Level.O2)
+    gm, records = PassManager([AnnotatePrecision(policy), InsertCasts(), CleanupCasts(),
+                               StoreLowPrecisionParams(prefix)])(gm)
+    return gm, records[-1].counters
+
+
+def test_store_low_keeps_kinds_requires_grad_and_counts() -> None:
+    model, x = _Mixed(), torch.randn(3, 8)
+    gm, counters = _o2(model, x)
+    assert gm.lin.weight.dtype == gm.scale.dtype == gm.frozen.weight.dtype == torch.float16
+    assert isinstance(gm.lin.weight, nn.Parameter) and gm.lin.weight.requires_grad
+    assert isinstance(gm.frozen.weight, nn.Parameter) and not gm.frozen.weight.requires_grad
+    assert "scale" in gm._buffers and not isinstance(gm.scale, nn.Parameter), "a buffer stays a buffer"
+    assert gm.ln.weight.dtype == gm.ln.bias.dtype == torch.float32
+    n_low = 64 + 8 + 8 + 64  # lin.weight, lin.bias, scale, frozen.weight
+    assert counters == {"tensors_stored_low": 4, "casts_removed": 4, "bytes_saved": n_low * 2, "aliases_kept_tied": 0}
+    for node in gm.graph.nodes:  # the readers' example values carry the stored dtype
+        if node.op == "get_attr" and not node.target.startswith("ln."):
+            assert node.meta["val"].dtype == torch.float16, node.target
+    assert not [n for n in gm.graph.nodes if cast_dtype(n) is not None and n.args[0].op == "get_attr"]
+    torch.testing.assert_close(gm(x), model(x), atol=2e-2, rtol=2e-2)
+    assert model.lin.weight.dtype == torch.float32 and model.scale.dtype == torch.float32
+
+
+def test_store_low_with_a_prefix_touches_only_matching_tensors() -> None:
+    gm, counters = _o2(_Mixed(), torch.randn(3, 8), prefix="lin.")
+    assert gm.lin.weight.dtype == gm.lin.bias.dtype == torch.float16
+    assert gm.scale.dtype == gm.frozen.weight.dtype == torch.float32
+    assert counters["tensors_stored_low"] == 2
+
+
+class _Float64(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(8, dtype=torch.float64))
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.w.to(torch.float16)
+
+
+def test_store_low_leaves_non_fp32_tensors_alone() -> None:
+    gm, counters = _o2(_Float64(), torch.randn(2, 8))
+    assert gm.w.dtype == torch.float64, "only FP32 tensors are stored low"
+    assert counters["tensors_stored_low"] == 2
+
+
+# range_guard
+
+
+class _BigButSafeWeight(nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4, bias=False)
+        with torch.no_grad():
+            self.fc.weight.fill_(scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def _guard(model: nn.Module, x: torch.Tensor, rules: RangeRules, dtype: torch.dtype = torch.float16) -> tuple:
+    gm = torch.export.export(model.eval(), (x,), strict=False).module()
+    strip_export_checks(gm)
+    result = RangeGuard(collect_ranges(gm, [((x,), {})]), rules, dtype)(gm)
+    flags = {n.name: n.meta["amplite_range"] for n in gm.graph.nodes if "amplite_range" in n.meta}
+    return flags, result
+
+
+def test_weights_are_not_activations_and_the_weight_limit_is_a_strict_bound() -> None:
+    x = torch.full((2, 4), 1e-3)
+    flags, result = _guard(_BigButSafeWeight(1000.0), x, RangeRules())  # |w| = 1000 > data_max, < 65504
+    assert flags == {} and not result.modified and result.counters == {}, flags
+    flags, _ = _guard(_BigButSafeWeight(1000.0), x, RangeRules(weight_max=1000.0))
+    assert flags == {}, "|w| equal to weight_max is allowed"
+    flags, result = _guard(_BigButSafeWeight(1000.0), x, RangeRules(weight_max=999.0))
+    assert flags == {"linear": "range:weight-overflow fc.weight |w|=1e+03"}, flags
+    assert result.counters == {"kept_fp32:range:weight-overflow": 1}
+
+
+def test_activation_limit_is_strict_and_names_output_or_input() -> None:
+    x = torch.full((2, 4), 0.25)
+    model = _BigButSafeWeight(1.0)  # y = 1.0 exactly
+    assert _guard(model, x, RangeRules(data_max=1.0))[0] == {}
+    flags, result = _guard(model, x, RangeRules(data_max=0.5))
+    assert flags == {"linear": "range:activation output |x|=1>0.5"}, flags
+    assert result.counters == {"kept_fp32:range:activation": 1}
+    flags, _ = _guard(model, x, RangeRules(data_max=0.25))
+    assert flags["linear"] == "range:activation output |x|=1>0.25"
+    flags, _ = _guard(_BigButSafeWeight(1e-3), x * 4, RangeRules(data_max=0.5))  # y = 4e-3, x = 1
+    assert flags == {"linear": "range:activation input x |x|=1>0.5"}, "the input is named when it is too large"
+    assert _guard(model, x * 1e4, RangeRules(data_max=1.0), torch.bfloat16)[0] == {}, "bf16: no activation rule"
+
+
+class _Underflow(nn.Module):
+    def __init__(self, tiny: int, shape: tuple[int, int] = (20, 10)) -> None:
+        super().__init__()
+        self.fc = nn.Linear(shape[1], shape[0], bias=False)
+        with torch.no_grad():
+            w = self.fc.weight.view(-1)
+            w.fill_(0.5)
+            w[:tiny] = -1e-9  # flushes to zero in fp16 (negative: the share is of magnitudes)
+            w[-10:] = 0.0  # zeros are not counted
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_underflow_share_is_of_the_non_zero_weights_and_strict() -> None:
+    x = torch.rand(2, 10)
+    assert _guard(_Underflow(1), x, RangeRules())[0] == {}  # 1 of 190 non-zero weights: 0.5 % <= 1 %
+    flags, result = _guard(_Underflow(2), x, RangeRules())  # 2 / 190 = 1.05 %
+    assert flags == {"linear": "range:weight-underflow fc.weight 1.1% flush to zero"}, flags
+    assert result.counters == {"kept_fp32:range:weight-underflow": 1}
+    assert _guard(_Underflow(2), x, RangeRules(underflow_share=2 / 190))[0] == {}, "a share equal to the limit is kept"
+    assert _guard(_Underflow(2), x, RangeRules(), torch.bfloat16)[0] == {}, "bf16: no weight rules"
+
+
+def test_underflow_share_of_a_large_weight_is_estimated_on_a_sample() -> None:
+    shape = (1024, 1025)  # 1_049_600 values: more than the 2^20 sampled
+    flags, _ = _guard(_Underflow(600_000, shape), torch.rand(1, 1025), RangeRules())
+    assert flags["linear"].startswith("range:weight-underflow fc.weight 57."), flags
+
+
+# --- fusion passes: fold_batchnorm, fuse_contractions, contraction rules, einsum equations, cutensor ---
+
+
+def _export(model: nn.Module, *args: torch.Tensor) -> torch.fx.GraphModule:
+    gm = torch.export.export(model.eval(), args, strict=False).module()
+    strip_export_checks(gm)
+    return gm
+
+
+def _fuse(model: nn.Module, *args: torch.Tensor, **kw: object) -> tuple[torch.fx.GraphModule, dict]:
+    gm = _export(model, *args)
+    ref = model(*args)
+    res = FuseContractions(dtypes=ALL_FLOATS, **kw)(gm)
+    gm.recompile()
+    torch.testing.assert_close(gm(*args), ref, rtol=1e-5, atol=1e-5)
+    return gm, {k: v for k, v in res.counters.items() if v}
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.fn(*args)
+
+
+def test_linear_of_a_vector_and_without_bias_is_fused() -> None:
+    w = torch.randn(5, 4)
+    _, counters = _fuse(_Fn(lambda v: F.linear(v, w) * 0.5), torch.randn(4))
+    assert counters.get("fused:linear") == 1, counters
+    _, counters = _fuse(_Fn(lambda x: F.linear(x.transpose(0, 1), w)), torch.randn(4, 3))
+    assert counters.get("fused:linear") == 1, counters
+
+
+def test_addmm_defaults_alpha_and_beta_to_one() -> None:
+    c, a, b = torch.randn(3, 5), torch.randn(4, 3), torch.randn(4, 5)
+    _, counters = _fuse(_Fn(lambda c, a, b: torch.addmm(c, a.t(), b)), c, a, b)
+    assert counters.get("fused:addmm") == 1, counters
+
+
+@pytest.mark.parametrize("equation", ["ij, jk -> ik", "ij,jk"])
+def test_einsum_with_spaces_or_implicit_output_is_fused(equation: str) -> None:
+    _, counters = _fuse(_Fn(lambda a, b: torch.einsum(equation, a.t(), b)), torch.randn(3, 4), torch.randn(3, 5))
+    assert counters.get("fused:einsum") == 1, counters
+
+
+def test_a_bias_that_broadcasts_the_result_is_not_absorbed() -> None:
+    gm, counters = _fuse(_Fn(lambda x, w, b: (x.t() @ w) + b), torch.randn(8, 4), torch.randn(8, 1), torch.randn(4, 6))
+    assert "absorbed:bias" not in counters and aten.add.Tensor in [n.target for n in gm.graph.nodes], counters
+
+
+def test_squeeze_in_a_chain_is_absorbed() -> None:
+    _, counters = _fuse(_Fn(lambda a, b: a.squeeze(1).t() @ b), torch.randn(3, 1, 4), torch.randn(3, 5))
+    assert counters.get("fused:matmul") == 1 and counters.get("absorbed:squeeze", 0) + counters.get(
+        "absorbed:view", 0
+    ) >= 1, counters
+    _, counters = _fuse(_Fn(lambda a, b: a.squeeze().t() @ b), torch.randn(3, 1, 4), torch.randn(3, 5))
+    assert counters.get("fused:matmul") == 1, counters
+
+
+# fold_batchnorm
+
+
+class _ConvBn(nn.Module):
+    def __init__(self, bias: bool, affine: bool = True) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3, bias=bias), nn.BatchNorm2d(4, affine=affine)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-1, 1)
+            self.bn.running_var.uniform_(0.5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.conv(x))
+
+
+@pytest.mark.parametrize(("bias", "affine"), [(False, True), (True, False)])
+def test_conv_without_bias_and_bn_without_affine_fold(bias: bool, affine: bool) -> None:
+    model, x = _ConvBn(bias, affine).eval(), torch.randn(2, 3, 8, 8)
+    gm = _export(model, x)
+    result = FoldBatchNorm()(gm)
+    gm.recompile()
+    assert result.counters["folded"] == 1, result.counters
+    torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+class _BnFromInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.register_buffer("var", torch.ones(4))
+
+    def forward(self, x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+        return F.batch_norm(self.conv(x), mean, self.var, training=False)
+
+
+def test_batchnorm_with_statistics_from_an_input_is_kept() -> None:
+    gm = _export(_BnFromInput(), torch.randn(1, 3, 6, 6), torch.zeros(4))
+    assert FoldBatchNorm()(gm).counters == {"kept:non-constant-parameters": 1}
+
+
+# cutensor backend (CPU fake of nvmath)
+
+
+class _Plan:
+    made: ClassVar[list[_Plan]] = []
+
+    def __init__(self, expr, a, b, *, c=None, out=None, stream=None) -> None:
+        self.expr, self.has_c, self.calls = expr, c is not None, []
+        self.ops = {"a": a, "b": b, "c": c, "out": out}
+        _Plan.made.append(self)
+
+    def plan(self, stream=None) -> None:
+        pass
+
+    def reset_operands(self, **kw) -> None:
+        self.calls.append(kw)
+        self.ops.update({k: v for k, v in kw.items() if k != "stream"})
+
+    def execute(self, *, alpha=1.0, beta=None, release_workspace=False, stream=None):
+        o = self.ops
+        res = alpha * torch.einsum(self.expr, o["a"].float(), o["b"].float())
+        if self.has_c:
+            res = res + beta * o["c"].float()
+        o["out"].copy_(res)
+
+
+@pytest.fixture
+def fake_nvmath(monkeypatch: pytest.MonkeyPatch):
+    mod = types.ModuleType("nvmath")
+    mod.tensor = types.SimpleNamespace(BinaryContraction=_Plan)
+    monkeypatch.setitem(sys.modules, "nvmath", mod)
+    monkeypatch.setattr(cutensor_backend, "_alignment", lambda t: 256)
+    cutensor_backend.clear_cache()
+    _Plan.made = []
+    yield
+    cutensor_backend.clear_cache()
+
+
+def test_full_size_bias_goes_in_as_c_and_operands_are_unbound(fake_nvmath: None) -> None:
+    a, b, c = torch.randn(4, 3).half(), torch.randn(3, 5).half(), torch.randn(4, 5).half()
+    out = cutensor_backend.contract("mk,kn->mn", a, b, c, 1.0, 2.0)
+    torch.testing.assert_close(out.float(), a.float() @ b.float() + 2 * c.float(), rtol=2e-3, atol=2e-3)
+    (plan,) = _Plan.made
+    assert plan.has_c, "a full-size bias is cuTENSOR's C, not a separate add"
+    assert plan.ops == {"a": None, "b": None, "c": None, "out": None}, "cached plans must not keep tensors alive"
+    assert all("stream" in call for call in plan.calls), "operands are (un)bound on the current stream"
+    cutensor_backend.contract("mk,kn->mn", a, b, c, 1.0, 0.0)  # beta = 0: no C at all
+    assert not _Plan.made[-1].has_c and len(_Plan.made) == 2
+    assert amplite.ops is not None and CONTRACT is not None
