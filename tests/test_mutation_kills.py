@@ -440,3 +440,79 @@ def test_full_size_bias_goes_in_as_c_and_operands_are_unbound(fake_nvmath: None)
     cutensor_backend.contract("mk,kn->mn", a, b, c, 1.0, 0.0)  # beta = 0: no C at all
     assert not _Plan.made[-1].has_c and len(_Plan.made) == 2
     assert amplite.ops is not None and CONTRACT is not None
+
+
+def test_folded_tensors_get_static_fake_values() -> None:
+    model, x = _ConvBn(True).eval(), torch.randn(2, 3, 8, 8)
+    gm = _export(model, x)
+    FoldBatchNorm()(gm)
+    folded = [n for n in gm.graph.nodes if n.op == "get_attr" and "amplite_folded_" in n.target]
+    assert len(folded) == 2
+    for node in folded:
+        val = node.meta["val"]
+        assert hasattr(val, "fake_mode") and all(isinstance(s, int) for s in val.shape), node.target
+
+
+# --- einsum modes, graph helpers, annotate_precision bridges, verification batches ---
+
+
+def test_unsqueeze_and_dims_outside_the_rank_are_not_fusable() -> None:
+    from amplite.passes.einsum_modes import ModeTable, NotFusable, Operand
+
+    op = Operand.from_shape(ModeTable(), [2, 3])
+    with pytest.raises(NotFusable) as info:
+        op.unsqueeze(3)  # valid: -3 <= d < 3
+    assert (info.value.reason, info.value.detail) == ("bad_dim", "3 for rank 2")
+    op.unsqueeze(-3)
+    assert len(op.dims) == 3 and op.dims[0] == []
+
+
+def test_source_line_is_the_last_user_frame() -> None:
+    from amplite.passes.graph_utils import source_line
+
+    trace = "\n".join([
+        '  File "/home/me/model.py", line 12, in forward',
+        '  File "/home/me/broken.py" (no line number)',
+        '  File "/home/me/block.py", line 40, in forward',
+        '  File "/usr/lib/python3/site-packages/torch/nn/modules/module.py", line 1, in _call_impl',
+        "    return forward_call(*args)",
+    ])
+    assert source_line(types.SimpleNamespace(meta={"stack_trace": trace})) == "/home/me/block.py:40"
+    assert source_line(types.SimpleNamespace(meta={})) == ""
+
+
+class _EpsBeforeOutput(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.pow(2).mean(-1, keepdim=True) + 1e-6  # the add feeds the graph output, not an FP32 op
+
+
+class _ConstantBetweenNorms(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x, -1) * torch.arange(4.0).exp()  # arange: no floating operand at all
+
+
+def test_only_nodes_between_fp32_ops_are_bridges() -> None:
+    gm = _export(_EpsBeforeOutput(), torch.randn(2, 4))
+    AnnotatePrecision(PrecisionPolicy("fp16", Level.O2))(gm)
+    add = next(n for n in gm.graph.nodes if n.target is aten.add.Tensor)
+    assert add.meta["amplite_precision"]["reason"] == "level:O2", "an add that feeds the output is no bridge"
+    gm = _export(_ConstantBetweenNorms(), torch.randn(2, 4))
+    AnnotatePrecision(PrecisionPolicy("fp16", Level.O2))(gm)
+    arange = next(n for n in gm.graph.nodes if "arange" in str(n.target))
+    assert arange.meta["amplite_precision"]["reason"] == "level:O2", "a node without float operands is no bridge"
+
+
+def test_batches_are_stacked_by_rows_of_the_last_dimension() -> None:
+    from amplite.converter.verify import DEFAULT_TOLERANCES, compare_batches
+
+    g = torch.Generator().manual_seed(7)
+    refs = [torch.randn(2, 3, 5, generator=g).double() for _ in range(2)]
+    outs = [r.clone() for r in refs]
+    outs[1][1, 2] = -outs[1][1, 2]  # one row of 5 logits (of 12) flips its top class
+    (m,) = compare_batches(list(zip(refs, outs, strict=True)), DEFAULT_TOLERANCES["fp16"])
+    assert m.batches == 2 and m.shape == [2, 3, 5]
+    assert m.top1 == pytest.approx(11 / 12), "top-1 is over rows of the last dimension of every batch"
+    # Batches whose last dimensions differ are judged as one flat vector.
+    pairs = [(torch.ones(2, 3), torch.ones(2, 3)), (torch.ones(2, 4), torch.ones(2, 4))]
+    (flat,) = compare_batches(pairs, DEFAULT_TOLERANCES["fp16"])
+    assert flat.passed and flat.sqnr_db == float("inf") and flat.shape == [2, 3]
