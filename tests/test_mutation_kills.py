@@ -516,3 +516,28 @@ def test_batches_are_stacked_by_rows_of_the_last_dimension() -> None:
     pairs = [(torch.ones(2, 3), torch.ones(2, 3)), (torch.ones(2, 4), torch.ones(2, 4))]
     (flat,) = compare_batches(pairs, DEFAULT_TOLERANCES["fp16"])
     assert flat.passed and flat.sqnr_db == float("inf") and flat.shape == [2, 3]
+
+
+def test_empty_override_pattern_message() -> None:
+    from amplite.policy import make_overrides
+
+    with pytest.raises(ConfigError) as info:
+        make_overrides(keep_fp32=["op:"])
+    assert info.value.one_line() == "empty override pattern 'op:' — fix: write e.g. module:encoder.*"
+
+
+def test_verification_edge_cases() -> None:
+    from amplite.converter.verify import DEFAULT_TOLERANCES, json_float, tensor_metrics
+
+    fp16 = DEFAULT_TOLERANCES["fp16"]
+    assert [json_float(v) for v in (float("inf"), -float("inf"), float("nan"), 1.5)] == ["inf", "-inf", "nan", 1.5]
+    shape = tensor_metrics("o", torch.ones(2, 3), torch.ones(3, 2), fp16)
+    assert not shape.passed and shape.notes == ["shape differs: converted [3, 2]"]
+    empty = tensor_metrics("o", torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), fp16)
+    assert empty.mismatch == 0.0 and empty.passed, "an empty integer output has no mismatch"
+    vec = tensor_metrics("o", torch.tensor([0.1, 2.0, 0.3]), torch.tensor([0.1, 0.2, 0.3]), fp16)
+    assert vec.top1 == 0.0, "a 1-D output is one row of classes"
+    # No finite value to compare fails even when the user's criteria would hold for the defaults.
+    tol = parse_tolerance(["max_abs<=1", "nonfinite<=100"])
+    none = tensor_metrics("o", torch.ones(4), torch.full((4,), float("inf")), tol)
+    assert not none.passed and "no finite values to compare" in none.notes
