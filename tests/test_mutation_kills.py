@@ -541,3 +541,35 @@ def test_verification_edge_cases() -> None:
     tol = parse_tolerance(["max_abs<=1", "nonfinite<=100"])
     none = tensor_metrics("o", torch.ones(4), torch.full((4,), float("inf")), tol)
     assert not none.passed and "no finite values to compare" in none.notes
+
+
+def test_expand_to_fewer_dimensions_is_not_fusable() -> None:
+    from amplite.passes.einsum_modes import ModeTable, NotFusable, Operand
+
+    table = ModeTable()
+    op = Operand.from_shape(table, [2, 1])
+    with pytest.raises(NotFusable) as info:
+        op.expand_to(table, [3])
+    assert (info.value.reason, info.value.detail) == ("bad_expand", "[3]")
+    with pytest.raises(NotFusable) as info:
+        op.expand_to(table, [3, 4])
+    assert (info.value.reason, info.value.detail) == ("bad_expand", "2 -> 3")
+    op.expand_to(table, [5, 2, 4])
+    assert op.shape(table) == [5, 2, 4]
+
+
+class _Reductions(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x.sum(-1), x.softmax(0), x.cumsum(-1), x.amax(-1)
+
+
+def test_only_reductions_deeper_than_the_limit_are_flagged() -> None:
+    x = torch.rand(3, 16)
+    flags, result = _guard(_Reductions(), x, RangeRules(data_max=1e9, max_reduction_depth=4))
+    # softmax(0) runs over 3 values; amax is a normaliser, not a reduction table entry
+    assert flags == {"sum_1": "range:reduction-depth 16>4", "cumsum": "range:reduction-depth 16>4"}, flags
+    assert result.counters == {"kept_fp32:range:reduction-depth": 2}
+    flags, _ = _guard(_Reductions(), x, RangeRules(data_max=1e9, max_reduction_depth=2))
+    assert flags["softmax"] == "range:reduction-depth 3>2", "softmax's depth is the size of its dim"
+    assert _guard(_Reductions(), x, RangeRules(data_max=1e9, max_reduction_depth=16))[0] == {}, "16 is allowed"
+    assert _guard(_Reductions(), x, RangeRules(data_max=1e9, max_reduction_depth=None))[0] == {}
