@@ -573,3 +573,73 @@ def test_only_reductions_deeper_than_the_limit_are_flagged() -> None:
     assert flags["softmax"] == "range:reduction-depth 3>2", "softmax's depth is the size of its dim"
     assert _guard(_Reductions(), x, RangeRules(data_max=1e9, max_reduction_depth=16))[0] == {}, "16 is allowed"
     assert _guard(_Reductions(), x, RangeRules(data_max=1e9, max_reduction_depth=None))[0] == {}
+
+
+def test_squeeze_of_one_dim_keeps_the_other_unit_dims() -> None:
+    _, counters = _fuse(_Fn(lambda a, b: a.squeeze(1) @ b), torch.randn(1, 1, 4), torch.randn(4, 5))
+    assert counters.get("fused:matmul") == 1, counters
+
+
+class _Detailed:
+    name = "detailed"
+
+    def __call__(self, gm: torch.fx.GraphModule) -> object:
+        return types.SimpleNamespace(graph_module=gm, modified=False, counters={"n": 1}, details={"why": ["x"]})
+
+
+def test_pass_manager_keeps_details_and_store_low_reports_modified() -> None:
+    gm = _export(nn.Linear(2, 2), torch.randn(1, 2))
+    _, (record,) = PassManager([_Detailed()])(gm)
+    assert (record.name, record.modified, record.counters, record.details) == ("detailed", False, {"n": 1},
+                                                                                {"why": ["x"]})
+    gm = _export(nn.LayerNorm(4), torch.randn(2, 4))  # nothing read only through casts
+    assert not StoreLowPrecisionParams()(gm).modified
+    gm, _ = _o2(nn.Linear(4, 4), torch.randn(2, 4))
+    assert gm.weight.dtype == torch.float16
+    gm2 = _export(nn.Linear(4, 4), torch.randn(2, 4))
+    PassManager([AnnotatePrecision(PrecisionPolicy("fp16", Level.O2)), InsertCasts(), CleanupCasts()])(gm2)
+    assert StoreLowPrecisionParams()(gm2).modified
+
+
+def test_retype_of_a_real_tensor_converts_it() -> None:
+    from amplite.passes.graph_utils import retype
+
+    out = retype(torch.ones(2), torch.float16)
+    assert out.dtype == torch.float16 and torch.equal(out, torch.ones(2, dtype=torch.float16))
+    assert retype(3, torch.float16) == 3
+
+
+class _ScalarAndGains(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.g1, self.g2 = nn.Parameter(torch.rand(4) + 0.5), nn.Parameter(torch.rand(4) + 0.5)
+        self.s = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * self.g1 + self.b(x) * self.g2 + self.a(x) * self.s
+
+
+def test_promotions_are_counted_and_zero_dim_operands_are_not_cast() -> None:
+    model, x = _ScalarAndGains().eval(), torch.randn(3, 4)
+    gm = _export(model, x)
+    gm, records = PassManager([AnnotatePrecision(PrecisionPolicy("fp16", Level.O1)), InsertCasts()])(gm)
+    counters = records[-1].counters
+    assert counters["promotions_in_kernel"] == 3, counters  # two fp16 * FP32-gain products, one fp32 + fp16 add
+    s = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == "s")
+    assert all(cast_dtype(u) is None for u in s.users), "a 0-dim FP32 operand of a follow op is read as it is"
+    torch.testing.assert_close(gm(x), model(x), atol=2e-2, rtol=2e-2)
+
+
+class _OneElementWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor([1e5]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.s
+
+
+def test_a_one_element_weight_beyond_fp16_is_flagged() -> None:
+    flags, _ = _guard(_OneElementWeight(), torch.full((2, 3), 1e-6), RangeRules())
+    assert flags == {"mul": "range:weight-overflow s |w|=1e+05"}, flags
