@@ -643,3 +643,30 @@ class _OneElementWeight(nn.Module):
 def test_a_one_element_weight_beyond_fp16_is_flagged() -> None:
     flags, _ = _guard(_OneElementWeight(), torch.full((2, 3), 1e-6), RangeRules())
     assert flags == {"mul": "range:weight-overflow s |w|=1e+05"}, flags
+
+
+def test_a_bias_is_viewed_to_the_contraction_modes() -> None:
+    # a.reshape(6, 4) merges two source dims: the contraction runs on (2, 3, 4), its bias as (2, 3, 5).
+    gm, counters = _fuse(_Fn(lambda a, w, b: a.reshape(6, 4) @ w + b),
+                         torch.randn(2, 3, 4), torch.randn(4, 5), torch.randn(6, 5))
+    assert counters == {"fused:matmul": 1, "absorbed:view": 1, "absorbed:bias": 1}, counters
+    contract = next(n for n in gm.graph.nodes if n.target is CONTRACT)
+    assert list(contract.args[3].meta["val"].shape) == [2, 3, 5]
+
+
+def test_shared_intermediate_with_a_scaling_is_a_recorded_rejection() -> None:
+    a, b = torch.randn(4, 3), torch.randn(4, 5)
+    gm = _export(_Fn(lambda a, b: ((s := a.t() @ b) * 0.5, s)), a, b)
+    res = FuseContractions(dtypes=ALL_FLOATS)(gm)
+    assert [r.reason for r in res.rejections] == ["shared_intermediate"], res.rejections
+
+
+def test_retype_of_tuples_and_same_dtype() -> None:
+    from amplite.passes.graph_utils import retype
+
+    t = torch.ones(2)
+    assert retype(t, torch.float32) is t, "same dtype: the value itself"
+    pair = retype((t, t), (torch.float16, torch.float32))
+    assert isinstance(pair, tuple) and pair[0].dtype == torch.float16 and pair[1] is t
+    assert retype([t], (torch.float16,))[0].dtype == torch.float16
+    assert retype((t, t), None) == (t, t) and retype((t, t), (torch.float16,)) == (t, t)  # no or mismatched dtypes
