@@ -670,3 +670,15 @@ def test_retype_of_tuples_and_same_dtype() -> None:
     assert isinstance(pair, tuple) and pair[0].dtype == torch.float16 and pair[1] is t
     assert retype([t], (torch.float16,))[0].dtype == torch.float16
     assert retype((t, t), None) == (t, t) and retype((t, t), (torch.float16,)) == (t, t)  # no or mismatched dtypes
+
+
+def test_layout_only_contiguous_and_tensor_products_around_a_contraction() -> None:
+    cl = _Fn(lambda a, b: a.contiguous(memory_format=torch.channels_last) @ b)
+    gm, counters = _fuse(cl, torch.randn(2, 3, 4, 5), torch.randn(5, 6))
+    assert counters == {"fused:matmul": 1, "absorbed:contiguous": 1}, counters  # a layout change only
+    contract = next(n for n in gm.graph.nodes if n.target is CONTRACT)
+    assert contract.meta["amplite_contract"] == {"rule": "matmul", "absorbed": ["contiguous"]}
+    # A product with a tensor (not a constant) on either side is not a scaling to absorb.
+    gated = _Fn(lambda a, b, t: t * (a.t() @ b) + (a.t() @ b) * t)
+    _, counters = _fuse(gated, torch.randn(4, 3), torch.randn(4, 5), torch.randn(3, 5))
+    assert counters == {"fused:matmul": 2, "absorbed:transpose": 2}, counters
