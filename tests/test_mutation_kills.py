@@ -682,3 +682,69 @@ def test_layout_only_contiguous_and_tensor_products_around_a_contraction() -> No
     gated = _Fn(lambda a, b, t: t * (a.t() @ b) + (a.t() @ b) * t)
     _, counters = _fuse(gated, torch.randn(4, 3), torch.randn(4, 5), torch.randn(3, 5))
     assert counters == {"fused:matmul": 2, "absorbed:transpose": 2}, counters
+
+
+def test_rejections_say_what_was_not_absorbed_and_a_cast_on_the_source_is_the_source() -> None:
+    from dataclasses import asdict
+
+    a, b = torch.randn(4, 3), torch.randn(4, 5)
+    gm = _export(_Fn(lambda a, b: ((t := a.t()) @ b, t)), a, b)
+    res = FuseContractions(dtypes=ALL_FLOATS, fuse_plain=True)(gm)
+    assert [asdict(r) for r in res.rejections] == [
+        {"node": "t", "rule": "matmul", "reason": "intermediate_is_graph_output", "detail": "not absorbed into matmul"}
+    ], res.rejections
+    ints = (torch.randint(-3, 4, (4, 3)).float(), torch.randint(-3, 4, (4, 5)).float())  # exact in fp16
+    gm, counters = _fuse(_Fn(lambda a, b: a.half().t() @ b.half()), *ints)
+    assert counters.get("fused:matmul") == 1, counters
+
+
+def test_bad_permutation_names_the_order() -> None:
+    from amplite.passes.einsum_modes import ModeTable, NotFusable, Operand
+
+    with pytest.raises(NotFusable) as info:
+        Operand.from_shape(ModeTable(), [2, 3]).permute([1, 1])
+    assert (info.value.reason, info.value.detail) == ("bad_permutation", "[1, 1]")
+
+
+class _UserCastThenFollow(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.half()
+        return h + h  # a follow op on a user cast computes in the cast's dtype
+
+
+def test_user_cast_output_dtype_is_the_cast_dtype() -> None:
+    gm = _export(_UserCastThenFollow(), torch.randn(2, 3))
+    AnnotatePrecision(PrecisionPolicy("bf16", Level.O1))(gm)
+    cast = next(n for n in gm.graph.nodes if cast_dtype(n) is not None)
+    add = next(n for n in gm.graph.nodes if n.target is aten.add.Tensor)
+    assert cast.meta["amplite_out_dtype"] == torch.float16
+    assert add.meta["amplite_precision"]["dtype"] == torch.float16, add.meta["amplite_precision"]
+
+
+@pytest.mark.parametrize("partner_first", [True, False])
+def test_cast_after_data_movement_merges_with_the_existing_cast(partner_first: bool) -> None:
+    def both(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if partner_first:
+            return x.half() * 2, x.t().half() * 3
+        t = x.t().half() * 3
+        return x.half() * 2, t
+
+    x = torch.randn(3, 4)
+    gm = _export(_Fn(both), x)
+    result = CleanupCasts()(gm)
+    gm.recompile()
+    casts = [n for n in gm.graph.nodes if cast_dtype(n) is not None]
+    assert len(casts) == 1 and result.counters["moved_above_data_movement"] == 1, (casts, result.counters)
+    gm.graph.lint()
+    got = gm(x)
+    assert torch.equal(got[0], x.half() * 2) and torch.equal(got[1], x.t().half() * 3)
+
+
+def test_two_movable_casts_in_one_graph_both_move() -> None:
+    x, y = torch.randn(3, 4), torch.randn(5, 2)
+    gm = _export(_Fn(lambda x, y: (x.half() + 1, x.t().half() * 3, y.half() - 1, y.t().half() * 2)), x, y)
+    result = CleanupCasts()(gm)
+    gm.recompile()
+    assert result.counters["moved_above_data_movement"] == 2, result.counters
+    assert len([n for n in gm.graph.nodes if cast_dtype(n) is not None]) == 2
+    assert torch.equal(gm(x, y)[3], y.t().half() * 2)
