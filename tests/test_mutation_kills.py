@@ -748,3 +748,48 @@ def test_two_movable_casts_in_one_graph_both_move() -> None:
     assert result.counters["moved_above_data_movement"] == 2, result.counters
     assert len([n for n in gm.graph.nodes if cast_dtype(n) is not None]) == 2
     assert torch.equal(gm(x, y)[3], y.t().half() * 2)
+
+
+class _IntsAndCompare(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("avg", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.avg.mul_(0.5).add_(x.mean(0))  # in-place ops stay in-place in the unlifted graph
+        return ids + 1, self.lin(x) > 0
+
+
+def test_annotation_covers_float_nodes_only_and_in_place_ops_follow() -> None:
+    gm = _export(_IntsAndCompare(), torch.randn(2, 4), torch.arange(3))
+    AnnotatePrecision(PrecisionPolicy("fp16", Level.O2))(gm)
+    plan = _precision(gm)
+    int_add = next(n for n in gm.graph.nodes if n.target is aten.add.Tensor and n.args[0].name == "ids")
+    assert int_add.name not in plan, "a node without floating inputs or outputs gets no precision plan"
+    gt = next(n for n in gm.graph.nodes if "gt" in str(n.target))
+    assert plan[gt.name]["dtype"] == torch.float16, "a comparison of float values is planned"
+    assert plan["mul_"] == {"mode": "follow", "dtype": torch.float32, "reason": "in-place"}, plan["mul_"]
+    assert plan["add_"]["mode"] == "follow" and plan["add_"]["reason"] == "in-place"
+
+
+def _precision(gm: torch.fx.GraphModule) -> dict[str, dict]:
+    return {n.name: n.meta["amplite_precision"] for n in gm.graph.nodes if "amplite_precision" in n.meta}
+
+
+def test_rejections_name_their_rule_and_fuse_plain_fuses_bare_contractions() -> None:
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 4, 5)
+    gm = _export(_Fn(lambda a, b: torch.einsum("...ij,...jk->...ik", a, b)), a, b)
+    res = FuseContractions(dtypes=ALL_FLOATS)(gm)
+    assert [(r.rule, r.reason) for r in res.rejections] == [("einsum", "einsum_ellipsis")], res.rejections
+    plain = _Fn(lambda a, b: a @ b)
+    _, counters = _fuse(plain, torch.randn(3, 4), torch.randn(4, 5), fuse_plain=True)
+    assert counters == {"fused:matmul": 1}, counters
+    _, counters = _fuse(plain, torch.randn(3, 4), torch.randn(4, 5))
+    assert counters == {"skipped:nothing_to_absorb": 1}, counters
+
+
+def test_unknown_precision_in_policy_names_the_choices() -> None:
+    with pytest.raises(ConfigError) as info:
+        PrecisionPolicy("fp8")
+    assert info.value.one_line() == "unknown precision 'fp8' — fix: use one of: fp16, bf16"
