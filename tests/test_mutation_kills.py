@@ -666,6 +666,8 @@ def test_retype_of_tuples_and_same_dtype() -> None:
 
     t = torch.ones(2)
     assert retype(t, torch.float32) is t, "same dtype: the value itself"
+    fake = next(n for n in _export(nn.Linear(2, 2), torch.randn(1, 2)).graph.nodes if n.op == "placeholder").meta["val"]
+    assert retype(fake, fake.dtype) is fake and retype(fake, torch.float16).dtype == torch.float16
     pair = retype((t, t), (torch.float16, torch.float32))
     assert isinstance(pair, tuple) and pair[0].dtype == torch.float16 and pair[1] is t
     assert retype([t], (torch.float16,))[0].dtype == torch.float16
