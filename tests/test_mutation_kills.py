@@ -795,3 +795,27 @@ def test_unknown_precision_in_policy_names_the_choices() -> None:
     with pytest.raises(ConfigError) as info:
         PrecisionPolicy("fp8")
     assert info.value.one_line() == "unknown precision 'fp8' — fix: use one of: fp16, bf16"
+
+
+def test_mode_bookkeeping_errors_name_the_problem() -> None:
+    from amplite.passes import einsum_equation as eqn
+    from amplite.passes.einsum_modes import ModeTable, NotFusable, Operand
+
+    def reason(fn) -> tuple[str, str]:
+        with pytest.raises(NotFusable) as info:
+            fn()
+        return info.value.reason, info.value.detail
+
+    t = ModeTable()
+    assert reason(lambda: Operand.from_shape(t, [2, 3])._norm(5)) == ("bad_dim", "5 for rank 2")
+    assert reason(lambda: Operand.from_shape(t, [2, 3]).view(t, [3, 2])) == ("irregular_reshape", "[2, 3] -> [3, 2]")
+    assert reason(lambda: Operand.from_shape(t, [2, 3]).view(t, [4, 2])) == ("bad_view", "[4, 2] for 6 elements")
+    a, b = Operand.from_shape(t, [2, 3, 4]), Operand.from_shape(t, [5, 4, 6])
+    assert reason(lambda: eqn.matmul_groups(t, a, b)) == ("bad_broadcast", "2 vs 5")
+
+
+def test_a_vector_operand_of_matmul_is_not_fused() -> None:
+    _, counters = _fuse(_Fn(lambda v, m: v @ m.t()), torch.randn(4), torch.randn(5, 4))
+    assert counters == {"rejected:vector_operand": 1}, counters
+    _, counters = _fuse(_Fn(lambda m, v: m.t() @ v), torch.randn(4, 5), torch.randn(4))
+    assert counters == {"rejected:vector_operand": 1}, counters
