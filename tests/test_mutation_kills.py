@@ -840,3 +840,14 @@ def test_cast_dtype_reads_every_cast_form() -> None:
     assert cast_dtype(moves) is None, "a cast that also moves devices is not a pure cast"
     fmt = call(aten._to_copy.default, (x,), {"dtype": torch.float16, "memory_format": torch.channels_last})
     assert cast_dtype(fmt) is None
+
+
+@pytest.mark.parametrize(("a", "b"), [((2, 3), (2,)), ((2,), (2, 3))])
+def test_unify_rejects_groups_of_different_extents(a: tuple[int, ...], b: tuple[int, ...]) -> None:
+    from amplite.passes import einsum_equation as eqn
+    from amplite.passes.einsum_modes import ModeTable, NotFusable
+
+    t = ModeTable()
+    with pytest.raises(NotFusable) as info:
+        eqn.unify(t, [t.new(n) for n in a], [t.new(n) for n in b])
+    assert (info.value.reason, info.value.detail) == ("incompatible_factorization", "extents differ")
