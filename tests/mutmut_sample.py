@@ -1,0 +1,103 @@
+"""Mutation-score helper for ``make mutate`` / ``make mutate-sample`` (reads mutmut's ``mutants/**/*.meta``).
+
+    python tests/mutmut_sample.py names [--share 0.1] [--seed 20] [--unchecked]   # the sample's mutant names
+    python tests/mutmut_sample.py score [--share 0.1] [--seed 20] [--all]         # per-module kill rate
+
+The sample takes ``share`` of each module's mutants (at least 8), drawn with a fixed seed, so a sample run
+is reproducible for one mutmut version and one state of the code. Mutants listed in
+``tests/mutmut_equivalent.txt`` (name, then the reason) are equivalent: no test can kill them, and they are
+left out of the score.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+META_ROOT = Path("mutants/amplite")
+EQUIVALENT = Path(__file__).with_name("mutmut_equivalent.txt")
+KILLED = {1, 3, -11, -9, 36, -24, 24, 152, 255}  # failed, pytest error, crash, timeout
+SURVIVED = {0, 5, 33}  # passed, or no test reaches the function
+
+
+def _modules() -> dict[str, dict[str, int | None]]:
+    return {
+        str(meta)[len("mutants/") : -len(".meta")]: json.loads(meta.read_text())["exit_code_by_key"]
+        for meta in sorted(META_ROOT.rglob("*.py.meta"))
+    }
+
+
+def sample(share: float, seed: int) -> dict[str, list[str]]:
+    """The sampled mutant names of each module."""
+    rng = random.Random(seed)
+    out = {}
+    for path, codes in _modules().items():
+        keys = sorted(codes)
+        if keys:
+            out[path] = rng.sample(keys, min(len(keys), max(8, round(len(keys) * share))))
+    return out
+
+
+def equivalent() -> dict[str, str]:
+    """Mutant name -> why it is equivalent."""
+    lines = EQUIVALENT.read_text(encoding="utf-8").splitlines() if EQUIVALENT.exists() else []
+    pairs = (line.split(None, 1) for line in lines if line.strip() and not line.startswith("#"))
+    return {p[0]: (p[1] if len(p) > 1 else "") for p in pairs}
+
+
+def score(names_by_module: dict[str, list[str]]) -> None:
+    """Print killed / (checked - equivalent) per module and in total, then the survivors."""
+    codes_by_module, eq = _modules(), equivalent()
+    total: Counter[str] = Counter()
+    survivors = []
+    print(f"{'module':42s} {'mutants':>7s} {'killed':>6s} {'surv.':>5s} {'equiv.':>6s} {'unchk.':>6s} {'score':>6s}")
+    for path, names in names_by_module.items():
+        c: Counter[str] = Counter()
+        for name in names:
+            code = codes_by_module[path].get(name)
+            if code is None:
+                c["unchecked"] += 1
+            elif name in eq:
+                c["equivalent"] += 1
+            elif code in KILLED:
+                c["killed"] += 1
+            elif code in SURVIVED:
+                c["survived"] += 1
+                survivors.append(name)
+            else:
+                c["other"] += 1
+        judged = c["killed"] + c["survived"]
+        rate = f"{c['killed'] / judged:.0%}" if judged else "-"
+        print(f"{path:42s} {len(names):7d} {c['killed']:6d} {c['survived']:5d} {c['equivalent']:6d} "
+              f"{c['unchecked']:6d} {rate:>6s}")
+        total.update(c)
+    judged = total["killed"] + total["survived"]
+    print(f"{'total':42s} {sum(map(len, names_by_module.values())):7d} {total['killed']:6d} {total['survived']:5d} "
+          f"{total['equivalent']:6d} {total['unchecked']:6d} {total['killed'] / max(1, judged):6.1%}")
+    for name in survivors:
+        print("survived:", name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["names", "score"])
+    parser.add_argument("--share", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=20)
+    parser.add_argument("--unchecked", action="store_true", help="names: only those without a result yet")
+    parser.add_argument("--all", action="store_true", help="score: every mutant, not the sample")
+    args = parser.parse_args()
+    if args.command == "names":
+        codes = _modules()
+        for path, names in sample(args.share, args.seed).items():
+            for name in names:
+                if not args.unchecked or codes[path].get(name) is None:
+                    print(name)
+    else:
+        score({p: sorted(c) for p, c in _modules().items() if c} if args.all else sample(args.share, args.seed))
+
+
+if __name__ == "__main__":
+    main()
