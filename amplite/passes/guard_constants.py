@@ -79,7 +79,8 @@ def _constant_tensor(gm: torch.fx.GraphModule, node: Any) -> torch.Tensor | None
     for part in str(node.target).split("."):
         obj = getattr(obj, part, None)
     ok = isinstance(obj, torch.Tensor) and obj.dtype.is_floating_point and 0 < obj.numel() <= _MAX_CONSTANT_NUMEL
-    return obj if ok else None
+    # A meta tensor (a checkpoint planned from metadata) has no values to check.
+    return obj if ok and obj.device.type != "meta" else None
 
 
 def _largest_finite(t: torch.Tensor) -> float:
