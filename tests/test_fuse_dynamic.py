@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 import textwrap
@@ -24,23 +23,8 @@ CONTRACT = torch.ops.amplite.contract.default
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class Attention(nn.Module):
-    """Self-attention as transformer code writes it (shapes read at run time, so batch/seq stay symbolic)."""
-
-    def __init__(self, d: int = 32, heads: int = 4) -> None:
-        super().__init__()
-        self.h = heads
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bsz, t, d = x.shape
-        dh = d // self.h
-        q = self.q(x).view(bsz, t, self.h, dh).transpose(1, 2)
-        k = self.k(x).view(bsz, t, self.h, dh).transpose(1, 2)
-        v = self.v(x).view(bsz, t, self.h, dh).transpose(1, 2)
-        attn = (q @ k.transpose(-2, -1) * (1.0 / math.sqrt(dh))).softmax(-1)
-        y = (attn @ v).transpose(1, 2).reshape(bsz, t, d)
-        return self.o(y)
+# The same attention block as the static tests: shapes are read at run time, so batch/seq stay symbolic.
+from tests.test_fuse_contractions import Attention  # noqa: E402
 
 
 def export_dynamic(model: nn.Module, x: torch.Tensor, seq: bool = True) -> torch.fx.GraphModule:

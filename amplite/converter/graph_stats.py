@@ -50,7 +50,7 @@ def node_compute_dtype(node: torch.fx.Node) -> torch.dtype | None:
     return None
 
 
-def _size(value: Any) -> int:
+def size_hint(value: Any) -> int:
     """A size as an int; a symbolic size (dynamic batch) evaluates at the example's value.
 
     ``int()`` on a ``SymInt`` would add a guard to the program's shape environment and specialise the
@@ -63,12 +63,12 @@ def _size(value: Any) -> int:
 def estimate_flops(node: torch.fx.Node) -> float:
     """Rough FLOPs of one node: 2·M·N·K for contractions and convolutions, else one per output element.
 
-    Symbolic sizes count at the example's values (see :func:`_size`); nothing here guards on them.
+    Symbolic sizes count at the example's values (see :func:`size_hint`); nothing here guards on them.
     """
     val = fake_value(node)
     outs = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
     try:
-        out_numel = sum(_size(v.numel()) for v in outs)
+        out_numel = sum(size_hint(v.numel()) for v in outs)
     except (TypeError, RuntimeError):
         return 0.0
     op = op_tables.op_name(node.target)
@@ -77,13 +77,13 @@ def estimate_flops(node: torch.fx.Node) -> float:
     try:
         if op in _MATMUL_LIKE:
             a = fake_value(node.args[1] if op in ("addmm.default", "baddbmm.default") else node.args[0])
-            return 2.0 * out_numel * _size(a.shape[-1])
+            return 2.0 * out_numel * size_hint(a.shape[-1])
         if op in _CONV_LIKE:
             w = fake_value(node.args[1])
-            return 2.0 * out_numel * _size(w.numel()) / _size(w.shape[0])
+            return 2.0 * out_numel * size_hint(w.numel()) / size_hint(w.shape[0])
         if op == "scaled_dot_product_attention.default":
             q, k = fake_value(node.args[0]), fake_value(node.args[1])
-            return 4.0 * math.prod(_size(s) for s in q.shape) * _size(k.shape[-2])
+            return 4.0 * math.prod(size_hint(s) for s in q.shape) * size_hint(k.shape[-2])
     except (TypeError, RuntimeError, AttributeError, IndexError):
         return float(out_numel)
     return float(out_numel)

@@ -23,7 +23,7 @@ import torch
 import torch.fx
 
 from amplite import op_tables
-from amplite.converter.graph_stats import node_compute_dtype, short
+from amplite.converter.graph_stats import node_compute_dtype, short, size_hint
 from amplite.estimate.profiles import GpuProfile
 from amplite.passes.graph_utils import cast_dtype, fake_value
 
@@ -49,15 +49,7 @@ _NO_FLOPS = frozenset(op_tables.DATA_MOVEMENT_OPS) | {
 
 def hint(size: Any) -> int:
     """An int for a size, taking a symbolic size's example hint (no guard is recorded)."""
-    if isinstance(size, torch.SymInt):
-        node = size.node
-        if getattr(node, "hint", None) is not None:
-            return int(node.hint)
-        try:
-            return int(node.shape_env.size_hint(node.expr))
-        except Exception:  # unbacked: no hint exists; count it as 1
-            return 1
-    return int(size)
+    return size_hint(size)
 
 
 def numel(t: torch.Tensor) -> int:

@@ -175,18 +175,10 @@ class RangeGuard:
             t = _fetch(gm, node.target)
             if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point or t.numel() == 0:
                 continue
-            biggest = max_abs(t.detach())
-            if biggest > self.rules.weight_max:
-                flags[node.name] = f"range:weight-overflow {node.target} |w|={biggest:.3g}"
-                continue
-            # The flush-to-zero share is estimated on a strided sample: a share, not a count, is needed.
-            flat = t.detach().flatten()
-            a = flat[:: flat.numel() // _SAMPLE + 1].abs().float() if flat.numel() > _SAMPLE else flat.abs().float()
-            nonzero = int((a > 0).sum())
-            if nonzero:
-                share = int(((a > 0) & (a < FP16_FLUSH)).sum()) / nonzero
-                if share > self.rules.underflow_share:
-                    flags[node.name] = f"range:weight-underflow {node.target} {share:.1%} flush to zero"
+            reason = weight_reason(t, self.rules)
+            if reason is not None:
+                kind, _, detail = reason.partition(" ")
+                flags[node.name] = f"{kind} {node.target} {detail}"
         return flags
 
     @staticmethod
