@@ -68,7 +68,8 @@ def test_golden_takes_every_option_the_reference_export_uses() -> None:
 def test_batch_manifest_defaults_accept_every_conversion_option(tmp_path: Path) -> None:
     """A ``[defaults]`` table may set every option ``amplite convert`` has (the same names, minus the CLI's
     ``no_`` spelling: ``fold_batchnorm = false``)."""
-    from amplite.batch.manifest import CONVERT_KEYS, JOB_KEYS, parse_manifest
+    from amplite.batch.keys_table import CONVERT_KEYS, JOB_KEYS
+    from amplite.batch.manifest import parse_manifest
 
     cli = {p.name for p in CONVERSION_PARAMS} - {"no_fold_batchnorm"} | {"fold_batchnorm", "verify"}
     assert cli <= set(JOB_KEYS), sorted(cli - set(JOB_KEYS))

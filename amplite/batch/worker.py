@@ -46,7 +46,7 @@ def convert_job(job: dict[str, Any], out: Path) -> dict[str, Any]:
         tol = None
         if job.get("tolerance"):
             tol = Tolerance(**{**vars(DEFAULT_TOLERANCES[job["precision"]]), **job["tolerance"]})
-        from amplite.batch.manifest import CONVERT_KEYS
+        from amplite.batch.keys_table import CONVERT_KEYS
 
         options = {k: job[k] for k in CONVERT_KEYS if k in job}
         options["keep_fp32"], options["force_low"] = list(job["keep_fp32"]), list(job["force_low"])
