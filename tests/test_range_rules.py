@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -96,3 +97,23 @@ def test_value_range_tracks_largest_finite_magnitude() -> None:
     assert r.max_abs == 1000.0
     r.update(torch.tensor([-2048.0], dtype=torch.float16))
     assert r.max_abs == 2048.0
+
+
+def test_relayout_ops_share_their_inputs_range_exactly() -> None:
+    """A transpose/view holds the same elements as its input: calibration reuses that range (no second
+    pass over the data) and it equals the true max |value| of the relaid-out tensor."""
+
+    class Relayout(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x * 3.0
+            return y.transpose(0, 1).reshape(-1).exp()
+
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    gm = torch.export.export(Relayout(), (x,)).module()
+    ranges = collect_ranges(gm, [((x,), {})])
+    names = {n.target.__name__.split(".")[0]: n.name for n in gm.graph.nodes if n.op == "call_function"}
+    mul, transpose, reshape = ranges[names["mul"]], ranges[names["transpose"]], ranges[names["reshape"]]
+    assert transpose is mul and reshape is mul
+    assert mul.max_abs == pytest.approx(float((x * 3.0).abs().max()))
+    exp = ranges[names["exp"]]
+    assert exp is not mul and exp.max_abs == pytest.approx(float((x * 3.0).exp().max()))

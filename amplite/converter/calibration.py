@@ -16,6 +16,14 @@ from torch.fx._pytree import tree_flatten_spec
 from amplite.passes.range_guard import ValueRange
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
+aten = torch.ops.aten
+#: Ops whose output holds exactly the elements of their first input (views, copies, relayouts).
+_SAME_ELEMENTS = frozenset((
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default, aten.transpose.int,
+    aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+    aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default, aten.flatten.using_ints,
+    aten.unflatten.int, aten.expand.default,
+))  # fmt: skip
 
 
 class _Recorder(torch.fx.Interpreter):
@@ -25,6 +33,12 @@ class _Recorder(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
+        src = n.args[0] if n.args else None
+        if n.target in _SAME_ELEMENTS and isinstance(src, torch.fx.Node) and src.name in self.ranges:
+            # Same elements as its input, laid out anew: the input's range is this value's range exactly
+            # (shared, so later batches update both), and no second pass over the data is paid.
+            self.ranges.setdefault(n.name, self.ranges[src.name])
+            return out
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and t.dtype.is_floating_point:
                 self.ranges.setdefault(n.name, ValueRange()).update(t)

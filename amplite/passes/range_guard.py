@@ -69,10 +69,10 @@ class ValueRange:
 
     def update(self, t: torch.Tensor) -> None:
         """Fold one tensor into the range (non-finite values are ignored)."""
-        a = t.detach().flatten()
+        a = t.detach()
         if a.numel() == 0:
             return
-        biggest = max_abs(a)
+        biggest = max_abs(a)  # on the tensor as laid out: flattening a transposed value would copy it
         if not math.isfinite(biggest):  # rare: only then pay for masking out NaN/Inf
             a = a[torch.isfinite(a)]
             if a.numel() == 0:
@@ -81,6 +81,7 @@ class ValueRange:
         self.max_abs = max(self.max_abs, biggest)
         if self.max_abs >= _SUBNORMALS_MATTER:
             return  # the underflow rule ignores this value: no need to sample it
+        a = a.reshape(-1)
         sample = a[:: a.numel() // _STAT_SAMPLE + 1].abs() if a.numel() > _STAT_SAMPLE else a.abs()
         nonzero = sample > 0
         self.sampled_nonzero += int(nonzero.sum())
