@@ -1,0 +1,112 @@
+"""``ConversionResult``: a converted program, its report, and how to save it (``.pt2`` or ``.onnx``).
+
+Layer: beside the API (``amplite.api`` returns it); it uses ``converter.emit``, ``report``, ``verify`` and,
+on demand, ``onnx``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+from torch import nn
+from torch.export import ExportedProgram
+
+from amplite.converter import emit
+from amplite.converter.pipeline import PipelineOutput
+from amplite.converter.tracing import Inputs
+from amplite.report.document import Report
+from amplite.verify.compare import Tolerance
+
+
+@dataclass
+class ConversionResult:
+    """A converted model with its report.
+
+    Attributes:
+        program: The converted ExportedProgram.
+        report: The conversion report.
+        original: The FP32 ExportedProgram it was made from.
+        inputs: The example inputs used for tracing and verification.
+    """
+
+    program: ExportedProgram
+    report: Report
+    original: ExportedProgram
+    inputs: Inputs
+    pipeline: PipelineOutput | None = field(default=None, repr=False)
+    reference: Any = field(default=None, repr=False)  # FP32 outputs on ``inputs``
+    tolerance: Tolerance | None = field(default=None, repr=False)  # set when verification ran
+
+    def module(self) -> nn.Module:
+        """The converted model as a callable module."""
+        return self.program.module()
+
+    @property
+    def passed(self) -> bool | None:
+        """Whether verification passed (None if it did not run)."""
+        return self.report.passed
+
+    def save(
+        self,
+        path: str | Path,
+        *,
+        format: str | None = None,
+        external_data: bool | None = None,
+        opset: int | None = None,
+        layernorm_stash: str = "off",
+    ) -> Path:
+        """Save the converted model; the format (``pt2`` or ``onnx``) comes from the suffix unless given.
+
+        An ONNX file is checked with ``onnx.checker`` and, when ``convert`` verified the model, run in ONNX
+        Runtime against the same FP32 reference (report key ``verification_onnx``).
+
+        Args:
+            path: Destination file.
+            format: ``pt2`` or ``onnx`` (default: from the suffix).
+            external_data: ONNX only: force (True) or forbid (False) external weights; None decides by size.
+            opset: ONNX only: default-domain opset (None: 20 for fp16, 22 for bf16).
+            layernorm_stash: ONNX only: ``off`` (default) keeps FP32 LayerNorm islands; ``stash`` writes
+                them as one low-precision ``LayerNormalization`` (FP32 statistics via ``stash_type``) when
+                scale and bias are exact in the low dtype, ``round`` always, rounding them. The rewrite
+                matches ONNX Runtime's kernels, not the ONNX spec (which rounds before scale and bias).
+
+        Raises:
+            ConfigError: Unknown format or an opset too old. ExportError: an op has no ONNX translation.
+            EmitError: The path cannot be written (nothing is left behind).
+        """
+        fmt = emit.format_for(path, format)
+        start = perf_counter()
+        if fmt == "onnx":
+            out, entry = self._save_onnx(path, external_data, opset, layernorm_stash)
+        else:
+            out = emit.save_program(self.program, path)
+            entry = {"format": "pt2", "path": str(out), "bytes": out.stat().st_size}
+        self.report.data["timings"][f"save_{fmt}"] = round(perf_counter() - start, 4)
+        saved = [e for e in self.report.data.get("outputs", []) if e["path"] != entry["path"]]
+        self.report.data["outputs"] = [*saved, entry]
+        return out
+
+    def _save_onnx(
+        self, path: str | Path, external_data: bool | None, opset: int | None, layernorm_stash: str
+    ) -> tuple[Path, dict]:
+        from amplite.onnx.export import save_onnx  # onnx/onnxscript import in ~2 s: only when used
+        from amplite.onnx.verify import verify_onnx
+
+        cfg = self.report.data["config"]
+        info = save_onnx(
+            self.program,
+            path,
+            precision=cfg["precision"],
+            low_precision_io=cfg["low_precision_io"],
+            external_data=external_data,
+            opset=opset,
+            layernorm_stash=layernorm_stash,
+        )
+        out = Path(info.path)
+        if self.tolerance is not None and self.reference is not None:
+            checked = verify_onnx(out, self.reference, self.inputs, self.tolerance)
+            self.report.data["verification_onnx"] = checked.to_dict()
+        return out, {"format": "onnx", **info.to_dict()}
