@@ -31,6 +31,12 @@ def print_check(res: Any) -> None:
     for i, n in enumerate(top[:5], 1):
         flag = " introduces NaN/Inf" if n.get("introduces_nonfinite") else ""
         out.print(f"  {i}. {n['node']} ({n['op']}) {n.get('source') or n.get('module') or ''}{flag}")
+    train = data.get("training")
+    if train:
+        out.print(f"training: {train['steps']} steps, {train['precision']} {train['level']}: max loss gap "
+                  f"{train['max_gap']:.3g} (limit {train['tolerance']['train_loss_gap']:g}), "
+                  f"{len(train['skipped_steps'])} skipped steps" if train["max_gap"] != "inf" else
+                  f"training: {train['steps']} steps: the amplite loss is not finite")  # fmt: skip
     for reason in res.reasons:
         out.print(f"[red]✗[/] {reason}")
     for kind, path in res.files.items():

@@ -225,6 +225,11 @@ def render_html(data: dict[str, Any]) -> str:
                          fmt(o.get("kl_div"), 3), f"{fmt(o.get('min_atol'), 3)} / {fmt(o.get('min_rtol'), 3)}",
                          o.get("new_nonfinite", 0), res])  # fmt: skip
         parts.append(_table(_OUTPUT_HEAD, rows, raw={11}))
+    if data.get("training"):
+        from amplite.report.training import training_figure, training_html
+
+        chart = training_figure(data["training"]).to_html(full_html=False, include_plotlyjs=False, div_id="training")
+        parts.append(training_html(data["training"], chart))
     if data.get("budget"):
         parts.append(_budget_section(data["budget"], figs.get("budget-search", "")))
     lw = data.get("layerwise")

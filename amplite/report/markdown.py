@@ -109,6 +109,10 @@ def render_markdown(data: dict[str, Any], top_n: int = 5) -> str:
             f"{fmt(100 * u.get('underflow_unscaled', 0.0), 3)} % underflow in {u.get('dtype')} unscaled; "
             f"recommended loss scale {fmt(u.get('recommended_loss_scale'))}."
         )
+    if data.get("training"):
+        from amplite.report.training import training_markdown
+
+        lines += training_markdown(data["training"])
     gold = data.get("golden")
     if gold:
         lines.append(f"**Golden:** `{gold['path']}` (created {gold.get('created')}).")

@@ -99,7 +99,7 @@ def prepare_training(
         "level": lvl.value,
         "low_copies": len(pairs),
         "masters": "none (rounded to the low dtype after each step)" if lvl is Level.O3 else "fp32",
-        "passes": [{"name": r.name, "counters": dict(r.counters)} for r in records],
+        "records": records,
         "plan": plan,
         "program": program,
     }
