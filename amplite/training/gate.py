@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from amplite.converter.graph_stats import graph_stats, weight_bytes
+from amplite.converter.graph_stats import graph_stats
 from amplite.converter.inputs import normalize_inputs
 from amplite.converter.loading import load_any
 from amplite.errors import ConfigError, InputSpecError
@@ -241,7 +241,6 @@ def _document(loaded, net, precision, level, explicit, keep_fp32, force_low, cau
     import os
 
     low = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
-    program = net.info["program"]
     after = sum(t.nbytes for t in {id(t): t for t in [*net.parameters(), *net.buffers()]}.values())
     config = {
         "precision": precision,
@@ -261,9 +260,9 @@ def _document(loaded, net, precision, level, explicit, keep_fp32, force_low, cau
         config=config,
         records=net.info["records"],
         plan=net.info["plan"],
-        stats_before=graph_stats(program.graph, low),
+        stats_before=net.info["graph_before"],
         stats_after=graph_stats(net.graph_module.graph, low),
-        weights=(weight_bytes(program), after),
+        weights=(net.info["weight_bytes_before"], after),
         metrics=None,
         tolerance=None,
         timings={},

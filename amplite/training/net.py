@@ -21,20 +21,22 @@ _aten = torch.ops.aten
 _DROPOUTS = (_aten.dropout.default, _aten.feature_dropout.default, _aten.alpha_dropout.default,
              _aten.feature_alpha_dropout.default)  # fmt: skip
 _BATCH_NORM = _aten.batch_norm.default  # args: input, weight, bias, mean, var, training, momentum, eps, cudnn
+_SDPA = _aten.scaled_dot_product_attention.default  # args: q, k, v, attn_mask, dropout_p, is_causal; scale=
 _COUNTER = "num_batches_tracked"
 
 
 def to_eval_graph(train_gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dict[str, int]]:
     """An eval-mode GraphModule sharing every tensor with ``train_gm``.
 
-    Afterwards: dropout nodes are gone (their input flows through), ``batch_norm`` uses the running
-    statistics (``training=False``) and nothing increments ``num_batches_tracked``.
+    Afterwards: dropout nodes are gone (their input flows through), attention has ``dropout_p=0``,
+    ``batch_norm`` uses the running statistics (``training=False``) and nothing increments
+    ``num_batches_tracked``. Python branches on ``self.training`` other than these were traced in train mode.
 
     Returns:
         The eval module and counters (``dropout_disabled``, ``batchnorm_to_running_stats``).
     """
     graph = copy.deepcopy(train_gm.graph)
-    counters = {"dropout_disabled": 0, "batchnorm_to_running_stats": 0}
+    counters = {"dropout_disabled": 0, "batchnorm_to_running_stats": 0, "attention_dropout_disabled": 0}
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -47,11 +49,22 @@ def to_eval_graph(train_gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule,
             args[5] = False
             node.args = tuple(args)
             counters["batchnorm_to_running_stats"] += 1
+        elif node.target is _SDPA and _sdpa_dropout(node):
+            if len(node.args) > 4:
+                node.args = (*node.args[:4], 0.0, *node.args[5:])
+            else:
+                node.kwargs = {**node.kwargs, "dropout_p": 0.0}
+            counters["attention_dropout_disabled"] += 1
         elif node.target is _aten.add_.Tensor and _is_counter(node.args[0]):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
     graph.lint()
     return torch.fx.GraphModule(train_gm, graph), counters
+
+
+def _sdpa_dropout(node: torch.fx.Node) -> bool:
+    p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    return p != 0.0
 
 
 def _is_counter(arg: Any) -> bool:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from amplite.converter.graph_stats import graph_stats, weight_bytes
 from amplite.converter.inputs import bind_inputs, normalize_inputs
 from amplite.converter.pipeline import rewrite
 from amplite.converter.tracing import export_model
@@ -101,7 +102,9 @@ def prepare_training(
         "masters": "none (rounded to the low dtype after each step)" if lvl is Level.O3 else "fp32",
         "records": records,
         "plan": plan,
-        "program": program,
+        # facts of the FP32 program for reports; the program itself is not kept (its graph holds memory)
+        "graph_before": graph_stats(program.graph, policy.low_dtype),
+        "weight_bytes_before": weight_bytes(program),
     }
     net = TrainingNet(gm, info)
     net.train(model.training)
