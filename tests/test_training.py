@@ -262,3 +262,25 @@ def test_torch_compile_of_net_trains():
     x = batches[0][0]
     with torch.no_grad():
         assert torch.allclose(torch.compile(net)(x), net(x), atol=2e-2)
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5 if self.training else 0.0)
+
+
+def test_attention_dropout_is_off_in_eval():
+    model = _Attention()
+    net, _ = amplite.prepare_training(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(2, 8, 16))
+    x = torch.randn(2, 8, 16)
+    with torch.no_grad():
+        assert not torch.equal(net(x), net(x))
+        net.eval()
+        assert torch.equal(net(x), net(x))
+        assert torch.allclose(net(x), model.eval()(x), atol=2e-2)
+    assert net.info["mode_switch"]["attention_dropout_disabled"] == 1
