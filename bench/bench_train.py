@@ -45,7 +45,7 @@ from torch import nn  # noqa: E402
 VARIANTS = ["fp32", "autocast-bf16", "autocast-fp16", "amplite-bf16-O1", "amplite-bf16-O2", "amplite-fp16-O1",
             "amplite-fp16-O2"]  # fmt: skip
 MODELS = ["gpt2", "bert", "cnn"]
-VOCAB, BATCH, SEQ = 2048, 4, 16
+VOCAB, BATCH, SEQ = 512, 4, 16
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -66,13 +66,13 @@ class ConvBN(nn.Module):
 
     def __init__(self, classes: int = 10) -> None:
         super().__init__()
-        chans = [3, 16, 32, 64]
+        chans = [3, 8, 16, 32]
         self.stages = nn.Sequential(*[
             nn.Sequential(nn.Conv2d(a, b, 3, padding=1, bias=False), nn.BatchNorm2d(b), nn.ReLU(), nn.MaxPool2d(2))
             for a, b in itertools.pairwise(chans)
         ])  # fmt: skip
         self.drop = nn.Dropout(0.2)
-        self.head = nn.Linear(64, classes)
+        self.head = nn.Linear(32, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.drop(F.adaptive_avg_pool2d(self.stages(x), 1).flatten(1)))
@@ -98,7 +98,7 @@ def build(name: str, steps: int) -> tuple[nn.Module, list[tuple[tuple, Any]], An
 
     g = torch.Generator().manual_seed(0)
     if name == "gpt2":
-        m = _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_positions=64, n_embd=128, n_layer=2,
+        m = _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2,
                 n_head=4, use_cache=False, attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)  # fmt: skip
         batches = [((ids,), ids) for ids in _sequences(steps, g)]
 
@@ -107,8 +107,8 @@ def build(name: str, steps: int) -> tuple[nn.Module, list[tuple[tuple, Any]], An
 
         return Logits(m, False).train(), batches, loss
     if name == "bert":
-        m = _hf("BertForMaskedLM", "BertConfig", vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2,
-                num_attention_heads=4, intermediate_size=512, max_position_embeddings=64,
+        m = _hf("BertForMaskedLM", "BertConfig", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                num_attention_heads=4, intermediate_size=256, max_position_embeddings=32,
                 attn_implementation="sdpa")  # fmt: skip
         batches = []
         for ids in _sequences(steps, g):
