@@ -153,6 +153,8 @@ def check(
     _check_options(convert_opts)
     out_dir = _prepare_outputs(report_dir, junit)
     if train_steps:
+        if converted is not None or golden is not None or baseline is not None:
+            raise ConfigError("--train-steps trains the model itself", "drop --converted, --golden and --baseline")
         return _check_training(model, example_inputs, train_steps, lr, data, data_loader, max_batches, tolerance,
                                out_dir, junit, name, convert_opts)  # fmt: skip
     timings: dict[str, float] = {}

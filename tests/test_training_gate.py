@@ -67,3 +67,5 @@ def test_train_steps_rejects_inference_criteria():
     model, inputs = zoo.make("mlp")
     with pytest.raises(ConfigError, match="train_loss_gap"):
         amplite.check(model, inputs, train_steps=2, tolerance=["sqnr>=40"])
+    with pytest.raises(ConfigError, match="--train-steps trains the model itself"):
+        amplite.check(model, inputs, train_steps=2, golden="somewhere")

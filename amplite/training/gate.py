@@ -129,9 +129,14 @@ def train_check(
             f"a {loaded.kind} file holds no trainable module", "pass a state dict with --model-factory or a module"
         )
     user = loaded.module
-    pairs = [split_target(user, b) for _, b in batches] if batches else []
+    pairs = [split_target(user, b) for _, b in batches]
     if not pairs:
-        pairs = [split_target(user, normalize_inputs(example_inputs))]
+        example = normalize_inputs(example_inputs)
+        if example is None:
+            raise InputSpecError(
+                "no batches to train on", "pass --data DIR, --data-loader module:function or example inputs (--input)"
+            )
+        pairs = [split_target(user, example)]
     lvl = resolve_level(level)
     start = perf_counter()
     ref, sub = copy.deepcopy(user).train(), copy.deepcopy(user).train()
