@@ -49,8 +49,10 @@ def test_cli_train_steps_exits_1_on_o3_fp16_overflow_and_0_at_o1(tmp_path, cli):
     torch.save(model.state_dict(), path)
     common = [path, "--model-factory", "fixtures.zoo:overflow", "--input", "x:4x16:float32", "--train-steps", "6",
               "--precision", "fp16"]  # fmt: skip
-    res = cli("check", *common, "--level", "O3", "--report", tmp_path / "o3")
+    res = cli("check", *common, "--level", "O3", "--report", tmp_path / "o3", "--junit", tmp_path / "o3.xml")
     assert res.exit_code == 1, res.stdout
+    junit = (tmp_path / "o3.xml").read_text()
+    assert 'name="training"' in junit and 'type="TrainingFailure"' in junit and 'failures="1"' in junit
     data = json.loads((tmp_path / "o3" / "report.json").read_text())
     t = data["training"]
     assert t["max_gap"] == "inf" and t["skipped_steps"] == list(range(6))
