@@ -2,7 +2,7 @@
 
 Usage::
 
-    python bench/bench_train.py [--steps 200] [--models gpt2,bert,cnn] [--variants ...] [--write]
+    python bench/bench_train.py [--steps 200] [--models gpt2,bert,cnn] [--variants ...] [--jobs N] [--write]
 
 Models: a GPT-2-style causal LM and a BERT-style masked LM (``transformers`` classes from ``bench/corpus.py``'s
 builder, reduced configurations so that 200 steps of every variant finish in minutes on two CPU cores) and a
@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from time import perf_counter
@@ -241,11 +242,12 @@ def targets(rows: dict[tuple[str, str], dict[str, Any]]) -> list[tuple[str, str,
 def render(rows: dict[tuple[str, str], dict[str, Any]], meta: dict[str, Any]) -> str:
     """The "Training" section of RESULTS.md."""
     lines = ["## Training", "",
-             f"`python bench/bench_train.py --steps {meta['steps']}` on {meta['date']}, {meta['machine']}, "
-             f"{meta['wall_s'] / 60:.1f} min; load average {meta['load_before']} at the start, {meta['load_after']} "
-             "at the end. The machine is shared with other jobs and noisy: step times move with its load (every "
-             "variant ran in its own process, one after another). Peak memory is the process's peak resident set "
-             "during the timed steps minus its resident set after building the model and batches (CPU; see the "
+             f"`python bench/bench_train.py --steps {meta['steps']} --jobs {meta['jobs']}` on {meta['date']}, "
+             f"{meta['machine']}, {meta['wall_s'] / 60:.1f} min; load average {meta['load_before']} at the start, "
+             f"{meta['load_after']} at the end. The machine is shared with other jobs and noisy: step times move "
+             "with its load (every "
+             f"variant ran in its own process, {meta['jobs']} at a time). Peak memory is the process's peak resident "
+             "set during the timed steps minus its resident set after building the model and batches (CPU; see the "
              "script's docstring). Loss: mean of the last 10 steps; all variants see the same batches and seeds.",
              "", "| model | variant | params M | prepare s | step ms (median) | peak MiB | loss step 1 | "
              f"loss after {meta['steps']} | NaN |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -278,6 +280,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--jobs", type=int, default=1, help="variants run at once, each in its own process")
     ap.add_argument("--write", action="store_true", help="write bench/RESULTS.md (Training) and results-train.json")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -285,17 +288,24 @@ def main() -> None:
         print(json.dumps(run_one(args.one[0], args.one[1], args.steps)))
         return
     start, load_before = perf_counter(), [round(x, 2) for x in os.getloadavg()]
-    rows: dict[tuple[str, str], dict[str, Any]] = {}
-    for m in args.models.split(","):
-        for v in args.variants.split(","):
-            proc = subprocess.run([sys.executable, __file__, "--one", m, v, "--steps", str(args.steps)],
-                                  capture_output=True, text=True, cwd=ROOT)  # fmt: skip
-            try:
-                rows[(m, v)] = json.loads(proc.stdout.strip().splitlines()[-1])
-            except (IndexError, json.JSONDecodeError):
-                rows[(m, v)] = {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
-            print(m, v, {k: (round(x, 4) if isinstance(x, float) else x) for k, x in rows[(m, v)].items()}, flush=True)
-    meta = {"steps": args.steps, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    keys = [(m, v) for m in args.models.split(",") for v in args.variants.split(",")]
+
+    def one(key: tuple[str, str]) -> dict[str, Any]:
+        proc = subprocess.run([sys.executable, __file__, "--one", *key, "--steps", str(args.steps)],
+                              capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+        try:
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            row = {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
+        print(*key, {k: (round(x, 4) if isinstance(x, float) else x) for k, x in row.items()}, flush=True)
+        return row
+
+    # fp16 variants are the slowest on CPUs without fp16 kernels: start them first so the pool packs well
+    order = sorted(keys, key=lambda k: "fp16" not in k[1])
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        done = dict(zip(order, pool.map(one, order), strict=True))
+    rows = {k: done[k] for k in keys}
+    meta = {"steps": args.steps, "jobs": args.jobs, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, torch threads "
                        f"{torch.get_num_threads()}, torch {torch.__version__}",
             "wall_s": perf_counter() - start, "load_before": load_before,
