@@ -10,7 +10,7 @@ FP32) and the copies are refreshed from the masters after every step. Under fp16
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -216,7 +216,3 @@ def warn_o3() -> None:
         stacklevel=3,
     )
 
-
-def pending(params: Iterable[nn.Parameter]) -> bool:
-    """Whether any of ``params`` holds a gradient."""
-    return any(p.grad is not None for p in params)
