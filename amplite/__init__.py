@@ -12,6 +12,7 @@ from amplite.batch import BatchResult, JobResult, convert_many, iter_convert_man
 from amplite.errors import AmpliteError
 from amplite.gate import CheckResult, check
 from amplite.policy import Level, PrecisionPolicy
+from amplite.training import prepare_training
 from amplite.version import __version__
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "convert",
     "convert_many",
     "iter_convert_many",
+    "prepare_training",
 ]

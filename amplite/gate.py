@@ -119,6 +119,8 @@ def check(
     report_dir: str | Path | None = None,
     junit: str | Path | None = None,
     name: str | None = None,
+    train_steps: int = 0,
+    lr: float = 1e-3,
     **convert_opts: Any,
 ) -> CheckResult:
     """Convert ``model`` (or load ``converted``), verify it on data and judge it.
@@ -141,6 +143,8 @@ def check(
         report_dir: Write report.json, report.md and report.html here (created if missing).
         junit: Write a JUnit XML file here.
         name: Model name for JUnit/annotations (default: the file stem or class name).
+        train_steps: Instead of verifying outputs, train an FP32 and an amplite copy this many steps and gate
+            on ``train_loss_gap`` (:mod:`amplite.training.gate`). lr: Their AdamW learning rate.
         **convert_opts: ``amplite.convert`` options (precision, level, keep_fp32, ...).
 
     Raises:
@@ -148,6 +152,11 @@ def check(
     """
     _check_options(convert_opts)
     out_dir = _prepare_outputs(report_dir, junit)
+    if train_steps:
+        if converted is not None or golden is not None or baseline is not None:
+            raise ConfigError("--train-steps trains the model itself", "drop --converted, --golden and --baseline")
+        return _check_training(model, example_inputs, train_steps, lr, data, data_loader, max_batches, tolerance,
+                               out_dir, junit, name, convert_opts)  # fmt: skip
     timings: dict[str, float] = {}
     gold = early = None
     if golden is not None and not update_golden:
@@ -304,6 +313,31 @@ def check(
         from amplite.report.junit import junit_xml
 
         res.files["junit"] = emit.write_text(junit, junit_xml(res.report.data))
+    return res
+
+
+def _check_training(
+    model: Any, example: Any, steps: int, lr: float, data: Any, loader: str | None, max_batches: int,
+    tolerance: Any, out_dir: Path | None, junit: str | Path | None, name: str | None, opts: dict[str, Any],
+) -> CheckResult:
+    """``check --train-steps``: the training gate (amplite.training.gate), reported like any check."""
+    from amplite.training.gate import train_check
+
+    batches = data_mod.select_batches(None, data, loader, 0, (), max_batches) if data or loader else []
+    described = data_mod.describe(None, data, loader, 0, len(batches)) if batches else "example inputs"
+    keys = ("precision", "level", "keep_fp32", "force_low", "trust_pickle", "model_factory")
+    report, reasons = train_check(model, example, batches, steps=steps, lr=lr, tolerance=tolerance,
+                                  inputs_description=described, **{k: opts[k] for k in keys if k in opts})  # fmt: skip
+    code = 1 if reasons else 0
+    report["check"] = {"name": name or _model_name(model, report), "passed": not reasons, "exit_code": code,
+                       "reasons": reasons}  # fmt: skip
+    res = CheckResult(code, Report(report), reasons)
+    if out_dir is not None:
+        res.files = write_reports(report, out_dir)
+    if junit is not None:
+        from amplite.report.junit import junit_xml
+
+        res.files["junit"] = emit.write_text(junit, junit_xml(report))
     return res
 
 

@@ -99,7 +99,16 @@ def render(results: dict[str, Any]) -> str:
     out += _cost(models) + _graph(models) + _estimates(models) + _casts(models) + _accuracy(models) + _onnx(models)
     out += _latency(models)
     out += _cuda(models, meta) + _targets(models) + _failures(models)
+    out += _training()
     return "\n".join(out)
+
+
+def _training() -> list[str]:
+    """The "Training" section bench/bench_train.py saved (its own run; kept when the harness rewrites)."""
+    from pathlib import Path
+
+    saved = Path(__file__).with_name("results-train.md")
+    return ["", *saved.read_text().splitlines()] if saved.exists() else []
 
 
 def _amp(models: dict[str, Any]):

@@ -46,6 +46,10 @@ def check(
     report: Annotated[Path | None, typer.Option("--report", help="Directory for report.json/.md/.html.")] = None,
     junit: Annotated[Path | None, typer.Option("--junit", help="Write a JUnit XML file.")] = None,
     name: Annotated[str | None, typer.Option("--name", help="Model name in JUnit and reports.")] = None,
+    train_steps: Annotated[
+        int, typer.Option("--train-steps", help="Train FP32 and amplite copies N steps; gate on train_loss_gap.")
+    ] = 0,
+    lr: Annotated[float, typer.Option("--lr", help="Learning rate (AdamW) for --train-steps.")] = 1e-3,
     input: InputOpt = [],  # noqa: B006
     inputs: InputsFile = None,
     debug: DebugOpt = False,
@@ -66,7 +70,7 @@ def check(
             baseline=baseline, baseline_margin_db=baseline_margin, tolerance=tolerance or None, data=data,
             data_loader=data_loader, random_batches=random_batches, input_specs=input, max_batches=max_batches,
             layerwise=not no_layerwise, grad=grad, loss=loss, report_dir=report, junit=junit, name=name,
-            **conversion,
+            train_steps=train_steps, lr=lr, **conversion,
         )  # fmt: skip
         publish_github_summary(res.report.data)
         print_check(res)

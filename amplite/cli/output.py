@@ -69,6 +69,12 @@ def print_check(res: Any) -> None:
     grads = data.get("gradients")
     if grads:
         out.print(escape(gradient_line(grads)))
+    train = data.get("training")
+    if train:
+        out.print(f"training: {train['steps']} steps, {train['precision']} {train['level']}: max loss gap "
+                  f"{train['max_gap']:.3g} (limit {train['tolerance']['train_loss_gap']:g}), "
+                  f"{len(train['skipped_steps'])} skipped steps" if train["max_gap"] != "inf" else
+                  f"training: {train['steps']} steps: the amplite loss is not finite")  # fmt: skip
     for reason in res.reasons:
         out.print(f"[red]✗[/] {escape(str(reason))}")
     for kind, path in res.files.items():

@@ -257,6 +257,11 @@ def render_html(data: dict[str, Any]) -> str:
         parts += [f"<p class='muted'>† {escape(o['name'])}: metrics on the finite part only ({o['compared']} of "
                   f"{o['elements']} elements)</p>" for o in ver["outputs"]
                   if o.get("compared", 0) < o.get("elements", 0)]  # fmt: skip
+    if data.get("training"):
+        from amplite.report.training import training_figure, training_html
+
+        chart = training_figure(data["training"]).to_html(full_html=False, include_plotlyjs=False, div_id="training")
+        parts.append(training_html(data["training"], chart))
     if data.get("budget"):
         parts.append(_budget_section(data["budget"], figs.get("budget-search", "")))
     if data.get("estimate"):

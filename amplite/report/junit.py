@@ -89,6 +89,20 @@ def junit_xml(report: dict[str, Any]) -> str:
                 message="NaN/Inf gradients in " + ", ".join(grads["nonfinite_parameters"][:5]),
             )
         cases += 1
+    train = report.get("training")
+    if train:  # check --train-steps: one test case for the loss-curve gate
+        case = ET.SubElement(suite, "testcase", classname=f"amplite.{model}", name="training",
+                             time=_fmt(train.get("seconds", {}).get("train", 0.0)))  # fmt: skip
+        tprops = ET.SubElement(case, "properties")
+        for key in ("steps", "precision", "level", "max_gap"):
+            ET.SubElement(tprops, "property", name=key, value=_fmt(train.get(key)))
+        ET.SubElement(tprops, "property", name="train_loss_gap<=", value=_fmt(train["tolerance"]["train_loss_gap"]))
+        ET.SubElement(tprops, "property", name="skipped_steps", value=str(len(train.get("skipped_steps", []))))
+        if not train.get("passed", True):
+            failures += 1
+            message = "; ".join(check.get("reasons", [])) or "training loss gap beyond the limit"
+            ET.SubElement(case, "failure", type="TrainingFailure", message=message)
+        cases += 1
     for el in (root, suite):
         el.set("tests", str(cases))
         el.set("failures", str(failures))

@@ -132,6 +132,10 @@ def render_markdown(data: dict[str, Any], top_n: int = 5) -> str:
             f"recommended: {u.get('advice') or 'loss scale ' + str(fmt(u.get('recommended_loss_scale')))}; "
             f"{grads['parameters']} parameters compared, {len(grads.get('missing_gradients') or [])} missing."
         )
+    if data.get("training"):
+        from amplite.report.training import training_markdown
+
+        lines += training_markdown(data["training"])
     gold = data.get("golden")
     if gold:
         lines.append(f"**Golden:** `{gold['path']}` (created {gold.get('created')}).")

@@ -1,0 +1,283 @@
+"""``amplite check --train-steps N``: train an FP32 copy and an amplite copy side by side and gate on the gap.
+
+Both copies start from the user's weights (deep copies: the user's model does not change), see the same
+batches in the same order and the same random numbers (the global seed is set before every forward, so
+dropout masks match), and step with AdamW at the same learning rate. The logged loss is the mean over a
+window of ``log_every`` steps; the gate is ``train_loss_gap<=X`` (default 0.02): at every logged step
+``|amplite - fp32| / |fp32|`` must be at most X, and every amplite loss finite.
+
+Batches: whatever ``--data``/``--data-loader`` yield (or the example inputs, repeated). A batch that is a
+dict ``{"inputs": ..., "target": ...}`` (or whose keyword inputs hold a ``target`` that ``forward`` does not
+take) brings its target: integer targets give cross-entropy, float targets MSE; without a target the loss is
+the MSE against a seeded random target shaped like the output (the same for both copies).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import re
+import warnings
+from collections.abc import Sequence
+from time import perf_counter
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from amplite.converter.graph_stats import graph_stats
+from amplite.converter.inputs import normalize_inputs
+from amplite.converter.loading import load_any
+from amplite.errors import ConfigError, InputSpecError
+from amplite.policy import LEVEL_ENV, resolve_level
+from amplite.report.document import build_report
+from amplite.training.prepare import prepare_training
+
+Inputs = tuple[tuple[Any, ...], dict[str, Any]]
+DEFAULT_GAP = 0.02
+_GAP = re.compile(r"^\s*train_loss_gap\s*(<=|<)\s*([0-9.eE+-]+)\s*$")
+
+
+def parse_gap(tolerance: Sequence[str] | None) -> float:
+    """The ``train_loss_gap<=X`` criterion among ``tolerance`` (default 0.02).
+
+    Raises:
+        ConfigError: Any other criterion (the training gate judges the loss curves only) or a bad value.
+    """
+    if tolerance is not None and not isinstance(tolerance, (list, tuple)):
+        raise ConfigError("a training check takes --tolerance strings", "pass e.g. ['train_loss_gap<=0.02']")
+    gap = DEFAULT_GAP
+    for text in tolerance or ():
+        m = _GAP.match(text)
+        if not m:
+            raise ConfigError(
+                f"--tolerance {text!r} does not apply to a training check",
+                "with --train-steps use train_loss_gap<=X (the relative loss gap at each logged step)",
+            )
+        gap = float(m.group(2))
+    return gap
+
+
+def split_target(model: nn.Module, batch: Inputs) -> tuple[Inputs, torch.Tensor | None]:
+    """Separate a batch's target from the model's inputs (see the module docstring)."""
+    args, kwargs = batch
+    if not args and set(kwargs) == {"inputs", "target"}:
+        inner = normalize_inputs(kwargs["inputs"])
+        return inner, kwargs["target"]
+    if "target" in kwargs and "target" not in inspect.signature(model.forward).parameters:
+        rest = {k: v for k, v in kwargs.items() if k != "target"}
+        return (args, rest), kwargs["target"]
+    return batch, None
+
+
+def first_float(out: Any) -> torch.Tensor:
+    """The output the loss is computed on: the first floating-point tensor leaf."""
+    for leaf in pytree.tree_leaves(out):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            return leaf
+    raise InputSpecError("the model returns no floating-point tensor to train on", "return logits or predictions")
+
+
+def loss_of(out: Any, target: torch.Tensor | None, seed: int) -> tuple[torch.Tensor, str]:
+    """The loss of one step and its name."""
+    y = first_float(out).float()
+    if target is None:
+        g = torch.Generator().manual_seed(seed)
+        return F.mse_loss(y, torch.randn(y.shape, generator=g)), "mse vs seeded random target"
+    if not target.is_floating_point():
+        logits = y if y.dim() == 2 else y.movedim(-1, 1)
+        return F.cross_entropy(logits, target), "cross_entropy"
+    return F.mse_loss(y, target.float()), "mse"
+
+
+def train_check(
+    model: Any,
+    example_inputs: Any,
+    batches: list[tuple[str, Inputs]],
+    *,
+    steps: int,
+    lr: float = 1e-3,
+    precision: str = "fp16",
+    level: str | None = None,
+    keep_fp32: Sequence[str] = (),
+    force_low: Sequence[str] = (),
+    tolerance: Sequence[str] | None = None,
+    trust_pickle: bool = False,
+    model_factory: str | None = None,
+    seed: int = 0,
+    inputs_description: str = "example inputs",
+) -> tuple[dict[str, Any], list[str]]:
+    """Run the training gate.
+
+    Returns:
+        The report document (with its ``training`` section) and the failure reasons (empty: pass).
+
+    Raises:
+        AmpliteError: A model that is not an nn.Module, bad options or batches, a non-finite FP32 loss.
+    """
+    if steps < 1:
+        raise ConfigError(f"--train-steps {steps} must be at least 1", "pass the number of steps to train")
+    if not lr > 0:
+        raise ConfigError(f"--lr {lr} must be positive", "pass a learning rate such as 1e-3")
+    gap_limit = parse_gap(tolerance)
+    loaded = load_any(model, trust_pickle=trust_pickle, model_factory=model_factory)
+    if loaded.module is None:
+        raise InputSpecError(
+            f"a {loaded.kind} file holds no trainable module", "pass a state dict with --model-factory or a module"
+        )
+    user = loaded.module
+    pairs = [split_target(user, b) for _, b in batches]
+    if not pairs:
+        example = normalize_inputs(example_inputs)
+        if example is None:
+            raise InputSpecError(
+                "no batches to train on", "pass --data DIR, --data-loader module:function or example inputs (--input)"
+            )
+        pairs = [split_target(user, example)]
+    lvl = resolve_level(level)
+    start = perf_counter()
+    ref, sub = copy.deepcopy(user).train(), copy.deepcopy(user).train()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    sub_opt = torch.optim.AdamW(sub.parameters(), lr=lr)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        net, opt = prepare_training(sub, sub_opt, pairs[0][0], precision=precision, level=lvl,
+                                    keep_fp32=tuple(keep_fp32), force_low=tuple(force_low))  # fmt: skip
+    prepare_s = perf_counter() - start
+
+    start = perf_counter()
+    fp32_curve: list[float] = []
+    amp_curve: list[float] = []
+    names = [n for n, _ in sub.named_parameters()]
+    under = dict.fromkeys(names, 0.0)
+    under_max = dict.fromkeys(names, 0.0)
+    counted = 0
+    loss_name = ""
+    for step in range(steps):
+        (args, kwargs), target = pairs[step % len(pairs)]
+        torch.manual_seed(seed + step)
+        loss, loss_name = loss_of(ref(*args, **kwargs), target, seed + step)
+        loss.backward()
+        fp32_curve.append(loss.item())
+        if not math.isfinite(fp32_curve[-1]):
+            raise InputSpecError(
+                f"the FP32 model's loss is {fp32_curve[-1]} at step {step}: there is nothing to compare with",
+                "lower --lr or fix the model/data so that FP32 training is finite",
+            )
+        torch.manual_seed(seed + step)
+        amp_loss, _ = loss_of(net(*args, **kwargs), target, seed + step)
+        opt.backward(amp_loss)
+        opt.unscale_()
+        grads_ok = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in sub.parameters())
+        if grads_ok:
+            counted += 1
+            for (name, p), q in zip(sub.named_parameters(), ref.parameters(), strict=True):
+                if p.grad is None or q.grad is None:
+                    continue
+                share = float(((q.grad != 0) & (p.grad == 0)).sum()) / max(1, q.grad.numel())
+                under[name] += share
+                under_max[name] = max(under_max[name], share)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        amp_curve.append(amp_loss.item())
+    train_s = perf_counter() - start
+
+    log_every = max(1, steps // 20)
+    logged, worst = [], 0.0
+    for end in range(log_every, steps + 1, log_every):
+        a = sum(amp_curve[end - log_every : end]) / log_every
+        f = sum(fp32_curve[end - log_every : end]) / log_every
+        gap = abs(a - f) / max(abs(f), 1e-12) if math.isfinite(a) else math.inf
+        worst = max(worst, gap)
+        logged.append({"step": end, "fp32": f, "amplite": _num(a), "gap": _num(gap)})
+    reasons = []
+    bad = [e["step"] for e in logged if e["gap"] is None or e["gap"] > gap_limit]
+    if bad:
+        reasons.append(
+            f"train_loss_gap: {len(bad)} of {len(logged)} logged steps beyond {gap_limit} (first at step {bad[0]}, "
+            f"max gap {_fmt_gap(worst)})"
+        )
+    skipped = list(opt.scaler.skipped) if opt.scaler else []
+    if skipped and len(skipped) == steps:
+        reasons.append(f"every one of the {steps} steps was skipped for non-finite gradients")
+    section = {
+        "steps": steps,
+        "lr": lr,
+        "optimizer": "AdamW",
+        "seed": seed,
+        "loss": loss_name,
+        "inputs": inputs_description,
+        "batches": len(pairs),
+        "precision": precision,
+        "level": lvl.value,
+        "masters": net.info["masters"],
+        "low_copies": net.info["low_copies"],
+        "tolerance": {"train_loss_gap": gap_limit},
+        "log_every": log_every,
+        "max_gap": _num(worst) if math.isfinite(worst) else "inf",
+        "passed": not reasons,
+        "fp32_losses": fp32_curve,
+        "amplite_losses": [_num(v) for v in amp_curve],
+        "logged": logged,
+        "skipped_steps": skipped,
+        "loss_scale_history": list(opt.scaler.history) if opt.scaler else [],
+        "gradient_underflow": sorted(
+            (
+                {"parameter": n, "mean_share": under[n] / counted if counted else 0.0, "max_share": under_max[n]}
+                for n in names
+            ),
+            key=lambda e: -e["mean_share"],
+        ),
+        "seconds": {"prepare": round(prepare_s, 4), "train": round(train_s, 4)},
+    }
+    report = _document(loaded, net, precision, lvl.value, level is not None, keep_fp32, force_low, caught)
+    report["training"] = section
+    report["timings"].update(section["seconds"])
+    return report, reasons
+
+
+def _document(loaded, net, precision, level, explicit, keep_fp32, force_low, caught) -> dict[str, Any]:
+    """The common report fields, from the train-mode program and the rewritten graph."""
+    import os
+
+    low = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    after = sum(t.nbytes for t in {id(t): t for t in [*net.parameters(), *net.buffers()]}.values())
+    config = {
+        "precision": precision,
+        "level": level,
+        "level_source": "argument" if explicit else (LEVEL_ENV if os.environ.get(LEVEL_ENV) else "default"),
+        "keep_fp32": list(keep_fp32),
+        "force_low": list(force_low),
+        "low_precision_io": False,
+        "dynamic_batch": True,
+        "fuse_contractions": False,
+        "range_rules": None,
+        "fold_batchnorm": False,
+        "mode": "training",
+    }
+    return build_report(
+        source={"path": loaded.path, "format": loaded.kind},
+        config=config,
+        records=net.info["records"],
+        plan=net.info["plan"],
+        stats_before=net.info["graph_before"],
+        stats_after=graph_stats(net.graph_module.graph, low),
+        weights=(net.info["weight_bytes_before"], after),
+        metrics=None,
+        tolerance=None,
+        timings={},
+        warnings=[str(w.message) for w in caught],
+    ).data
+
+
+def _num(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
+def _fmt_gap(v: float) -> str:
+    return "inf" if not math.isfinite(v) else f"{v:.4g}"
