@@ -6,6 +6,7 @@ model: token ids in the vocabulary range (special tokens where the tokenizer put
 encoders), images with ImageNet (or ViT's 0.5/0.5) normalisation, log-mel features in Whisper's [-1, 1]
 range. Each model is wrapped so that ``forward`` has explicit tensor parameters and returns the logits
 first (the output the harness scores); GPT-2 with its KV cache also returns the updated ``DynamicCache``.
+``bert-full`` and ``vit-full`` return every output of the base model (the first one is scored).
 
 ``transformers`` is a bench extra, not a runtime dependency: the fixture cases work without it.
 """
@@ -111,6 +112,28 @@ class CausalLogits(LogitsOf):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
 
+class AllOutputs(nn.Module):
+    """Calls a ``transformers`` base model with keyword tensors and returns every output it computes, as a
+    tuple (``to_tuple()``): for BertModel and ViTModel, ``last_hidden_state`` and ``pooler_output``.
+
+    The pooler reads ``last_hidden_state``, so that graph output is also read inside the graph: the case
+    a logits-only wrapper hides (onnxconverter-common with ``keep_io_types=True`` then writes a file ONNX
+    Runtime refuses to load).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(self.model(input_ids=input_ids, attention_mask=attention_mask).to_tuple())
+
+
+class ImageAllOutputs(AllOutputs):
+    def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(self.model(pixel_values=pixel_values).to_tuple())
+
+
 class DecodeStep(nn.Module):
     """One decoding step of a causal LM with its default ``DynamicCache`` as input and output.
 
@@ -176,6 +199,20 @@ def gpt2_kv(past: int = 128) -> tuple[nn.Module, Inputs]:
         cache = model(input_ids=ids[:, :past], use_cache=True).past_key_values
     mask = torch.ones(1, past + 1, dtype=torch.long)
     return DecodeStep(model).eval(), ((), {"input_ids": ids[:, past:], "attention_mask": mask, "cache": cache})
+
+
+def bert_full() -> tuple[nn.Module, Inputs]:
+    """BertModel (bert-base-uncased config) returning ``last_hidden_state`` and ``pooler_output``."""
+    m = _hf("BertModel", "BertConfig", attn_implementation="sdpa")
+    return AllOutputs(m).eval(), ((), {"input_ids": token_ids(30522, 2, 128, bos=101, eos=102),
+                                       "attention_mask": padded_mask(2, 128)})
+
+
+def vit_full() -> tuple[nn.Module, Inputs]:
+    """ViTModel (ViT-B/16 224, with its pooler) returning ``last_hidden_state`` and ``pooler_output``."""
+    m = _hf("ViTModel", "ViTConfig", image_size=224, patch_size=16, hidden_size=768, num_hidden_layers=12,
+            num_attention_heads=12, intermediate_size=3072, attn_implementation="sdpa")
+    return ImageAllOutputs(m).eval(), ((), {"pixel_values": images(1, mean=0.5, std=0.5)})
 
 
 def vit_b16() -> tuple[nn.Module, Inputs]:
@@ -254,6 +291,11 @@ CASES: dict[str, Case] = {
     "vit-b16": Case("vit-b16", vit_b16, "ViT-B/16, 1x3x224x224, 1000 classes", attention="sdpa"),
     "bert-base": Case("bert-base", bert_base, "BERT-base MLM, 2x128 tokens (1 padded)", attention="sdpa"),
     "gpt2": Case("gpt2", gpt2, "GPT-2 124M LM, 1x128 tokens, no cache", attention="sdpa"),
+    # every output, not only the logits: outputs that are also read inside the graph (ONNX comparison)
+    "bert-full": Case("bert-full", bert_full, "BertModel (BERT-base), 2x128 tokens, all outputs "
+                      "(last_hidden_state, pooler_output)", logits=False, attention="sdpa"),
+    "vit-full": Case("vit-full", vit_full, "ViTModel (ViT-B/16), 1x3x224x224, all outputs "
+                     "(last_hidden_state, pooler_output)", logits=False, attention="sdpa"),
 }
 
 #: Fits 10 minutes on 2 CPU cores: the fixtures plus one real transformer encoder.

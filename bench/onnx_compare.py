@@ -100,10 +100,12 @@ def onnx_feed(session: Any, inputs: tuple[tuple, dict]) -> dict[str, np.ndarray]
     return {n: t.detach().cpu().numpy() for n, t in zip(names, leaves, strict=True)}
 
 
-def run_ort(path: Path, inputs: tuple[tuple, dict], reference: Any, *, logits: bool, time_it: bool) -> dict[str, Any]:
-    """Load ``path`` in ONNX Runtime (CPU), score its first output against ``reference`` and time it.
+def load_in_ort(path: Path) -> dict[str, Any]:
+    """Whether ONNX Runtime (CPU provider) accepts the file: an ``InferenceSession`` is actually created.
 
-    The result holds ``ort_error`` (the refusal text) when the session cannot be created or run.
+    Returns ``{"ort_loads": True, "session": session}``, or ``{"ort_loads": False, "ort_error": text}`` with
+    ONNX Runtime's refusal (e.g. onnxconverter-common's "Type (tensor(float16)) of output arg ... does not
+    match expected type (tensor(float))" when a graph output is also read inside the graph).
     """
     import onnxruntime as ort
 
@@ -111,12 +113,28 @@ def run_ort(path: Path, inputs: tuple[tuple, dict], reference: Any, *, logits: b
     opts.log_severity_level = 3
     try:
         session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        return {"ort_loads": False, "ort_error": one_line(exc)}
+    return {"ort_loads": True, "session": session}
+
+
+def run_ort(path: Path, inputs: tuple[tuple, dict], reference: Any, *, logits: bool, time_it: bool) -> dict[str, Any]:
+    """Load ``path`` in ONNX Runtime (CPU), score its first output against ``reference`` and time it.
+
+    The result holds ``ort_loads`` (see :func:`load_in_ort`), and ``ort_error`` (the refusal text) when
+    the session cannot be created or run.
+    """
+    loaded = load_in_ort(path)
+    if not loaded["ort_loads"]:
+        return loaded
+    session = loaded.pop("session")
+    try:
         feed = onnx_feed(session, inputs)
         outputs = session.run(None, feed)
     except Exception as exc:
-        return {"ort_error": one_line(exc)}
+        return loaded | {"ort_error": one_line(exc)}
     first = torch.from_numpy(np.asarray(outputs[0]).astype(np.float32))
-    result: dict[str, Any] = {"accuracy": accuracy(reference, first, logits=logits)}
+    result: dict[str, Any] = loaded | {"accuracy": accuracy(reference, first, logits=logits)}
     result["accuracy"]["nonfinite"] = sum(int((~np.isfinite(o)).sum()) for o in outputs if o.dtype.kind == "f")
     if time_it:
         result["latency"] = latency(lambda: session.run(None, feed))

@@ -10,6 +10,7 @@ from typing import Any
 
 from bench.jobs import AMPLITE_JOBS
 from bench.onnx_compare import ANSI
+from bench.tables_onnx import loadability, loads_cell
 from bench.targets import save_seconds, whole_seconds
 
 CONFIGS = [j.split(":", 1)[1] for j in AMPLITE_JOBS]  # "fp16:O1", ...
@@ -97,7 +98,7 @@ def render(results: dict[str, Any]) -> str:
                      m.get("skip_reason") or statuses or "all jobs ok"])
     out += table(["model", "what", "attention", "params (M)", "torch.export s", "FP32 .pt2 MiB", "runs"], rows)
     out += _cost(models) + _graph(models) + _estimates(models) + _casts(models) + _accuracy(models) + _onnx(models)
-    out += _latency(models)
+    out += loadability(models) + _latency(models)
     out += _cuda(models, meta) + _targets(models) + _failures(models)
     out += _training()
     return "\n".join(out)
@@ -275,11 +276,11 @@ def _onnx(models: dict[str, Any]) -> list[str]:
         for tool, sub, rec in subs:
             err = failed(rec) or (sub or {}).get("error") or (None if sub else "not run")
             if err:
-                rows.append([name, tool, err, "–", "–", "–", "–"])
+                rows.append([name, tool, err, "–", "–", "–", "–", "–"])
                 continue
             rows.append([name, tool, sub["casts"], num(sub["bytes"] / 2**20, ".1f"),
                          num(ratio(sub["bytes"], fp32_bytes), ".3f"), sub.get("checker", "–"),
-                         sub.get("ort_error", "loads and runs")])
+                         sub.get("ort_error", "loads and runs"), loads_cell(sub)])
     return ["## ONNX: Cast nodes, size, ONNX Runtime", "",
             "Cast nodes in the main graph (same count for every file). onnxconverter-common fp16: "
             "`convert_float_to_float16(keep_io_types=True)` on the FP32 dynamo export, its defaults (norms, "
@@ -288,7 +289,8 @@ def _onnx(models: dict[str, Any]) -> list[str]:
             "groups (Softmax, reductions, norms, Exp/Log/Pow/Sqrt/Reciprocal, Resize, losses; not elementwise "
             "arithmetic, which amplite keeps in FP32 node by node): the same FP32 islands by op type. amplite: "
             "`amplite.onnx.export.save_onnx` of the converted program.", "",
-            *table(["model", "file", "Cast nodes", "MiB", "size / FP32", "onnx.checker", "ONNX Runtime (CPU)"], rows)]
+            *table(["model", "file", "Cast nodes", "MiB", "size / FP32", "onnx.checker", "ONNX Runtime (CPU)",
+                    "loads in ONNX Runtime"], rows)]
 
 
 def _latency(models: dict[str, Any]) -> list[str]:

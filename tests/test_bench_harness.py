@@ -135,3 +135,50 @@ def test_decode_step_takes_the_dynamic_cache_without_mutating_it() -> None:
     torch.testing.assert_close(first[0], direct, rtol=1e-4, atol=1e-4)
     program = torch.export.export(step, (), inputs[1], strict=False)  # the cache is a registered pytree input
     torch.testing.assert_close(program.module()(**inputs[1])[0], first[0])
+
+
+def _refused_onnx(path) -> None:
+    """An ONNX file whose graph output is declared float32 but produced as float16 (what
+    onnxconverter-common's keep_io_types=True writes when a graph output is also read inside the graph)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT16)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+
+
+def test_loadability_is_measured_by_creating_a_session(tmp_path) -> None:
+    from bench import onnx_compare as oc
+
+    bad = tmp_path / "bad.onnx"
+    _refused_onnx(bad)
+    got = oc.load_in_ort(bad)
+    assert got["ort_loads"] is False and "output arg (y)" in got["ort_error"] and "float16" in got["ort_error"]
+    ran = oc.run_ort(bad, (((torch.ones(2),), {})), torch.ones(2), logits=False, time_it=False)
+    assert ran == got  # nothing scored for a file ONNX Runtime refuses
+    good = tmp_path / "good.onnx"
+    oc.export_fp32(nn.Linear(2, 2).eval(), ((torch.ones(1, 2),), {}), good)
+    ok = oc.run_ort(good, ((torch.ones(1, 2),), {}), torch.ones(1, 2), logits=False, time_it=False)
+    assert ok["ort_loads"] is True and "session" not in ok and "accuracy" in ok
+
+
+def test_loadability_section_rows() -> None:
+    from bench.tables_onnx import loadability
+
+    refused = {"ort_loads": False, "ort_error": "Fail: Type (tensor(float16)) of output arg (y) of node () does not"}
+    models = {
+        "bert-full": {"description": "d", "jobs": {
+            "onnx": {"status": "ok", "fp32": {"ort_loads": True}, "occ": {"casts": 3, "bytes": 1, **refused}},
+            "amplite:fp16:O2": {"status": "ok", "onnx": {"casts": 5, "bytes": 1, "ort_loads": True,
+                                                         "accuracy": {"sqnr_db": 61.23}}}}},
+        "gpt2-kv": {"description": "d", "jobs": {
+            "onnx": {"status": "error", "error": "torch.onnx.export(dynamo=True) failed: SpecViolationError: x"}}},
+    }
+    md = "\n".join(loadability(models))
+    occ = "onnxconverter-common fp16 (keep_io_types=True)"
+    assert f"| bert-full | {occ} | no | refused: Fail: Type (tensor(float16))" in md
+    assert "| bert-full | amplite fp16:O2 | yes | runs; first output SQNR 61.2 dB |" in md
+    assert f"| gpt2-kv | {occ} | – | no file: onnxconverter-common converts " \
+           "torch.onnx's FP32 export, which failed (torch.onnx.export(dynamo=True) failed: SpecViolationError" in md
