@@ -235,8 +235,11 @@ def test_real_sigint_stops_cleanly(zoo: Path, tmp_path: Path) -> None:
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT)
     out = tmp_path / "out"
+    # A shell without job control starts background jobs with SIGINT ignored, and Python keeps an ignored
+    # SIGINT ignored: restore the default so the run sees Ctrl-C however the suite itself was started.
     proc = subprocess.Popen([sys.executable, str(script), str(manifest), str(out)], stdout=subprocess.PIPE,
-                            text=True, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+                            text=True, cwd=Path(__file__).resolve().parents[1],
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     lines = []
     for line in proc.stdout:
         lines.append(line)
