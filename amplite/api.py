@@ -63,6 +63,7 @@ def convert(
     range_rules: bool | None = None,
     data_max: float = RangeRules.data_max,
     max_reduction_depth: int | None = RangeRules.max_reduction_depth,
+    range_percentile: float | None = None,
     calibration: Iterable[Any] | str | Path | None = None,
     fallback_search: bool = False,
     max_trials: int | None = None,
@@ -103,6 +104,8 @@ def convert(
             O1/O2, off at O0/O3, the speed baseline). See ``amplite.passes.range_guard``.
         data_max: Largest |activation| kept in fp16 by the range rules.
         max_reduction_depth: Longest reduction the range rules allow in low precision.
+        range_percentile: Judge the activation range rule on this percentile of |value| per node (e.g. 99.99)
+            instead of the maximum (off by default; costs one ``kthvalue`` per node in calibration).
         calibration: Batches (each like ``example_inputs``) for the range rules, a directory of batch files
             (as ``check --data``: ``--calib DIR``) or ``"module:function"`` yielding batches
             (``--calib-loader``); default the example inputs.
@@ -129,6 +132,7 @@ def convert(
         low_precision_io=low_precision_io, dynamic_batch=dynamic_batch, dynamic_dims=dynamic_dims,
         fuse_contractions=fuse_contractions,
         range_rules=range_rules, data_max=data_max, max_reduction_depth=max_reduction_depth,
+        range_percentile=range_percentile,
         calibration=calibration_batches(calibration), fold_batchnorm=fold_batchnorm, gpu_profile=gpu_profile,
     )  # fmt: skip
     if isinstance(model, (str, Path)) and is_checkpoint_dir(model):  # streamed: never materialised
@@ -188,12 +192,16 @@ def _resolve(
     if max_trials is not None and max_trials < 2:
         raise ConfigError(f"max_trials={max_trials} is too small", "allow at least 2 (the worst node alone, then all)")
     lvl = resolve_level(options["level"])
+    pct = options["range_percentile"]
+    if pct is not None and not 50.0 <= pct < 100.0:
+        raise ConfigError(f"range percentile {pct:g} is out of range", "give a percentile in [50, 100), e.g. 99.99")
     get_profile(options["gpu_profile"])  # an unknown profile fails before any work
     overrides = make_overrides(options["keep_fp32"], options["force_low"])
     policy = PrecisionPolicy(options["precision"], lvl, overrides, options["low_precision_io"])
     use_ranges = options["range_rules"] if options["range_rules"] is not None else lvl in (Level.O1, Level.O2)
     rules = (
-        RangeRules(data_max=options["data_max"], max_reduction_depth=options["max_reduction_depth"])
+        RangeRules(data_max=options["data_max"], max_reduction_depth=options["max_reduction_depth"],
+                   percentile=options["range_percentile"])
         if use_ranges
         else None
     )

@@ -117,3 +117,47 @@ def test_relayout_ops_share_their_inputs_range_exactly() -> None:
     assert mul.max_abs == pytest.approx(float((x * 3.0).abs().max()))
     exp = ranges[names["exp"]]
     assert exp is not mul and exp.max_abs == pytest.approx(float((x * 3.0).exp().max()))
+
+
+class _Outlier(torch.nn.Module):
+    """One rare large activation (|x| = 2000 in one element of 20000) feeding a matmul."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(100, 100)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_range_percentile_ignores_a_rare_outlier_but_never_an_overflow() -> None:
+    import amplite
+
+    x = torch.randn(200, 100, generator=torch.Generator().manual_seed(0))
+    x[3, 7] = 2000.0  # above data_max (512), below fp16's 65504
+    model = _Outlier().eval()
+    by_max = amplite.convert(model, (x,), precision="fp16", level="O1")
+    reasons = {n["node"]: n["reason"] for n in by_max.report.fp32_nodes}
+    assert reasons.get("linear", "").startswith("range:activation input x |x|=2e+03"), reasons
+    by_pct = amplite.convert(model, (x,), precision="fp16", level="O1", range_percentile=99.99)
+    assert "linear" not in {n["node"] for n in by_pct.report.fp32_nodes}  # p99.99 of |x| is ~4, not 2000
+    assert by_pct.report.data["config"]["range_rules"]["percentile"] == 99.99
+    # an outlier that overflows fp16 keeps the node FP32 whatever the percentile says
+    from amplite.passes.range_guard import RangeGuard, RangeRules, ValueRange
+
+    gm = torch.export.export(model, (x,)).module()
+    linear = next(n for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target))
+    ranges = {"x": ValueRange(max_abs=1e5, percentile_abs=3.0),
+              linear.name: ValueRange(max_abs=4.0, percentile_abs=2.0)}
+    guard = RangeGuard(ranges, RangeRules(percentile=99.99), torch.float16)
+    assert guard._activation(linear) == "range:activation input x |x|=1e+05>65504"
+    ranges["x"] = ValueRange(max_abs=600.0, percentile_abs=3.0)  # an outlier above data_max only: ignored
+    assert guard._activation(linear) is None
+
+
+def test_range_percentile_out_of_range_is_a_config_error() -> None:
+    import amplite
+    from amplite.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="percentile"):
+        amplite.convert(_Outlier().eval(), (torch.randn(2, 100),), range_percentile=100.0)

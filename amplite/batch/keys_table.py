@@ -34,6 +34,7 @@ JOB_KEYS: dict[str, str] = {
     "calib": "a directory of calibration batches",
     "calib_loader": "module:function yielding calibration batches",
     "import_modules": 'a list of modules to import first (pytree types, custom ops), e.g. ["mypkg.ops"]',
+    "range_percentile": "a percentile of |x| for the activation range rule (e.g. 99.99)",
     "gpu_profile": "the GPU of the report's time estimate (H100, H200, A100, L4, RTX4090)",
     "verify": "true or false",
     "timeout": "seconds (a positive number)",
@@ -48,7 +49,8 @@ _STRINGS = ("path", "inputs_file", "precision", "model_factory", "calib", "calib
 #: become its ``calibration``).
 CONVERT_KEYS = ("precision", "level", "keep_fp32", "force_low", "low_precision_io", "dynamic_batch", "dynamic_dims",
                 "fuse_contractions", "trust_pickle", "model_factory", "verify", "range_rules", "data_max",
-                "max_reduction_depth", "fold_batchnorm", "gpu_profile", "import_modules")  # fmt: skip
+                "max_reduction_depth", "fold_batchnorm", "gpu_profile", "import_modules",
+                "range_percentile")  # fmt: skip
 _TOLERANCE_KEYS = ("min_sqnr_db", "min_cosine", "max_mismatch")
 
 class SubKeyError(ValueError):
@@ -89,7 +91,7 @@ def check_value(key: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"expected {JOB_KEYS[key]}, got {value!r}")
         return value
-    if key in ("timeout", "max_memory_gb", "data_max"):
+    if key in ("timeout", "max_memory_gb", "data_max", "range_percentile"):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ValueError(f"expected {JOB_KEYS[key]}, got {value!r}")
         return float(value)

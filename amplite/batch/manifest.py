@@ -70,6 +70,7 @@ class Job:
     calib_loader: str | None = None
     gpu_profile: str = "H100"
     import_modules: tuple[str, ...] = ()
+    range_percentile: float | None = None
     verify: bool = True
     timeout: float | None = None
     max_memory_gb: float | None = None

@@ -68,6 +68,10 @@ ToleranceOpt = Annotated[
 GpuProfileOpt = Annotated[
     str, typer.Option("--gpu-profile", help="GPU for the report's time estimate: H100, H200, A100, L4, RTX4090.")
 ]
+PercentileOpt = Annotated[
+    float | None,
+    typer.Option("--range-percentile", help="Judge the activation range rule on this percentile of |x| (99.99)."),
+]
 NoFoldOpt = Annotated[
     bool, typer.Option("--no-fold-batchnorm", help="Keep BatchNorm (FP32) instead of folding it into convs.")
 ]
@@ -93,6 +97,7 @@ CONVERSION_PARAMS: tuple[inspect.Parameter, ...] = tuple(
         ("range_rules", RangeOpt, None),
         ("data_max", DataMaxOpt, 512.0),
         ("max_reduction_depth", DepthOpt, 4096),
+        ("range_percentile", PercentileOpt, None),
         ("no_fold_batchnorm", NoFoldOpt, False),
         ("calib", CalibOpt, None),
         ("calib_loader", CalibLoaderOpt, None),

@@ -27,9 +27,10 @@ _SAME_ELEMENTS = frozenset((
 
 
 class _Recorder(torch.fx.Interpreter):
-    def __init__(self, gm: torch.fx.GraphModule, ranges: dict[str, ValueRange]) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, ranges: dict[str, ValueRange], percentile: float | None) -> None:
         super().__init__(gm)
         self.ranges = ranges
+        self.percentile = percentile
 
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
@@ -41,22 +42,25 @@ class _Recorder(torch.fx.Interpreter):
             return out
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and t.dtype.is_floating_point:
-                self.ranges.setdefault(n.name, ValueRange()).update(t)
+                self.ranges.setdefault(n.name, ValueRange()).update(t, self.percentile)
                 break  # the first float output is the value (e.g. native_layer_norm's result)
         return out
 
 
-def collect_ranges(gm: torch.fx.GraphModule, batches: Iterable[Inputs]) -> dict[str, ValueRange]:
+def collect_ranges(
+    gm: torch.fx.GraphModule, batches: Iterable[Inputs], percentile: float | None = None
+) -> dict[str, ValueRange]:
     """Run ``gm`` (an ``ep.module()`` graph) on every batch and record each node's value range.
 
     Args:
         gm: The FP32 GraphModule amplite's passes will rewrite (node names are the keys).
         batches: ``(args, kwargs)`` pairs as the model's forward takes them.
+        percentile: Also record this percentile of |value| per node (``--range-percentile``).
     """
     ranges: dict[str, ValueRange] = {}
     spec = getattr(gm, "_in_spec", None)
     with torch.no_grad():
         for args, kwargs in batches:
             flat = tree_flatten_spec((args, kwargs), spec) if spec is not None else [*args, *kwargs.values()]
-            _Recorder(gm, ranges).run(*flat)
+            _Recorder(gm, ranges, percentile).run(*flat)
     return ranges

@@ -191,7 +191,7 @@ def rewrite(
         ranges = {}  # bf16 has FP32's range: only the depth rule applies, and it needs shapes, not values
     elif ranges is None:
         calib_start = perf_counter()
-        ranges = collect_ranges(gm, batches)
+        ranges = collect_ranges(gm, batches, range_rules.percentile)
         timings["calibration"] = perf_counter() - calib_start
     passes = build_passes(policy, fuse_contractions=fuse_contractions, ranges=ranges, range_rules=range_rules)
     gm, rest = PassManager(passes)(gm)

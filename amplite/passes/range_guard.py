@@ -66,9 +66,22 @@ class ValueRange:
     max_abs: float = 0.0
     sampled_nonzero: int = 0
     sampled_tiny: int = 0
+    percentile_abs: float | None = None
 
-    def update(self, t: torch.Tensor) -> None:
-        """Fold one tensor into the range (non-finite values are ignored)."""
+    def update(self, t: torch.Tensor, percentile: float | None = None) -> None:
+        """Fold one tensor into the range (non-finite values are ignored).
+
+        With ``percentile`` (e.g. 99.99), also the largest over batches of that percentile of |value|,
+        estimated on a strided sample of at most 2^20 elements (one ``kthvalue``: the cost the option adds).
+        """
+        if percentile is not None and t.numel():
+            flat = t.detach().reshape(-1)
+            sample = flat[:: flat.numel() // _SAMPLE + 1] if flat.numel() > _SAMPLE else flat
+            sample = sample[torch.isfinite(sample)].abs().float()
+            if sample.numel():
+                k = max(1, min(sample.numel(), math.ceil(percentile / 100.0 * sample.numel())))
+                value = float(sample.kthvalue(k).values)
+                self.percentile_abs = value if self.percentile_abs is None else max(self.percentile_abs, value)
         a = t.detach()
         if a.numel() == 0:
             return
@@ -110,6 +123,9 @@ class RangeRules:
         data_underflow_share: Largest share of a value's non-zero elements allowed below fp16's smallest
             normal (2^-14) before its producer and readers stay FP32.
         max_reduction_depth: Longest reduction allowed in low precision (None: no limit).
+        percentile: Judge the activation rule on this percentile of |value| (e.g. 99.99) instead of the
+            maximum, so rare outliers do not keep a node FP32; a value above fp16's 65504 still does (an
+            overflow is an Inf whatever its share). None (default): the maximum.
     """
 
     data_max: float = 512.0
@@ -117,6 +133,7 @@ class RangeRules:
     underflow_share: float = 0.01
     data_underflow_share: float = 0.5
     max_reduction_depth: int | None = 4096
+    percentile: float | None = None
 
 
 class RangeGuard:
@@ -154,8 +171,15 @@ class RangeGuard:
         limit = self.rules.data_max
         for n in (node, *node.all_input_nodes):
             r = self.ranges.get(n.name)
-            if r is not None and r.max_abs > limit and n.op != "get_attr":
-                where = "output" if n is node else f"input {n.name}"
+            if r is None or n.op == "get_attr":
+                continue
+            where = "output" if n is node else f"input {n.name}"
+            if self.rules.percentile is not None and r.percentile_abs is not None:
+                if r.max_abs > FP16_MAX:  # an outlier that overflows is an Inf, whatever the percentile says
+                    return f"range:activation {where} |x|={r.max_abs:.3g}>65504"
+                if r.percentile_abs > limit:
+                    return f"range:activation {where} p{self.rules.percentile:g}|x|={r.percentile_abs:.3g}>{limit:g}"
+            elif r.max_abs > limit:
                 return f"range:activation {where} |x|={r.max_abs:.3g}>{limit:g}"
         return None
 
