@@ -23,8 +23,7 @@ NOT_CLI_OPTIONS = {
 
 def test_import_linter_contracts_are_kept() -> None:
     exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
-    if exe is None:
-        pytest.skip("import-linter is not installed (it is in the dev extra)")
+    assert exe is not None, "lint-imports not found next to this Python: install the dev extra (make install)"
     proc = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "broken" in proc.stdout and "0 broken" in proc.stdout

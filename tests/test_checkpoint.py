@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # dev extra: a missing install fails, it does not skip
 
-transformers = pytest.importorskip("transformers", reason="checkpoint directories need transformers (dev extra)")
-
-import amplite  # noqa: E402
-from amplite import op_tables  # noqa: E402
-from amplite.checkpoint import StreamedConversion  # noqa: E402
-from amplite.checkpoint.source import LogitsOnly, open_checkpoint  # noqa: E402
-from amplite.errors import AmpliteError  # noqa: E402
+import amplite
+from amplite import op_tables
+from amplite.checkpoint import StreamedConversion
+from amplite.checkpoint.source import LogitsOnly, open_checkpoint
+from amplite.errors import AmpliteError
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 256

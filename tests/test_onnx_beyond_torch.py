@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # dev extra: a missing install fails, it does not skip
 
-transformers = pytest.importorskip("transformers", reason="real architectures need transformers (dev extra)")
-
-import amplite  # noqa: E402
-from amplite.onnx.prepare import onnx_ready  # noqa: E402
-from bench.corpus import DecodeStep, Seq2SeqLogits  # noqa: E402
+import amplite
+from amplite.onnx.prepare import onnx_ready
+from bench.corpus import DecodeStep, Seq2SeqLogits
 
 
 def _gpt2_kv() -> tuple[torch.nn.Module, tuple]:

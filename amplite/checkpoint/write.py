@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -29,7 +30,7 @@ from torch.export import ExportedProgram
 from torch.export.passes import move_to_device_pass
 from torch.utils._pytree import tree_map_only
 
-from amplite.checkpoint.source import INDEX, Checkpoint, TensorInfo, load_tensor
+from amplite.checkpoint.source import INDEX, Checkpoint, TensorInfo
 from amplite.errors import EmitError
 
 Progress = Callable[[int], None]  # called with bytes written
@@ -47,22 +48,23 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy() if t.numel() else b"")
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def cast_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype`` when it is floating point (integer tensors keep theirs)."""
     return t if t.dtype == dtype or not t.dtype.is_floating_point else t.to(dtype)
 
 
-def cast_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` in ``dtype`` when it is floating point (integer tensors keep theirs)."""
-    return _cast(t, dtype)
-
-
 def write_shard(dest: Path, infos: list[TensorInfo], dtypes: dict[str, torch.dtype], progress: Progress) -> int:
-    """Write one safetensors file: header first (shapes and dtypes are known), then each tensor's bytes."""
+    """Write one safetensors file: header first (shapes and dtypes are known), then each tensor's bytes.
+
+    ``infos`` all come from one source shard, which is opened (memory-mapped) once.
+    """
+    from safetensors import safe_open
+
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "converted_by": "amplite"}}
     offset = 0
     for info in infos:
         dt = dtypes.get(info.name, info.dtype) if info.dtype.is_floating_point else info.dtype
-        size = dt.itemsize * _numel(info.shape)
+        size = dt.itemsize * math.prod(info.shape)
         header[info.name] = {"dtype": _ST_NAMES[dt], "shape": list(info.shape), "data_offsets": [offset, offset + size]}
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -70,19 +72,15 @@ def write_shard(dest: Path, infos: list[TensorInfo], dtypes: dict[str, torch.dty
     with dest.open("wb") as fh:
         fh.write(struct.pack("<Q", len(blob)))
         fh.write(blob)
-        for info in infos:
-            t = _cast(load_tensor(info), dtypes.get(info.name, info.dtype))
-            fh.write(_raw(t))
-            progress(t.nbytes)
-            del t
+        if not infos:
+            return offset
+        with safe_open(str(infos[0].shard), framework="pt") as src:
+            for info in infos:
+                t = cast_tensor(src.get_tensor(info.name), dtypes.get(info.name, info.dtype))
+                fh.write(_raw(t))
+                progress(t.nbytes)
+                del t
     return offset
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def write_safetensors_dir(
