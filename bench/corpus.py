@@ -37,6 +37,8 @@ class Case:
         logits: Whether the first output is class logits (top-1 agreement is reported).
         needs_transformers: Whether ``build`` imports ``transformers``.
         attention: The attention implementation the model runs (``sdpa``, ``eager`` or ``-``).
+        jobs: The harness jobs this model runs (None: every job asked for); the full-output variants
+            exist for the ONNX comparison only.
     """
 
     name: str
@@ -45,6 +47,7 @@ class Case:
     logits: bool = True
     needs_transformers: bool = True
     attention: str = "-"
+    jobs: tuple[str, ...] | None = None
 
 
 def _gen() -> torch.Generator:
@@ -278,6 +281,9 @@ FIXTURE_CASES = {
     "fx-causal": ("causal", "fixture: causal block with SDPA", False),
 }
 
+#: The jobs of the full-output variants: both tools' ONNX files (onnxconverter-common's and amplite fp16:O2).
+ONNX_ONLY = ("onnx", "amplite:fp16:O2")
+
 CASES: dict[str, Case] = {
     **{k: Case(k, _fixture(v[0]), v[1], logits=v[2], needs_transformers=False) for k, v in FIXTURE_CASES.items()},
     # real models, cheapest first: a run stopped part-way has measured the most models
@@ -293,9 +299,9 @@ CASES: dict[str, Case] = {
     "gpt2": Case("gpt2", gpt2, "GPT-2 124M LM, 1x128 tokens, no cache", attention="sdpa"),
     # every output, not only the logits: outputs that are also read inside the graph (ONNX comparison)
     "bert-full": Case("bert-full", bert_full, "BertModel (BERT-base), 2x128 tokens, all outputs "
-                      "(last_hidden_state, pooler_output)", logits=False, attention="sdpa"),
+                      "(last_hidden_state, pooler_output)", logits=False, attention="sdpa", jobs=ONNX_ONLY),
     "vit-full": Case("vit-full", vit_full, "ViTModel (ViT-B/16), 1x3x224x224, all outputs "
-                     "(last_hidden_state, pooler_output)", logits=False, attention="sdpa"),
+                     "(last_hidden_state, pooler_output)", logits=False, attention="sdpa", jobs=ONNX_ONLY),
 }
 
 #: Fits 10 minutes on 2 CPU cores: the fixtures plus one real transformer encoder.

@@ -101,6 +101,12 @@ def run_in_subprocess(model: str, job: str, *, timeout: float, budget: float) ->
 NOT_REACHED = "not run: the run stopped before this model"
 
 
+def jobs_of(model: str, jobs: list[str]) -> list[str]:
+    """The jobs asked for that ``model`` runs (its case may restrict them, e.g. the full-output variants)."""
+    own = CASES[model].jobs
+    return [j for j in jobs if own is None or j in own]
+
+
 def collect(models: list[str], jobs: list[str], *, timeout: float, budget: float, log: Any,
             on_model: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Every (model, job) record, models that cannot run listed with the reason.
@@ -111,7 +117,7 @@ def collect(models: list[str], jobs: list[str], *, timeout: float, budget: float
     results: dict[str, Any] = {m: {"description": CASES[m].description, "jobs": {}, "skip_reason": NOT_REACHED}
                                for m in models}
     hf = have_transformers()
-    todo = [(m, j) for m in models for j in jobs if hf or not CASES[m].needs_transformers]
+    todo = [(m, j) for m in models for j in jobs_of(m, jobs) if hf or not CASES[m].needs_transformers]
     done = 0
     for name in models:
         case = CASES[name]
@@ -121,7 +127,7 @@ def collect(models: list[str], jobs: list[str], *, timeout: float, budget: float
             entry["skip_reason"] = "skipped: transformers is not installed (pip install -e '.[bench]')"
             print(f"{name:14s} skipped (transformers is not installed)", file=log, flush=True)
             continue
-        for job in jobs:
+        for job in jobs_of(name, jobs):
             done += 1
             rec = run_in_subprocess(name, job, timeout=timeout, budget=budget)
             entry["jobs"][job] = rec
@@ -187,12 +193,25 @@ def _floats(obj: Any) -> Any:
     return obj
 
 
+#: A separate harness run of the ONNX loadability models; its rows fill in models the current run lacks.
+ONNX_FULL = ROOT / "bench" / "results-onnx-full.json"
+
+
+def document(results: dict[str, Any], out: Path, supplement: Path | None = ONNX_FULL) -> str:
+    """RESULTS.md for ``results``, keeping the sections of the existing ``out`` the harness does not write."""
+    from bench.sections import previous_sections
+    from bench.sections import supplement as extra_run
+    from bench.tables import GENERATED, render
+
+    extra = extra_run(supplement, results["models"]) if supplement else None
+    return render(results, kept=previous_sections(out, GENERATED), extra=_floats(extra) if extra else None) + "\n"
+
+
 def render_only(json_path: Path, out: Path) -> None:
     """Rewrite the Markdown tables from a results JSON (no model is run)."""
     from amplite.converter.emit import write_text
-    from bench.tables import render
 
-    write_text(out, render(_floats(json.loads(json_path.read_text()))) + "\n")
+    write_text(out, document(_floats(json.loads(json_path.read_text())), out))
     print(f"wrote {out} from {json_path}")
 
 
@@ -225,7 +244,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         render_only(ns.json, ns.out)
         return {}
     from amplite.converter.emit import write_text
-    from bench.tables import render
     from bench.targets import evaluate
 
     command = "python bench/harness.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -235,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def write(models: dict[str, Any]) -> dict[str, Any]:
         results = {"meta": meta(command.strip(), perf_counter() - start, load_before), "models": models}
         write_text(ns.json, json.dumps(_finite(results), indent=1, default=_json_default) + "\n")
-        write_text(ns.out, render(results) + "\n")
+        write_text(ns.out, document(results, ns.out))
         return results
 
     models = collect(ns.models, ns.jobs, timeout=ns.timeout, budget=ns.budget, log=sys.stdout, on_model=write)

@@ -10,8 +10,9 @@ from typing import Any
 
 from bench.jobs import AMPLITE_JOBS
 from bench.onnx_compare import ANSI
+from bench.tables_cost import cost_section
 from bench.tables_onnx import loadability, loads_cell
-from bench.targets import save_seconds, whole_seconds
+from bench.tables_targets import cast_targets, targets_section
 
 CONFIGS = [j.split(":", 1)[1] for j in AMPLITE_JOBS]  # "fp16:O1", ...
 
@@ -77,8 +78,23 @@ def _load_line(meta: dict[str, Any]) -> str:
             "shared, and timings move with its load; ratios are taken within one process, back to back.")
 
 
-def render(results: dict[str, Any]) -> str:
-    """The whole RESULTS.md document."""
+#: The ``## `` headings render() writes (any other section of a previous RESULTS.md is kept verbatim).
+GENERATED = {"Models and runs", "amplite conversion cost", "amplite graph facts and size",
+             "Estimated GPU time (roofline estimate, not a measurement)", "Casts executed per forward pass",
+             "Accuracy against FP32 (same inputs)", "ONNX: Cast nodes, size, ONNX Runtime",
+             "ONNX: full outputs and loadability", "CPU latency (informative)", "CUDA latency",
+             "Targets (ratios, same run)", "Failures", "Training"}
+
+
+def render(results: dict[str, Any], kept: list[str] | None = None, extra: dict[str, Any] | None = None) -> str:
+    """The whole RESULTS.md document.
+
+    Args:
+        results: The harness's results (``meta``, ``models``).
+        kept: Sections of the previous RESULTS.md to carry over verbatim (``bench.sections.preserved``).
+        extra: A separate run's results for models this one did not run (``bench.sections.supplement``):
+            their ONNX loadability rows, with that run's provenance.
+    """
     meta, models = results["meta"], results["models"]
     out = ["# amplite benchmark: real models side by side", "",
            f"Run {meta['date']} on {meta['machine']}; `{meta['command']}` ({meta['wall_s'] / 60:.1f} min), "
@@ -97,10 +113,13 @@ def render(results: dict[str, Any]) -> str:
                      num(ratio(base.get("fp32_pt2_bytes"), 2**20), ".1f"),
                      m.get("skip_reason") or statuses or "all jobs ok"])
     out += table(["model", "what", "attention", "params (M)", "torch.export s", "FP32 .pt2 MiB", "runs"], rows)
-    out += _cost(models) + _graph(models) + _estimates(models) + _casts(models) + _accuracy(models) + _onnx(models)
-    out += loadability(models) + _latency(models)
-    out += _cuda(models, meta) + _targets(models) + _failures(models)
+    out += cost_section(models) + _graph(models) + _estimates(models) + _casts(models)
+    out += _accuracy(models) + _onnx(models)
+    out += loadability(models, extra) + _latency(models)
+    out += _cuda(models, meta) + targets_section(models) + _failures(models)
     out += _training()
+    for text in kept or []:
+        out += ["", text]
     return "\n".join(out)
 
 
@@ -112,38 +131,16 @@ def _training() -> list[str]:
     return ["", *saved.read_text().splitlines()] if saved.exists() else []
 
 
+def _ran(m: dict[str, Any], job: str) -> bool:
+    """Whether ``job`` was scheduled for a model (a model the run did not reach counts as scheduled)."""
+    return not m["jobs"] or job in m["jobs"]
+
+
 def _amp(models: dict[str, Any]):
     for name, m in models.items():
         for cfg in CONFIGS:
-            yield name, cfg, m["jobs"].get("amplite:" + cfg)
-
-
-def _cost(models: dict[str, Any]) -> list[str]:
-    rows = []
-    for name, cfg, rec in _amp(models):
-        if (err := failed(rec)) is not None:
-            rows.append([name, cfg, err] + ["–"] * 11)
-            continue
-        t, exp = rec["timings"], rec["torch_export_s"]
-        whole = whole_seconds(t)
-        rows.append([name, cfg, num(t.get("export"), ".2f"), num(t.get("passes"), ".2f"),
-                     num(t.get("calibration"), ".2f"), num(t.get("reexport"), ".2f"),
-                     num(t.get("verify"), ".2f"), num(save_seconds(t), ".2f"), num(exp, ".2f"),
-                     num(ratio(t.get("passes"), exp), ".3f"),
-                     num(ratio(t.get("passes", 0.0) - t.get("calibration", 0.0), exp), ".3f"),
-                     num(ratio(whole, exp), ".2f"),
-                     num(rec.get("peak_rss_mb"), ".0f"), num(rec.get("baseline_rss_mb"), ".0f")])
-    head = ["model", "config", "export s", "passes s", "of which calibration s", "re-export s", "verify s", "save s",
-            "plain torch.export s", "passes / export", "passes w/o calibration / export", "whole w/o verify / export",
-            "peak RSS MiB", "RSS before MiB"]
-    return ["## amplite conversion cost", "",
-            "Wall time of `amplite.convert` by phase (its report's timings), against a plain `torch.export` of the "
-            "same model in the same process (the faster of one run before and one after). \"passes\" includes the "
-            "range calibration (the FP32 graph run node by node on the example inputs, recording only each "
-            "value's largest finite |value| for the range rules). \"whole\" is load + export + passes + "
-            "re-export + save. Peak RSS is the subprocess's high-water mark (model, FP32 run, conversion, "
-            "verification and save); \"before\" is after building the model and one FP32 forward.", "",
-            *table(head, rows)]
+            if _ran(m, "amplite:" + cfg):
+                yield name, cfg, m["jobs"].get("amplite:" + cfg)
 
 
 def _graph(models: dict[str, Any]) -> list[str]:
@@ -188,6 +185,8 @@ def _casts(models: dict[str, Any]) -> list[str]:
     rows = []
     for name, m in models.items():
         base = m["jobs"].get("base")
+        if not _ran(m, "base"):
+            continue
         for dt in ("fp16", "bf16"):
             ac = (base or {}).get("autocast", {}).get(dt)
             auto = ac.get("casts") if ac and "casts" in ac else None
@@ -204,14 +203,16 @@ def _casts(models: dict[str, Any]) -> list[str]:
             "Floating-point dtype conversions executed in one forward, counted with a `TorchDispatchMode` (see "
             "`bench/autocast_count.py`): `torch.autocast` on CPU, and amplite's converted module. The FP32 column "
             "is the model's own conversions. Note: autocast leaves its outputs in the low dtype (no cast back), "
-            "amplite keeps the FP32 output dtype.", "", *table(head, rows)]
+            "amplite keeps the FP32 output dtype.", "", *table(head, rows), *cast_targets(models)]
 
 
 def _variants(m: dict[str, Any], dt: str) -> list[tuple[str, Any]]:
     base = m["jobs"].get("base") or {}
     ac = base.get("autocast", {}).get(dt)
-    out = [("torch.autocast", ac if failed(base) is None else {"error": failed(base)})]
+    out = [("torch.autocast", ac if failed(base) is None else {"error": failed(base)})] if _ran(m, "base") else []
     for lvl in ("O1", "O2"):
+        if not _ran(m, f"amplite:{dt}:{lvl}"):
+            continue
         rec = m["jobs"].get(f"amplite:{dt}:{lvl}")
         out.append((f"amplite {lvl}", rec.get("accuracy") if failed(rec) is None else {"error": failed(rec)}))
     return out
@@ -225,11 +226,11 @@ def _accuracy(models: dict[str, Any]) -> list[str]:
                 acc = rec.get("accuracy", rec) if rec else None
                 rows.append([name, dt, tool, *_acc_cells(acc)])
         onnx = m["jobs"].get("onnx")
-        for tool, key in (("ORT FP32 export", "fp32"), ("ORT onnxconverter-common fp16", "occ")):
+        for tool, key in (("ORT FP32 export", "fp32"), ("ORT onnxconverter-common fp16", "occ"))[:2 * _ran(m, "onnx")]:
             sub = (onnx or {}).get(key) if failed(onnx) is None else {"error": failed(onnx)}
             rows.append([name, "fp32" if key == "fp32" else "fp16", tool,
                          *_acc_cells(_ort_acc(sub))])
-        for cfg in CONFIGS:
+        for cfg in (c for c in CONFIGS if _ran(m, "amplite:" + c)):
             rec = m["jobs"].get("amplite:" + cfg)
             sub = rec.get("onnx") if failed(rec) is None else {"error": failed(rec)}
             rows.append([name, cfg.split(":")[0], f"ORT amplite {cfg.split(':')[1]}", *_acc_cells(_ort_acc(sub))])
@@ -267,8 +268,8 @@ def _onnx(models: dict[str, Any]) -> list[str]:
         onnx = m["jobs"].get("onnx")
         fp32_bytes = (onnx or {}).get("fp32", {}).get("bytes")
         subs = [("FP32 dynamo export", (onnx or {}).get("fp32"), onnx),
-                ("onnxconverter-common fp16", (onnx or {}).get("occ"), onnx)]
-        for cfg in CONFIGS:
+                ("onnxconverter-common fp16", (onnx or {}).get("occ"), onnx)] if _ran(m, "onnx") else []
+        for cfg in (c for c in CONFIGS if _ran(m, "amplite:" + c)):
             rec = m["jobs"].get("amplite:" + cfg)
             subs.append((f"amplite {cfg}", (rec or {}).get("onnx"), rec))
             if cfg.startswith("fp16"):
@@ -276,11 +277,13 @@ def _onnx(models: dict[str, Any]) -> list[str]:
         for tool, sub, rec in subs:
             err = failed(rec) or (sub or {}).get("error") or (None if sub else "not run")
             if err:
-                rows.append([name, tool, err, "–", "–", "–", "–", "–"])
+                rows.append([name, tool, err, "–", "–", "–", "–", "–", "–"])
                 continue
+            acc = _ort_acc(sub) or {}
             rows.append([name, tool, sub["casts"], num(sub["bytes"] / 2**20, ".1f"),
                          num(ratio(sub["bytes"], fp32_bytes), ".3f"), sub.get("checker", "–"),
-                         sub.get("ort_error", "loads and runs"), loads_cell(sub)])
+                         sub.get("ort_error", "loads and runs"), loads_cell(sub),
+                         num(acc.get("sqnr_db"), ".1f") if "sqnr_db" in acc else "–"])
     return ["## ONNX: Cast nodes, size, ONNX Runtime", "",
             "Cast nodes in the main graph (same count for every file). onnxconverter-common fp16: "
             "`convert_float_to_float16(keep_io_types=True)` on the FP32 dynamo export, its defaults (norms, "
@@ -288,9 +291,11 @@ def _onnx(models: dict[str, Any]) -> list[str]:
             "adding the op types that amplite's file of that configuration keeps in FP32, among those of its FP32 "
             "groups (Softmax, reductions, norms, Exp/Log/Pow/Sqrt/Reciprocal, Resize, losses; not elementwise "
             "arithmetic, which amplite keeps in FP32 node by node): the same FP32 islands by op type. amplite: "
-            "`amplite.onnx.export.save_onnx` of the converted program.", "",
+            "`amplite.onnx.export.save_onnx` of the converted program (its pre-ONNX rewrite, "
+            "`amplite/onnx/prepare.py`, exports models torch.onnx's FP32 export fails on: the FP32 rows then carry "
+            "torch.onnx's error). SQNR: ONNX Runtime's first output against PyTorch FP32.", "",
             *table(["model", "file", "Cast nodes", "MiB", "size / FP32", "onnx.checker", "ONNX Runtime (CPU)",
-                    "loads in ONNX Runtime"], rows)]
+                    "loads in ONNX Runtime", "SQNR dB"], rows)]
 
 
 def _latency(models: dict[str, Any]) -> list[str]:
@@ -339,7 +344,7 @@ def _failures(models: dict[str, Any]) -> list[str]:
                 rows.append([name, job, err])
             if rec.get("torch_export_error"):
                 rows.append([name, f"{job} / torch.export", rec["torch_export_error"]])
-            for key in ("fp32", "onnx", "occ", "occ_same", "runtime_casts", "accuracy", "latency"):
+            for key in ("fp32", "onnx", "occ", "occ_same", "runtime_casts", "accuracy", "latency", "cost"):
                 sub = rec.get(key)
                 if isinstance(sub, dict) and ("error" in sub or "ort_error" in sub):
                     rows.append([name, f"{job} / {key}", sub.get("error") or "ORT refused: " + sub["ort_error"]])
@@ -350,31 +355,3 @@ def _failures(models: dict[str, Any]) -> list[str]:
         return ["## Failures", "", "None: every tool ran on every model.", ""]
     return ["## Failures", "", "Every error, by model and tool (amplite's own one-line message where amplite failed).",
             "", *table(["model", "job", "error"], rows)]
-
-
-def _targets(models: dict[str, Any]) -> list[str]:
-    from bench.targets import evaluate
-
-    rows, summary = evaluate(models)
-    return ["## Targets (ratios, same run)", "", summary, "",
-            *table(["model", "target", "value", "limit", "met"], rows + _same_ops_rows(models))]
-
-
-#: The informative row under the issue's targets (not counted in the summary).
-SAME_OPS_TARGET = "ONNX Cast nodes, amplite / onnxconverter-common with the same FP32 ops (informative)"
-
-
-def _same_ops_rows(models: dict[str, Any]) -> list[list[Any]]:
-    """amplite's ONNX Cast nodes over onnxconverter-common's when it keeps amplite's FP32 op types."""
-    rows = []
-    for name, m in models.items():
-        if not m["jobs"]:
-            continue
-        for lvl in ("O1", "O2"):
-            rec = m["jobs"].get(f"amplite:fp16:{lvl}")
-            ours, theirs = (rec or {}).get("onnx") or {}, _same(rec) or {}
-            value = ratio(ours.get("casts"), theirs.get("casts"))
-            why = failed(rec) or theirs.get("error") or ours.get("error") or ("not run" if not theirs else None)
-            shown = num(value, ".3g") if value is not None else f"n/a ({why or 'no Casts in onnxconverter-common'})"
-            rows.append([f"{name} fp16:{lvl}", SAME_OPS_TARGET, shown, "–", "informative"])
-    return rows

@@ -64,16 +64,35 @@ def loadability_rows(models: dict[str, Any]) -> list[list[Any]]:
     return rows
 
 
-def loadability(models: dict[str, Any]) -> list[str]:
-    """The section, or nothing when no model has an ONNX record."""
+def _provenance(extra: dict[str, Any]) -> str:
+    meta = extra.get("meta") or {}
+    wall = meta.get("wall_s")
+    return (f"Models this run did not run, from a separate run (`bench/{extra.get('source', '?')}`, "
+            f"{meta.get('date', 'date not recorded')}, `{meta.get('command', '?')}`"
+            + (f", {wall / 60:.1f} min" if isinstance(wall, (int, float)) else "")
+            + f", source {meta.get('revision', 'unknown')}):")
+
+
+def loadability(models: dict[str, Any], extra: dict[str, Any] | None = None) -> list[str]:
+    """The section, or nothing when no model has an ONNX record.
+
+    ``extra``: a separate run's results (``bench.sections.supplement``) whose rows follow, with its provenance.
+    """
     from bench.tables import table
 
+    head = ["model", "file", "loads in ONNX Runtime", "ONNX Runtime"]
     rows = loadability_rows(models)
-    if not rows:
+    more = loadability_rows(extra["models"]) if extra else []
+    if not rows and not more:
         return []
-    return ["## ONNX: full outputs and loadability", "",
-            "Whether ONNX Runtime (CPU provider) loads each file, measured in the same run by creating an "
-            "`InferenceSession`; `bert-full` and `vit-full` return every output of BertModel / ViTModel "
-            "(`last_hidden_state` is also read by the pooler inside the graph). onnxconverter-common runs on "
-            "torch.onnx's FP32 dynamo export; where that export fails there is no file to convert.", "",
-            *table(["model", "file", "loads in ONNX Runtime", "ONNX Runtime"], rows)]
+    out = ["## ONNX: full outputs and loadability", "",
+           "Whether ONNX Runtime (CPU provider) loads each file, measured in the same run by creating an "
+           "`InferenceSession`; `bert-full` and `vit-full` return every output of BertModel / ViTModel "
+           "(`last_hidden_state` is also read by the pooler inside the graph). onnxconverter-common runs on "
+           "torch.onnx's FP32 dynamo export; where that export fails there is no file to convert.", ""]
+    if rows:
+        out += table(head, rows)
+    if more:
+        assert extra is not None
+        out += [_provenance(extra), "", *table(head, more)]
+    return out
