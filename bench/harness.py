@@ -8,7 +8,11 @@ Usage::
 Every (model, job) runs in a fresh subprocess: its peak RSS is its own, a crash or a hang (killed after
 ``--timeout`` seconds) costs one row, not the run. Models that need ``transformers`` are listed as skipped
 when it is not installed (``pip install -e '.[bench]'``). ``--quick`` runs three fixtures and DistilBERT (3 to
-7 minutes on 2 CPU cores, by load).
+7 minutes on 2 CPU cores, by load); the whole corpus takes about 30 minutes (docs/benchmarks.md).
+
+The Markdown is rendered from the JSON; the sections other scripts put into ``--out`` (Big models, the
+estimates table, ...) are kept verbatim, and Training comes from ``bench/results-train.md``
+(``bench/sections.py``).
 """
 
 from __future__ import annotations

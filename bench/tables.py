@@ -301,6 +301,8 @@ def _onnx(models: dict[str, Any]) -> list[str]:
 def _latency(models: dict[str, Any]) -> list[str]:
     rows = []
     for name, m in models.items():
+        if not _ran(m, "base"):
+            continue  # the full-output variants: ONNX jobs only
         base = m["jobs"].get("base") or {}
         onnx = m["jobs"].get("onnx") or {}
         cells = [name, ms(base.get("fp32", {}).get("latency")) if failed(base) is None else failed(base)]
