@@ -60,20 +60,24 @@ HEAD = ["model", "config", "build path", "rounds", "export s", "passes s", "of w
         "peak RSS MiB", "RSS before MiB"]
 
 
+INTRO = (
+    "Medians over the cost rounds of each job (3 for models up to 50 M parameters, 2 above), timed after warm-ups "
+    "(the job's verified conversion, and one untimed export + save of the FP32 model). Each round is one plain "
+    "`torch.export.export` + `torch.export.save` of the FP32 model and one `amplite.convert(verify=False)` + "
+    "`result.save()`, interleaved, in the same process. Phases (export, passes, calibration, rebuild, save) are "
+    "the report's timings; \"passes\" includes the range calibration; \"rebuild\" is the step that builds the "
+    "converted ExportedProgram (\"build path\": a direct build, or the re-export); \"whole\" is the wall clock "
+    "of convert + save. \"verify s\" is from the verified conversion. FP32 forward: median of 3 eager "
+    "`torch.no_grad` forwards after one untimed. Targets (issue 17): passes ≤ 0.25 × export, calibration ≤ 1.5 × "
+    "one forward, whole ≤ 1.5 × (export + FP32 save). Peak RSS is the subprocess's high-water mark through the "
+    "verified conversion and save (before the cost rounds); \"before\" is after building the model and one FP32 "
+    "forward."
+)
+
+
 def cost_section(models: dict[str, Any]) -> list[str]:
     """The section: what each column is, then the table."""
     from bench.tables import table
 
-    return ["## amplite conversion cost", "",
-            "Medians over the cost rounds of each job (3 for models up to 50 M parameters, 2 above), timed after "
-            "the job's verified conversion, which warms both paths up. Each round is one plain "
-            "`torch.export.export` + `torch.export.save` of the FP32 model and one `amplite.convert(verify=False)` "
-            "+ `result.save()`, interleaved, in the same process. Phases (export, passes, calibration, rebuild, "
-            "save) are the report's timings; \"passes\" includes the range calibration; \"rebuild\" is the step "
-            "that builds the converted ExportedProgram (\"build path\": a direct build, or the re-export); "
-            "\"whole\" is the wall clock of convert + save. \"verify s\" is from the verified conversion. FP32 "
-            "forward: median of 3 eager `torch.no_grad` forwards after one untimed. Targets (issue 17): passes ≤ "
-            "0.25 × export, calibration ≤ 1.5 × one forward, whole ≤ 1.5 × (export + FP32 save). Peak RSS is the "
-            "subprocess's high-water mark through the verified conversion and save (before the cost rounds); "
-            "\"before\" is after building the model and one FP32 forward.", "",
+    return ["## amplite conversion cost", "", INTRO, "",
             *table(HEAD, cost_rows(models))]
