@@ -207,7 +207,7 @@ def document(results: dict[str, Any], out: Path, supplement: Path | None = ONNX_
     from bench.sections import supplement as extra_run
     from bench.tables import GENERATED, render
 
-    extra = extra_run(supplement, results["models"]) if supplement else None
+    extra = extra_run(supplement, results["models"], results["meta"].get("date")) if supplement else None
     return render(results, kept=previous_sections(out, GENERATED), extra=_floats(extra) if extra else None) + "\n"
 
 

@@ -4,7 +4,8 @@
   time", anything else under a ``## `` heading the harness does not write) are carried over verbatim, in
   their order, with their provenance comment (one is added where a section has none).
 * ``bench/results-onnx-full.json`` (a separate harness run of the full-output variants, GPT-2 with cache and
-  T5-small) supplies the ONNX loadability rows of the models the current run did not run.
+  T5-small) supplies the ONNX loadability rows of the models the current run did not run, and of all its
+  models when it is the newer run (re-rendering an older results JSON).
 """
 
 from __future__ import annotations
@@ -49,10 +50,15 @@ def previous_sections(path: Path, generated: set[str]) -> list[str]:
     return preserved(path.read_text(), generated) if path.exists() else []
 
 
-def supplement(path: Path, models: dict[str, Any]) -> dict[str, Any] | None:
-    """The results JSON at ``path`` restricted to the models ``models`` did not run, or None."""
+def supplement(path: Path, models: dict[str, Any], date: str | None = None) -> dict[str, Any] | None:
+    """The results JSON at ``path`` restricted to the models whose loadability rows it should supply, or None.
+
+    Those are the models ``models`` did not run, and every model of it when that run is newer than ``date``
+    (the current run's, ``YYYY-MM-DD HH:MM UTC``: such strings order as their times do).
+    """
     if not path.exists():
         return None
     data = json.loads(path.read_text())
-    missing = {k: v for k, v in data.get("models", {}).items() if not (models.get(k) or {}).get("jobs")}
-    return {"meta": data.get("meta", {}), "models": missing, "source": path.name} if missing else None
+    newer = bool(date) and str((data.get("meta") or {}).get("date", "")) > str(date)
+    picked = {k: v for k, v in data.get("models", {}).items() if newer or not (models.get(k) or {}).get("jobs")}
+    return {"meta": data.get("meta", {}), "models": picked, "source": path.name} if picked else None

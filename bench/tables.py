@@ -262,7 +262,16 @@ def _ort_acc(sub: dict[str, Any] | None) -> dict[str, Any] | None:
     return sub.get("accuracy")
 
 
+ONNX_HEAD = ["model", "file", "Cast nodes", "MiB", "size / FP32", "onnx.checker", "ONNX Runtime (CPU)",
+             "loads in ONNX Runtime", "SQNR dB"]
+
+
 def _onnx(models: dict[str, Any]) -> list[str]:
+    return ["## ONNX: Cast nodes, size, ONNX Runtime", "", ONNX_INTRO, "", *table(ONNX_HEAD, onnx_rows(models))]
+
+
+def onnx_rows(models: dict[str, Any]) -> list[list[Any]]:
+    """One row per ONNX file (or the error in its place) of every model."""
     rows = []
     for name, m in models.items():
         onnx = m["jobs"].get("onnx")
@@ -284,18 +293,20 @@ def _onnx(models: dict[str, Any]) -> list[str]:
                          num(ratio(sub["bytes"], fp32_bytes), ".3f"), sub.get("checker", "–"),
                          sub.get("ort_error", "loads and runs"), loads_cell(sub),
                          num(acc.get("sqnr_db"), ".1f") if "sqnr_db" in acc else "–"])
-    return ["## ONNX: Cast nodes, size, ONNX Runtime", "",
-            "Cast nodes in the main graph (same count for every file). onnxconverter-common fp16: "
-            "`convert_float_to_float16(keep_io_types=True)` on the FP32 dynamo export, its defaults (norms, "
-            "softmax and reductions in fp16). \"FP32 ops of amplite fp16:Ox\": the same, with `op_block_list` "
-            "adding the op types that amplite's file of that configuration keeps in FP32, among those of its FP32 "
-            "groups (Softmax, reductions, norms, Exp/Log/Pow/Sqrt/Reciprocal, Resize, losses; not elementwise "
-            "arithmetic, which amplite keeps in FP32 node by node): the same FP32 islands by op type. amplite: "
-            "`amplite.onnx.export.save_onnx` of the converted program (its pre-ONNX rewrite, "
-            "`amplite/onnx/prepare.py`, exports models torch.onnx's FP32 export fails on: the FP32 rows then carry "
-            "torch.onnx's error). SQNR: ONNX Runtime's first output against PyTorch FP32.", "",
-            *table(["model", "file", "Cast nodes", "MiB", "size / FP32", "onnx.checker", "ONNX Runtime (CPU)",
-                    "loads in ONNX Runtime", "SQNR dB"], rows)]
+    return rows
+
+
+ONNX_INTRO = (
+    "Cast nodes in the main graph (same count for every file). onnxconverter-common fp16: "
+    "`convert_float_to_float16(keep_io_types=True)` on the FP32 dynamo export, its defaults (norms, "
+    "softmax and reductions in fp16). \"FP32 ops of amplite fp16:Ox\": the same, with `op_block_list` "
+    "adding the op types that amplite's file of that configuration keeps in FP32, among those of its FP32 "
+    "groups (Softmax, reductions, norms, Exp/Log/Pow/Sqrt/Reciprocal, Resize, losses; not elementwise "
+    "arithmetic, which amplite keeps in FP32 node by node): the same FP32 islands by op type. amplite: "
+    "`amplite.onnx.export.save_onnx` of the converted program (its pre-ONNX rewrite, "
+    "`amplite/onnx/prepare.py`, exports models torch.onnx's FP32 export fails on: the FP32 rows then carry "
+    "torch.onnx's error). SQNR: ONNX Runtime's first output against PyTorch FP32."
+)
 
 
 def _latency(models: dict[str, Any]) -> list[str]:

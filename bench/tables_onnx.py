@@ -67,7 +67,7 @@ def loadability_rows(models: dict[str, Any]) -> list[list[Any]]:
 def _provenance(extra: dict[str, Any]) -> str:
     meta = extra.get("meta") or {}
     wall = meta.get("wall_s")
-    return (f"Models this run did not run, from a separate run (`bench/{extra.get('source', '?')}`, "
+    return (f"From a separate run, newer or of models this run did not run (`bench/{extra.get('source', '?')}`, "
             f"{meta.get('date', 'date not recorded')}, `{meta.get('command', '?')}`"
             + (f", {wall / 60:.1f} min" if isinstance(wall, (int, float)) else "")
             + f", source {meta.get('revision', 'unknown')}):")
@@ -76,13 +76,15 @@ def _provenance(extra: dict[str, Any]) -> str:
 def loadability(models: dict[str, Any], extra: dict[str, Any] | None = None) -> list[str]:
     """The section, or nothing when no model has an ONNX record.
 
-    ``extra``: a separate run's results (``bench.sections.supplement``) whose rows follow, with its provenance.
+    ``extra``: a separate run's results (``bench.sections.supplement``) whose rows follow, with its provenance;
+    they replace this run's rows of the same models.
     """
-    from bench.tables import table
+    from bench.tables import ONNX_HEAD, onnx_rows, table
 
     head = ["model", "file", "loads in ONNX Runtime", "ONNX Runtime"]
-    rows = loadability_rows(models)
-    more = loadability_rows(extra["models"]) if extra else []
+    newer = extra["models"] if extra else {}
+    rows = loadability_rows({k: v for k, v in models.items() if k not in newer})
+    more = loadability_rows(newer)
     if not rows and not more:
         return []
     out = ["## ONNX: full outputs and loadability", "",
@@ -94,5 +96,7 @@ def loadability(models: dict[str, Any], extra: dict[str, Any] | None = None) -> 
         out += table(head, rows)
     if more:
         assert extra is not None
-        out += [_provenance(extra), "", *table(head, more)]
+        out += [_provenance(extra), "", *table(head, more),
+                "Cast nodes, size, checker and SQNR of that run's files (its rows of the ONNX table):", "",
+                *table(ONNX_HEAD, onnx_rows(newer))]
     return out

@@ -250,3 +250,5 @@ def test_full_output_variants_run_the_onnx_jobs_and_a_separate_run_fills_missing
     extra = supplement(saved, {"a": {"description": "d", "jobs": {"base": {}}}})
     assert extra is not None and list(extra["models"]) == ["b"]  # "a" ran in this run: its own rows win
     assert supplement(saved, {"a": {"jobs": {"x": {}}}, "b": {"jobs": {"x": {}}}}) is None
+    newer = supplement(saved, {"a": {"jobs": {"x": {}}}, "b": {"jobs": {"x": {}}}}, date="older")
+    assert newer is not None and list(newer["models"]) == ["a", "b"]  # "then" > "older": the newer run's rows
