@@ -61,7 +61,7 @@ def build_path(report: dict[str, Any] | None, timings: dict[str, float]) -> str:
     return direct[0] if direct else "re-export"
 
 
-def forward_seconds(model: torch.nn.Module, inputs: tuple[tuple, dict], n: int = 3) -> float:
+def forward_seconds(model: torch.nn.Module, inputs: tuple[tuple, dict], n: int = 5) -> float:
     """Median wall time of ``n`` plain FP32 forwards (eager, no autograd), after one untimed forward."""
     args, kwargs = inputs
     times = []

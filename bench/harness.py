@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         render_only(ns.json, ns.out)
         return {}
     from amplite.converter.emit import write_text
-    from bench.targets import evaluate
+    from bench.targets import evaluate, summary_rows, verdicts
 
     command = "python bench/harness.py " + " ".join(argv if argv is not None else sys.argv[1:])
     start = perf_counter()
@@ -263,8 +263,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     models = collect(ns.models, ns.jobs, timeout=ns.timeout, budget=ns.budget, log=sys.stdout, on_model=write)
     results = write(models)
     _, summary = evaluate(models)
-    print(f"\ntargets: {summary.replace('**', '')}\nwrote {ns.out} and {ns.json} "
-          f"({(perf_counter() - start) / 60:.1f} min)")
+    print(f"\ntargets: {summary.replace('**', '')}")
+    for what, limit, met, missed, na, everywhere, worst in summary_rows(verdicts(models)):
+        print(f"  {everywhere:3s} {what} {limit}: {met} met, {missed} missed, {na} n/a; worst {worst}")
+    print(f"wrote {ns.out} and {ns.json} ({(perf_counter() - start) / 60:.1f} min)")
     return results
 
 

@@ -67,7 +67,7 @@ INTRO = (
     "`result.save()`, interleaved, in the same process. Phases (export, passes, calibration, rebuild, save) are "
     "the report's timings; \"passes\" includes the range calibration; \"rebuild\" is the step that builds the "
     "converted ExportedProgram (\"build path\": a direct build, or the re-export); \"whole\" is the wall clock "
-    "of convert + save. \"verify s\" is from the verified conversion. FP32 forward: median of 3 eager "
+    "of convert + save. \"verify s\" is from the verified conversion. FP32 forward: median of 5 eager "
     "`torch.no_grad` forwards after one untimed. Targets (issue 17): passes ≤ 0.25 × export, calibration ≤ 1.5 × "
     "one forward, whole ≤ 1.5 × (export + FP32 save). Peak RSS is the subprocess's high-water mark through the "
     "verified conversion and save (before the cost rounds); \"before\" is after building the model and one FP32 "
