@@ -12,7 +12,7 @@ from bench.jobs import AMPLITE_JOBS
 from bench.onnx_compare import ANSI
 from bench.tables_cost import cost_section
 from bench.tables_onnx import loadability, loads_cell
-from bench.tables_targets import cast_targets, targets_section
+from bench.tables_targets import cast_targets, failures, targets_section
 
 CONFIGS = [j.split(":", 1)[1] for j in AMPLITE_JOBS]  # "fp16:O1", ...
 
@@ -116,7 +116,7 @@ def render(results: dict[str, Any], kept: list[str] | None = None, extra: dict[s
     out += cost_section(models) + _graph(models) + _estimates(models) + _casts(models)
     out += _accuracy(models) + _onnx(models)
     out += loadability(models, extra) + _latency(models)
-    out += _cuda(models, meta) + targets_section(models) + _failures(models)
+    out += _cuda(models, meta) + targets_section(models) + failures(models)
     out += _training()
     for text in kept or []:
         out += ["", text]
@@ -345,26 +345,3 @@ def _cuda(models: dict[str, Any], meta: dict[str, Any]) -> list[str]:
         return ["## CUDA latency", "", f"Not measured: {meta.get('cuda') or 'no CUDA device on this machine'}.", ""]
     head = ["model", "FP32 ms", "autocast fp16", "autocast bf16", *(f"amplite {c}" for c in CONFIGS)]
     return ["## CUDA latency", "", "CUDA events, 10 warm-up calls, median of 50.", "", *table(head, rows)]
-
-
-def _failures(models: dict[str, Any]) -> list[str]:
-    rows = []
-    for name, m in models.items():
-        if m.get("skip_reason"):
-            rows.append([name, "all", m["skip_reason"]])
-        for job, rec in m["jobs"].items():
-            if (err := failed(rec)) is not None:
-                rows.append([name, job, err])
-            if rec.get("torch_export_error"):
-                rows.append([name, f"{job} / torch.export", rec["torch_export_error"]])
-            for key in ("fp32", "onnx", "occ", "occ_same", "runtime_casts", "accuracy", "latency", "cost"):
-                sub = rec.get(key)
-                if isinstance(sub, dict) and ("error" in sub or "ort_error" in sub):
-                    rows.append([name, f"{job} / {key}", sub.get("error") or "ORT refused: " + sub["ort_error"]])
-            for dt, sub in (rec.get("autocast") or {}).items():
-                if "error" in sub:
-                    rows.append([name, f"{job} / autocast {dt}", sub["error"]])
-    if not rows:
-        return ["## Failures", "", "None: every tool ran on every model.", ""]
-    return ["## Failures", "", "Every error, by model and tool (amplite's own one-line message where amplite failed).",
-            "", *table(["model", "job", "error"], rows)]

@@ -1,4 +1,4 @@
-"""The targets parts of ``bench/RESULTS.md``: the cast/SQNR targets under the casts table, the Targets section."""
+"""Parts of ``bench/RESULTS.md``: the cast/SQNR targets under the casts table, the Targets and Failures sections."""
 
 from __future__ import annotations
 
@@ -69,3 +69,29 @@ def _same_ops_rows(models: dict[str, Any]) -> list[list[Any]]:
             shown = num(value, ".3g") if value is not None else f"n/a ({why or 'no Casts in onnxconverter-common'})"
             rows.append([f"{name} fp16:{lvl}", SAME_OPS_TARGET, shown, "–", "informative"])
     return rows
+
+
+def failures(models: dict[str, Any]) -> list[str]:
+    """The Failures section: every error, by model and job."""
+    from bench.tables import failed, table
+
+    rows = []
+    for name, m in models.items():
+        if m.get("skip_reason"):
+            rows.append([name, "all", m["skip_reason"]])
+        for job, rec in m["jobs"].items():
+            if (err := failed(rec)) is not None:
+                rows.append([name, job, err])
+            if rec.get("torch_export_error"):
+                rows.append([name, f"{job} / torch.export", rec["torch_export_error"]])
+            for key in ("fp32", "onnx", "occ", "occ_same", "runtime_casts", "accuracy", "latency", "cost"):
+                sub = rec.get(key)
+                if isinstance(sub, dict) and ("error" in sub or "ort_error" in sub):
+                    rows.append([name, f"{job} / {key}", sub.get("error") or "ORT refused: " + sub["ort_error"]])
+            for dt, sub in (rec.get("autocast") or {}).items():
+                if "error" in sub:
+                    rows.append([name, f"{job} / autocast {dt}", sub["error"]])
+    if not rows:
+        return ["## Failures", "", "None: every tool ran on every model.", ""]
+    return ["## Failures", "", "Every error, by model and tool (amplite's own one-line message where amplite failed).",
+            "", *table(["model", "job", "error"], rows)]
