@@ -90,6 +90,7 @@ class AnnotatePrecision:
             if flagged and decision.mode != "fp32" and not decision.reason.startswith("user:"):
                 decision = Decision("fp32", flagged)
             decisions[node] = decision
+        self._small_pows(decisions)
         if self.policy.level in (Level.O1, Level.O2):
             for node, dec in list(decisions.items()):
                 op = op_tables.op_name(node.target)
@@ -101,6 +102,19 @@ class AnnotatePrecision:
                 if dec.reason == "level:O2" and self._bridges_fp32(node, decisions):
                     decisions[node] = Decision("fp32", "fp32-island-bridge")
         return decisions
+
+    def _small_pows(self, decisions: dict[torch.fx.Node, Decision]) -> None:
+        """A ``pow`` that ``range_guard`` cleared (``range:small-integer-pow``) follows its input's dtype
+        instead of staying on the FP32 list, unless one of its readers is FP32 (an RMSNorm's
+        ``x.pow(2).mean()`` keeps FP32 squares) or the user pinned it."""
+        if self.policy.level not in (Level.O1, Level.O2):
+            return
+        for node, dec in list(decisions.items()):
+            reason = node.meta.get("amplite_range_low")
+            if not reason or dec.mode != "fp32" or not dec.reason.startswith("fp32-list:"):
+                continue
+            if all(decisions.get(u, Decision("follow", "")).mode != "fp32" for u in node.users):
+                decisions[node] = Decision("follow", reason)
 
     def _discrete_decisions(self, decisions: dict[torch.fx.Node, Decision]) -> None:
         """Keep discrete decisions (topk, argmax, sort, ...) and the producers of their float operands FP32.

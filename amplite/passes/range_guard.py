@@ -23,6 +23,14 @@ Rules (data in :class:`RangeRules`; defaults and their justification in docs/ran
   ``max_reduction_depth`` elements stays FP32 (``range:reduction-depth``); at fp16's 11 bits a running
   sum of unit-size terms stops growing after ~2048 additions. Contractions are exempt: fp16/bf16 GEMMs,
   convolutions and ``amplite::contract`` accumulate in FP32 on every backend amplite targets.
+
+One rule goes the other way: a ``pow`` with a small integer exponent (2 or 3: GELU-tanh's x³) is one or
+two multiplies, not a transcendental, so it may follow its input's dtype instead of staying on the FP32
+list: ``meta['amplite_range_low'] = "range:small-integer-pow"`` (counter ``low_ok:small-integer-pow``).
+For fp16 only when the calibrated |x^n| of the node was seen and the activation rule did not flag it
+(so x^n stays ≤ ``data_max``, far below 65504); bf16 has FP32's exponent range, no range is needed.
+``annotate_precision`` applies it only when no reader of the power is itself FP32 (``x.pow(2).mean()``
+of an RMSNorm keeps its FP32 squares).
 """
 
 from __future__ import annotations
@@ -46,6 +54,10 @@ _SUBNORMALS_MATTER = 2.0**-10  # below this largest |x| subnormal rounding costs
 _SAMPLE = 1 << 20
 _STAT_SAMPLE = 1 << 12
 _REDUCTIONS = frozenset(op_tables.FP32_OPS["reduction"]) | frozenset(op_tables.FP32_OPS["softmax"])
+_POW = torch.ops.aten.pow.Tensor_Scalar
+#: Exponents for which ``pow`` is a multiply or two: exact enough to follow a low-precision input.
+SMALL_POW_EXPONENTS = (2, 3)
+SMALL_POW = "range:small-integer-pow"
 
 
 @dataclass
@@ -165,7 +177,22 @@ class RangeGuard:
             if reason:
                 node.meta["amplite_range"] = reason
                 counters["kept_fp32:" + reason.split(" ")[0]] += 1
+            elif self._small_pow(node, fp16):
+                node.meta["amplite_range_low"] = SMALL_POW
+                counters["low_ok:small-integer-pow"] += 1
         return PassResult(gm, False, counters)
+
+    def _small_pow(self, node: torch.fx.Node, fp16: bool) -> bool:
+        """``x ** n`` for n in ``SMALL_POW_EXPONENTS``, with (fp16) a calibrated range for its output."""
+        if node.target is not _POW or len(node.args) < 2 or isinstance(node.args[1], bool):
+            return False
+        n = node.args[1]
+        if not isinstance(n, (int, float)) or float(n) not in SMALL_POW_EXPONENTS:
+            return False
+        if not fp16:
+            return True
+        r = self.ranges.get(node.name)
+        return r is not None and r.max_abs <= self.rules.data_max
 
     def _activation(self, node: torch.fx.Node) -> str | None:
         limit = self.rules.data_max

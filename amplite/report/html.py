@@ -178,7 +178,8 @@ def _range_rules_section(data: dict[str, Any]) -> str:
     rules = data.get("config", {}).get("range_rules")
     if not rules:
         return ""
-    chosen = [p for p in data.get("plan", []) if str(p.get("reason", "")).startswith("range:")]
+    plan = data.get("plan", [])
+    chosen = [p for p in plan if str(p.get("reason", "")).startswith("range:") and p.get("mode") == "fp32"]
     depth = rules.get("max_reduction_depth")
     text = (
         f"<h3>Range rules</h3><p>data_max {fmt(rules.get('data_max'), 6)}, "
