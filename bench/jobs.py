@@ -83,7 +83,10 @@ def base_job(case: Case, work: Path, budget: float) -> dict[str, Any]:
         def measure(dt: str = dt) -> dict[str, Any]:
             res, casts = counted_run(model, inputs, dt)
             dtype = str(first_tensor(res).dtype).removeprefix("torch.")
-            return {**casts, "output_dtype": dtype,
+            # Floating outputs autocast leaves low: what amplite's FP32-output contract casts back.
+            low_out = sum(1 for t in pytree.tree_leaves(res) if isinstance(t, torch.Tensor)
+                          and t.dtype.is_floating_point and t.dtype != torch.float32)
+            return {**casts, "output_dtype": dtype, "low_outputs": low_out,
                     "accuracy": accuracy(ref, res, logits=case.logits),
                     "latency": latency(lambda: run(model, inputs, dt), budget_s=budget)}
 
