@@ -12,6 +12,7 @@ the program, and why, is in the ``build_program`` record; ``AMPLITE_REEXPORT=1``
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 from collections.abc import Iterable, Mapping
@@ -29,7 +30,7 @@ from amplite.converter.calibration import ValueRange, collect_ranges
 from amplite.converter.direct import NotDirect, lift, prove
 from amplite.converter.dtype_check import CheckDtypes
 from amplite.converter.inputs import bind_to_program
-from amplite.converter.tracing import DynamicDims, Inputs, export_model
+from amplite.converter.tracing import DynamicDims, Inputs, export_model, static_batch_inputs
 from amplite.errors import ExportError, InternalError
 from amplite.passes.annotate_precision import AnnotatePrecision
 from amplite.passes.base import Pass, PassManager, PassRecord
@@ -203,11 +204,26 @@ def rewrite(
         ranges = collect_ranges(gm, batches, range_rules.percentile)
         timings["calibration"] = perf_counter() - calib_start
     passes = build_passes(policy, fuse_contractions=fuse_contractions, ranges=ranges, range_rules=range_rules)
-    gm, rest = PassManager(passes)(gm)
+    with quiet_shapes(original):  # a pass reading a symbolic size must not pin the program's dynamic dims
+        gm, rest = PassManager(passes)(gm)
     timings["passes"] = perf_counter() - start
     gm, check = PassManager([CheckDtypes()])(gm)  # raises InternalError when a pass broke the plan
     timings["dtype_check"] = check[0].seconds
     return Rewrite(gm, records + rest + check, collect_plan(gm), ranges, timings)
+
+
+def quiet_shapes(program: ExportedProgram) -> contextlib.AbstractContextManager[Any]:
+    """Suppress guards in ``program``'s shape environment while the passes run.
+
+    The passes share the program's FakeTensors; one that reads a symbolic size as an ``int`` (a rule
+    judged on the example's shapes) would otherwise specialize that dynamic dim for the program built
+    from the rewritten graph. Re-export, which traces afresh, never saw those guards either.
+    """
+    for node in program.graph.nodes:
+        env = getattr(getattr(node.meta.get("val"), "fake_mode", None), "shape_env", None)
+        if env is not None:
+            return env.suppress_guards()
+    return contextlib.nullcontext()
 
 
 def run_pipeline(
@@ -256,6 +272,9 @@ def run_pipeline(
         reexport = os.environ.get("AMPLITE_REEXPORT", "") == "1"
     start = perf_counter()
     converted, reason = None, "forced (reexport=True or AMPLITE_REEXPORT=1)"
+    given = isinstance(model, ExportedProgram)
+    if not reexport and given and (dynamic_dims or (dynamic_batch and static_batch_inputs(original))):
+        reexport, reason = True, "the program passed in is static where dynamic dims were asked: re-export makes them"
     if not reexport:
         converted, reason = build_direct(original, done.module, policy)
     timings["rebuild"] = perf_counter() - start
