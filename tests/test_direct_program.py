@@ -135,7 +135,7 @@ def test_direct_program_equals_reexport(built: dict, case: tuple[str, str, str])
     direct, again = c["direct"], c["again"]
     assert direct.build == {"path": "direct", "reason": ""}, direct.build
     assert again.build["path"] == "reexport"
-    assert "rebuild" in direct.timings and "reexport" not in direct.timings
+    assert direct.timings["rebuild"] > 0 and direct.timings["reexport"] == 0.0 < again.timings["reexport"]
     assert _signature(direct.converted) == _signature(again.converted)
     assert _nodes(direct.converted) == _nodes(again.converted)
     a, b = direct.converted, again.converted
@@ -194,7 +194,7 @@ def test_reexport_is_the_fallback_and_says_why(monkeypatch: pytest.MonkeyPatch) 
     record = out.records[-1]
     assert record.name == "build_program" and record.counters == {"direct": 0, "reexport": 1}
     assert record.details == {"fallback": [{"reason": "a case lifting does not handle"}]}
-    assert "reexport" in out.timings
+    assert out.timings["reexport"] > 0
     got, want = _run(out.converted, inputs), _run(forced.converted, inputs)
     assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
 

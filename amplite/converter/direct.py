@@ -99,6 +99,43 @@ def _fake_mode(graph: torch.fx.Graph) -> Any:
     raise NotDirect("no node carries a FakeTensor value")
 
 
+def _lift_states(
+    graph: torch.fx.Graph, gm: torch.fx.GraphModule
+) -> tuple[list[InputSpec], dict[str, torch.Tensor], dict[str, Any]]:
+    """Turn ``gm``'s weights and read constants into placeholders ahead of the user inputs of ``graph``.
+
+    Returns:
+        Their input specs, in order, the saved tensors (``state_dict``) and the rest (``constants``).
+    """
+    mode = _fake_mode(graph)
+    states = _states(gm)
+    readers: dict[int, list[torch.fx.Node]] = {}
+    for node in graph.find_nodes(op="get_attr"):
+        readers.setdefault(id(_lookup(gm, str(node.target))), []).append(node)
+    first = next(iter(graph.nodes))
+    input_specs: list[InputSpec] = []
+    state_dict: dict[str, torch.Tensor] = {}
+    constants: dict[str, Any] = {}
+    lifted: list[tuple[torch.fx.Node, list[torch.fx.Node]]] = []
+    last = {id(s.value): s for s in states}  # tied tensors: export's readers use the last name's placeholder
+    with graph.inserting_before(first):
+        for s in states:
+            nodes = readers.get(id(s.value), []) if last[id(s.value)] is s else []
+            name = placeholder_prefixes[s.kind] + re.sub(r"[^a-zA-Z0-9]", "_", s.target).lower()
+            ph = graph.placeholder(name)
+            ph.meta["val"] = _fake(mode, nodes[0] if nodes else None, s.value)
+            lifted.append((ph, nodes))
+            arg = torch.export.graph_signature.TensorArgument(name=ph.name)
+            input_specs.append(InputSpec(s.kind, arg, s.target, s.persistent))
+            saved = s.kind is InputKind.PARAMETER or (s.kind is InputKind.BUFFER and s.persistent)
+            (state_dict if saved else constants)[s.target] = s.value
+    for ph, nodes in lifted:  # after all placeholders exist: ``first`` may be one of these get_attrs
+        for n in nodes:
+            n.replace_all_uses_with(ph)
+            graph.erase_node(n)
+    return input_specs, state_dict, constants
+
+
 def lift(original: ExportedProgram, gm: torch.fx.GraphModule, example_inputs: Any) -> ExportedProgram:
     """The ExportedProgram of the rewritten unlifted module ``gm`` of ``original``.
 
@@ -119,39 +156,13 @@ def lift(original: ExportedProgram, gm: torch.fx.GraphModule, example_inputs: An
     if any(e.signature is not None for e in original.module_call_graph[1:]):
         raise NotDirect("the program preserves submodule call signatures")
     graph = torch.fx.Graph()
-    val_map: dict[torch.fx.Node, torch.fx.Node] = {}
-    result = graph.graph_copy(gm.graph, val_map)  # nodes and (shallow-copied) meta, not the output node
+    result = graph.graph_copy(gm.graph, {})  # nodes and (shallow-copied) meta, not the output node
     graph.output(result).meta.update(gm.graph.output_node().meta)
-    mode = _fake_mode(graph)
-    states = _states(gm)
     for node in graph.nodes:
         if node.op == "call_function" and node.target in _MUTATIONS and node.args[0].op in ("get_attr", "placeholder"):
             raise NotDirect(f"node {node.name} writes into {node.args[0].target} in place")
     users = [n for n in graph.nodes if n.op == "placeholder"]
-    readers: dict[int, list[torch.fx.Node]] = {}
-    for node in graph.find_nodes(op="get_attr"):
-        readers.setdefault(id(_lookup(gm, str(node.target))), []).append(node)
-    first = next(iter(graph.nodes))
-    input_specs: list[InputSpec] = []
-    state_dict: dict[str, torch.Tensor] = {}
-    constants: dict[str, Any] = {}
-    lifted: list[tuple[torch.fx.Node, list[torch.fx.Node]]] = []
-    with graph.inserting_before(first):
-        last = {id(s.value): s for s in states}  # tied tensors: export's readers use the last name's placeholder
-        for s in states:
-            nodes = readers.get(id(s.value), []) if last[id(s.value)] is s else []
-            name = placeholder_prefixes[s.kind] + re.sub(r"[^a-zA-Z0-9]", "_", s.target).lower()
-            ph = graph.placeholder(name)
-            ph.meta["val"] = _fake(mode, nodes[0] if nodes else None, s.value)
-            lifted.append((ph, nodes))
-            arg = torch.export.graph_signature.TensorArgument(name=ph.name)
-            input_specs.append(InputSpec(s.kind, arg, s.target, s.persistent))
-            saved = s.kind is InputKind.PARAMETER or (s.kind is InputKind.BUFFER and s.persistent)
-            (state_dict if saved else constants)[s.target] = s.value
-    for ph, nodes in lifted:  # after all placeholders exist: ``first`` may be one of these get_attrs
-        for n in nodes:
-            n.replace_all_uses_with(ph)
-            graph.erase_node(n)
+    input_specs, state_dict, constants = _lift_states(graph, gm)
     old_users = [s for s in old.input_specs if s.kind is InputKind.USER_INPUT]
     if len(old_users) != len(users):
         raise NotDirect(f"{len(users)} user inputs in the rewritten graph, {len(old_users)} in the program")

@@ -55,8 +55,8 @@ class PipelineOutput:
         converted: The rewritten program (built directly, or re-exported: see ``build``).
         records: One record per pass (counters and time), ``build_program`` last.
         plan: One entry per planned node: name, op, module, source, mode, dtype, reason.
-        timings: Seconds spent in ``export``, ``passes`` and ``rebuild`` (the direct build, also when
-            it fell back) plus ``reexport`` when the program was re-exported.
+        timings: Seconds spent in ``export``, ``passes``, ``rebuild`` (the direct build, also when
+            it fell back) and ``reexport`` (0 when the direct build was used).
         ranges: The calibrated value ranges (None without range rules), for reuse.
         build: ``{"path": "direct"|"reexport", "reason": why re-export was used ("" for direct)}``.
     """
@@ -260,7 +260,7 @@ def run_pipeline(
     original = model if isinstance(model, ExportedProgram) else export_model(model, inputs, **dynamic)
     timings["export"] = perf_counter() - start
     if policy.level is Level.O0:
-        return PipelineOutput(original, original, timings=timings | {"passes": 0.0, "rebuild": 0.0},
+        return PipelineOutput(original, original, timings=timings | {"passes": 0.0, "rebuild": 0.0, "reexport": 0.0},
                               build={"path": "original", "reason": "O0 changes nothing"})  # fmt: skip
 
     done = rewrite(
@@ -276,12 +276,13 @@ def run_pipeline(
     if not reexport and given and (dynamic_dims or (dynamic_batch and static_batch_inputs(original))):
         reexport, reason = True, "the program passed in is static where dynamic dims were asked: re-export makes them"
     if not reexport:
-        converted, reason = build_direct(original, done.module, policy)
+        converted, reason = build_direct(original, done.module, policy, inputs)
     timings["rebuild"] = perf_counter() - start
     record = PassRecord("build_program", converted is None, {"direct": int(converted is not None),
                         "reexport": int(converted is None)}, timings["rebuild"],
                         {"fallback": [{"reason": reason}]} if converted is None else {})  # fmt: skip
-    if converted is not None:
+    if converted is not None:  # ``reexport`` stays a key (0 s) for readers that sum the phases
+        timings["reexport"] = 0.0
         return PipelineOutput(original, converted, [*done.records, record], done.plan, timings, done.ranges,
                               {"path": "direct", "reason": ""})  # fmt: skip
     start = perf_counter()
@@ -299,10 +300,10 @@ def run_pipeline(
 
 
 def build_direct(
-    original: ExportedProgram, module: torch.fx.GraphModule, policy: PrecisionPolicy
+    original: ExportedProgram, module: torch.fx.GraphModule, policy: PrecisionPolicy, inputs: Inputs
 ) -> tuple[ExportedProgram | None, str]:
     """The converted program lifted from the rewritten ``module`` and checked, or None and why not."""
-    example = original.example_inputs
+    example = original.example_inputs if original.example_inputs is not None else inputs
     if example is not None and policy.low_precision_io:
         example = lower_inputs(example, policy.low_dtype)
     try:
