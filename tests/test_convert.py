@@ -157,6 +157,7 @@ def test_report_schema_basics() -> None:
         "cleanup_casts",
         "store_low_params",
         "check_dtypes",
+        "build_program",
     ]
     assert data["graph"]["after"]["casts"] >= 1
     reasons = {n["op"]: n["reason"] for n in data["fp32_nodes"]}

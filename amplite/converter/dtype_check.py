@@ -14,6 +14,7 @@ its op and source line: that is a bug in amplite's passes, never in the user's m
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections import Counter
 from typing import Any
@@ -131,7 +132,10 @@ class CheckDtypes:
         if mode is None:  # nothing was traced with fake values: nothing planned to check against
             return PassResult(gm, False, counters)
         try:
-            with mode, torch.no_grad():
+            # guards suppressed: a check must not specialize the program's dynamic dims in the shared
+            # shape environment (a fake GRU kernel once pinned a dynamic batch to the example's size)
+            quiet = mode.shape_env.suppress_guards() if mode.shape_env is not None else contextlib.nullcontext()
+            with mode, quiet, torch.no_grad():
                 _Propagate(gm, mode, counters).run()
         except InternalError as exc:  # re-raise without the "While executing" notes the interpreter appends
             raise InternalError(exc.problem, exc.fix) from exc.__cause__

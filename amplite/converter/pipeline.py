@@ -1,14 +1,20 @@
-"""The conversion pipeline: export → precision passes → re-export.
+"""The conversion pipeline: export → precision passes → build the converted program.
 
 Passes edit ``ep.module()``, a GraphModule whose weights share storage with the user's model; passes
 never write into those tensors (they assign new ones), so the user's model stays bit-identical.
-The rewritten module is exported again so the result is a valid ExportedProgram with fresh metadata that
-``torch.export.save``/``load`` round-trip.
+The converted ExportedProgram is then built from the rewritten graph directly
+(:mod:`amplite.converter.direct`: weights lifted back to placeholders, signature and call graph rebuilt,
+the passes' FakeTensor metadata kept), checked cheaply, and only when that cannot be done or does not
+check out is the rewritten module exported again (about one more ``torch.export``). Which path built
+the program, and why, is in the ``build_program`` record; ``AMPLITE_REEXPORT=1`` (or
+``run_pipeline(..., reexport=True)``) forces re-export.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -21,9 +27,10 @@ from torch.utils import _pytree as pytree
 
 from amplite import op_tables
 from amplite.converter.calibration import ValueRange, collect_ranges
+from amplite.converter.direct import NotDirect, lift, prove
 from amplite.converter.dtype_check import CheckDtypes
 from amplite.converter.inputs import bind_to_program
-from amplite.converter.tracing import DynamicDims, Inputs, export_model
+from amplite.converter.tracing import DynamicDims, Inputs, export_model, static_batch_inputs
 from amplite.errors import ExportError, InternalError
 from amplite.passes.annotate_precision import AnnotatePrecision
 from amplite.passes.base import Pass, PassManager, PassRecord
@@ -45,11 +52,13 @@ class PipelineOutput:
 
     Attributes:
         original: The FP32 ExportedProgram of the user's model.
-        converted: The rewritten, re-exported program.
-        records: One record per pass (counters and time).
+        converted: The rewritten program (built directly, or re-exported: see ``build``).
+        records: One record per pass (counters and time), ``build_program`` last.
         plan: One entry per planned node: name, op, module, source, mode, dtype, reason.
-        timings: Seconds spent in ``export``, ``passes`` and ``reexport``.
+        timings: Seconds spent in ``export``, ``passes``, ``rebuild`` (the direct build, also when
+            it fell back) and ``reexport`` (0 when the direct build was used).
         ranges: The calibrated value ranges (None without range rules), for reuse.
+        build: ``{"path": "direct"|"reexport", "reason": why re-export was used ("" for direct)}``.
     """
 
     original: ExportedProgram
@@ -58,6 +67,7 @@ class PipelineOutput:
     plan: list[dict[str, Any]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     ranges: Mapping[str, ValueRange] | None = None
+    build: dict[str, str] = field(default_factory=dict)
 
 
 def build_passes(
@@ -194,11 +204,26 @@ def rewrite(
         ranges = collect_ranges(gm, batches, range_rules.percentile)
         timings["calibration"] = perf_counter() - calib_start
     passes = build_passes(policy, fuse_contractions=fuse_contractions, ranges=ranges, range_rules=range_rules)
-    gm, rest = PassManager(passes)(gm)
+    with quiet_shapes(original):  # a pass reading a symbolic size must not pin the program's dynamic dims
+        gm, rest = PassManager(passes)(gm)
     timings["passes"] = perf_counter() - start
     gm, check = PassManager([CheckDtypes()])(gm)  # raises InternalError when a pass broke the plan
     timings["dtype_check"] = check[0].seconds
     return Rewrite(gm, records + rest + check, collect_plan(gm), ranges, timings)
+
+
+def quiet_shapes(program: ExportedProgram) -> contextlib.AbstractContextManager[Any]:
+    """Suppress guards in ``program``'s shape environment while the passes run.
+
+    The passes share the program's FakeTensors; one that reads a symbolic size as an ``int`` (a rule
+    judged on the example's shapes) would otherwise specialize that dynamic dim for the program built
+    from the rewritten graph. Re-export, which traces afresh, never saw those guards either.
+    """
+    for node in program.graph.nodes:
+        env = getattr(getattr(node.meta.get("val"), "fake_mode", None), "shape_env", None)
+        if env is not None:
+            return env.suppress_guards()
+    return contextlib.nullcontext()
 
 
 def run_pipeline(
@@ -212,8 +237,9 @@ def run_pipeline(
     range_rules: RangeRules | None = None,
     calibration: Iterable[Inputs] | None = None,
     fold_batchnorm: bool = True,
+    reexport: bool | None = None,
 ) -> PipelineOutput:
-    """Export ``model`` (unless it already is a program), rewrite it under ``policy``, re-export.
+    """Export ``model`` (unless it already is a program), rewrite it under ``policy``, build the program.
 
     Args:
         model: The FP32 model or its ExportedProgram.
@@ -225,6 +251,8 @@ def run_pipeline(
         range_rules: Apply these range rules (None: no range rules).
         calibration: Batches for the range rules (default: the example inputs).
         fold_batchnorm: Fold inference-mode BatchNorm into the preceding convolution first.
+        reexport: Build the converted program by exporting the rewritten module again instead of
+            directly (None: only when the environment variable ``AMPLITE_REEXPORT`` is ``1``).
     """
     timings: dict[str, float] = {}
     start = perf_counter()
@@ -232,13 +260,31 @@ def run_pipeline(
     original = model if isinstance(model, ExportedProgram) else export_model(model, inputs, **dynamic)
     timings["export"] = perf_counter() - start
     if policy.level is Level.O0:
-        return PipelineOutput(original, original, timings=timings | {"passes": 0.0, "reexport": 0.0})
+        return PipelineOutput(original, original, timings=timings | {"passes": 0.0, "rebuild": 0.0, "reexport": 0.0},
+                              build={"path": "original", "reason": "O0 changes nothing"})  # fmt: skip
 
     done = rewrite(
         original, inputs, policy, fuse_contractions=fuse_contractions, range_rules=range_rules,
         calibration=calibration, fold_batchnorm=fold_batchnorm,
     )  # fmt: skip
     timings.update(done.timings)
+    if reexport is None:
+        reexport = os.environ.get("AMPLITE_REEXPORT", "") == "1"
+    start = perf_counter()
+    converted, reason = None, "forced (reexport=True or AMPLITE_REEXPORT=1)"
+    given = isinstance(model, ExportedProgram)
+    if not reexport and given and (dynamic_dims or (dynamic_batch and static_batch_inputs(original))):
+        reexport, reason = True, "the program passed in is static where dynamic dims were asked: re-export makes them"
+    if not reexport:
+        converted, reason = build_direct(original, done.module, policy, inputs)
+    timings["rebuild"] = perf_counter() - start
+    record = PassRecord("build_program", converted is None, {"direct": int(converted is not None),
+                        "reexport": int(converted is None)}, timings["rebuild"],
+                        {"fallback": [{"reason": reason}]} if converted is None else {})  # fmt: skip
+    if converted is not None:  # ``reexport`` stays a key (0 s) for readers that sum the phases
+        timings["reexport"] = 0.0
+        return PipelineOutput(original, converted, [*done.records, record], done.plan, timings, done.ranges,
+                              {"path": "direct", "reason": ""})  # fmt: skip
     start = perf_counter()
     export_inputs = lower_inputs(inputs, policy.low_dtype) if policy.low_precision_io else inputs
     try:
@@ -248,7 +294,26 @@ def run_pipeline(
             f"amplite bug: {exc.problem.replace('torch.export could not trace', 'torch.export rejected')}"
         ) from exc.__cause__
     timings["reexport"] = perf_counter() - start
-    return PipelineOutput(original, converted, done.records, done.plan, timings, done.ranges)
+    record.seconds += timings["reexport"]
+    return PipelineOutput(original, converted, [*done.records, record], done.plan, timings, done.ranges,
+                          {"path": "reexport", "reason": reason})  # fmt: skip
+
+
+def build_direct(
+    original: ExportedProgram, module: torch.fx.GraphModule, policy: PrecisionPolicy, inputs: Inputs
+) -> tuple[ExportedProgram | None, str]:
+    """The converted program lifted from the rewritten ``module`` and checked, or None and why not."""
+    example = original.example_inputs if original.example_inputs is not None else inputs
+    if example is not None and policy.low_precision_io:
+        example = lower_inputs(example, policy.low_dtype)
+    try:
+        program = lift(original, module, example)
+        prove(program, module, example)
+    except NotDirect as exc:
+        return None, str(exc)
+    except Exception as exc:  # a case lifting does not foresee: re-export, which does not depend on it
+        return None, f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+    return program, ""
 
 
 def collect_plan(gm: torch.fx.GraphModule) -> list[dict[str, Any]]:
