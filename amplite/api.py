@@ -319,6 +319,7 @@ def _report(
         warnings=warnings,
     )
     report.data["estimate"] = predicted
+    report.data["build"] = dict(out.build)
     return report
 
 

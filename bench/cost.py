@@ -55,6 +55,9 @@ def build_path(report: dict[str, Any] | None, timings: dict[str, float]) -> str:
     """
     if report and report.get("build_path"):
         return str(report["build_path"])
+    if report and isinstance(report.get("build"), dict):  # amplite's report: {"path", "reason"}
+        b = report["build"]
+        return "direct" if b.get("path") == "direct" else f"re-export ({b.get('reason') or 'fallback'})"
     direct = [k for k in REBUILD_KEYS[:-1] if k in timings]
     if direct and "reexport" in timings:
         return f"{direct[0]}, fell back to re-export"

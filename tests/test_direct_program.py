@@ -221,3 +221,14 @@ def test_a_buffer_written_in_place_keeps_its_in_graph_mutation() -> None:
     module = direct.converted.module()
     first, second = module(*inputs[0]), module(*inputs[0])
     assert torch.allclose(second - first, torch.ones_like(first), atol=0.02)  # the buffer counts calls
+
+
+def test_the_report_says_which_path_built_the_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    import amplite
+
+    model, inputs = _make("mlp")
+    direct = amplite.convert(model, inputs, precision="fp16", level="O1", verify=False).report.data["build"]
+    assert direct == {"path": "direct", "reason": ""}, f"the direct build was not reported: {direct}"
+    monkeypatch.setenv("AMPLITE_REEXPORT", "1")
+    forced = amplite.convert(model, inputs, precision="fp16", level="O1", verify=False).report.data["build"]
+    assert forced["path"] == "reexport" and "AMPLITE_REEXPORT" in forced["reason"], forced
