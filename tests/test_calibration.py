@@ -7,6 +7,7 @@ sharing their source's range), kept here only to pin the results: same keys, sam
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import pytest
@@ -203,3 +204,25 @@ def test_a_weight_changed_after_calibration_is_an_error_not_a_wrong_range() -> N
         gm.w.mul_(2.0)
     with pytest.raises(RuntimeError, match="changed in place after calibration"):
         _ = ranges["w"].max_abs
+
+
+def test_each_distinct_value_is_reduced_once_and_weights_only_when_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(3))
+    gm = program(_Tiny().eval(), ((x,), {}), decompose=True)
+    reduced: list[torch.Tensor] = []
+    update = ValueRange.update
+    monkeypatch.setattr(ValueRange, "update", lambda self, t, p=None: (reduced.append(t), update(self, t, p))[1])
+    ranges = collect_ranges(gm, [((x,), {})])
+    weights = {n.name for n in gm.graph.nodes if n.op == "get_attr"}
+    values = {n.name for n in gm.graph.nodes if n.op != "get_attr" and n.target not in _SAME_ELEMENTS
+              and n.target is not operator.getitem and n.op != "output" and _float(n)}
+    assert len(reduced) == len(values)  # no pass for weights, views, getitems of the same tensor, the output
+    assert len({id(t) for t in reduced}) == len(reduced)
+    _ = ranges["head_weight"].max_abs  # a weight's range is computed when read, and then is exact
+    assert len(reduced) == len(values) + 1 and weights <= set(ranges)
+
+
+def _float(n: torch.fx.Node) -> bool:
+    val = n.meta.get("val")
+    val = val[0] if isinstance(val, (tuple, list)) else val
+    return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
