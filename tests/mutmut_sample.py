@@ -21,6 +21,8 @@ META_ROOT = Path("mutants/amplite")
 EQUIVALENT = Path(__file__).with_name("mutmut_equivalent.txt")
 KILLED = {1, 3, -11, -9, 36, -24, 24, 152, 255}  # failed, pytest error, crash, timeout
 SURVIVED = {0, 5, 33}  # passed, or no test reaches the function
+STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 36: "timeout", -24: "timeout",
+          24: "timeout", 152: "timeout", 255: "timeout", -11: "crash", -9: "crash", None: "unchecked"}
 
 
 def _modules() -> dict[str, dict[str, int | None]]:
@@ -77,6 +79,13 @@ def score(names_by_module: dict[str, list[str]]) -> None:
     judged = total["killed"] + total["survived"]
     print(f"{'total':42s} {sum(map(len, names_by_module.values())):7d} {total['killed']:6d} {total['survived']:5d} "
           f"{total['equivalent']:6d} {total['unchecked']:6d} {total['killed'] / max(1, judged):6.1%}")
+    tally = Counter(
+        STATUS.get(codes_by_module[p].get(n), "suspicious") for p, ns in names_by_module.items() for n in ns
+    )
+    print("by mutmut status:", ", ".join(f"{k} {v}" for k, v in tally.most_common()))
+    by_function = Counter(name.rsplit("__mutmut_", 1)[0] for name in survivors)
+    for function, n in by_function.most_common():
+        print(f"survived: {n:3d} {function}")
     for name in survivors:
         print("survived:", name)
 
