@@ -31,10 +31,13 @@ bench: install
 	$(PY) bench/bench_convert.py
 
 # Mutation testing of the passes, policy, op tables, verification metrics and ops (config: [tool.mutmut]
-# in pyproject.toml; score and survivors: docs/testing.md). Not in CI: the full run takes hours on 2 cores,
-# the seeded 10 % sample (mutate-sample) about 40 minutes. Results are cached in mutants/ (a rerun only
-# tests what changed; `rm -rf mutants` for a fresh run).
-MUTMUT := OMP_NUM_THREADS=1 $(VENV)/bin/mutmut
+# in pyproject.toml; score and survivors: docs/testing.md). Not in CI: about 5800 mutants, 1.2-1.5 per second
+# with two workers on this machine (over an hour when it is shared); the seeded 10 % sample (mutate-sample)
+# (about 580 mutants) roughly 10 minutes. Each mutant runs its fastest tests up to MUTMUT_TEST_BUDGET seconds of recorded
+# test time (tests/mutmut_warmup.py; 0 = all). Results are cached in mutants/ (a rerun only tests what
+# changed; `rm -rf mutants` for a fresh run).
+MUTMUT_TEST_BUDGET ?= 3
+MUTMUT := OMP_NUM_THREADS=1 MUTMUT_TEST_BUDGET=$(MUTMUT_TEST_BUDGET) $(VENV)/bin/mutmut
 
 mutate-install: install
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,mutate]'

@@ -2,6 +2,7 @@
 
     python tests/mutmut_sample.py names [--share 0.1] [--seed 20] [--unchecked]   # the sample's mutant names
     python tests/mutmut_sample.py score [--share 0.1] [--seed 20] [--all]         # per-module kill rate
+    python tests/mutmut_sample.py equivalent-diffs   # what each listed equivalent mutant changes today
 
 The sample takes ``share`` of each module's mutants (at least 8), drawn with a fixed seed, so a sample run
 is reproducible for one mutmut version and one state of the code. Mutants listed in
@@ -21,6 +22,8 @@ META_ROOT = Path("mutants/amplite")
 EQUIVALENT = Path(__file__).with_name("mutmut_equivalent.txt")
 KILLED = {1, 3, -11, -9, 36, -24, 24, 152, 255}  # failed, pytest error, crash, timeout
 SURVIVED = {0, 5, 33}  # passed, or no test reaches the function
+STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 36: "timeout", -24: "timeout",
+          24: "timeout", 152: "timeout", 255: "timeout", -11: "crash", -9: "crash", None: "unchecked"}
 
 
 def _modules() -> dict[str, dict[str, int | None]]:
@@ -77,19 +80,50 @@ def score(names_by_module: dict[str, list[str]]) -> None:
     judged = total["killed"] + total["survived"]
     print(f"{'total':42s} {sum(map(len, names_by_module.values())):7d} {total['killed']:6d} {total['survived']:5d} "
           f"{total['equivalent']:6d} {total['unchecked']:6d} {total['killed'] / max(1, judged):6.1%}")
+    tally = Counter(
+        STATUS.get(codes_by_module[p].get(n), "suspicious") for p, ns in names_by_module.items() for n in ns
+    )
+    print("by mutmut status:", ", ".join(f"{k} {v}" for k, v in tally.most_common()))
+    by_function = Counter(name.rsplit("__mutmut_", 1)[0] for name in survivors)
+    for function, n in by_function.most_common():
+        print(f"survived: {n:3d} {function}")
     for name in survivors:
         print("survived:", name)
 
 
+def equivalent_diffs() -> None:
+    """Print each listed equivalent mutant's changed lines, so entries can be checked after a code change.
+
+    Mutant names are numbered per function: after an edit to a listed function the number may name another
+    mutation. An entry whose diff no longer matches its reason (or that no longer exists) must be renamed.
+    """
+    from mutmut.mutation.diff_apply import get_diff_for_mutant
+
+    codes = _modules()
+    for name, reason in equivalent().items():
+        module = name.split(".x")[0]
+        path = module.replace(".", "/") + ".py"
+        if name not in codes.get(path, {}):
+            print(f"MISSING {name}  ({reason})")
+            continue
+        diff = get_diff_for_mutant(name, path=path)
+        changed = [line for line in diff.splitlines() if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+        print(f"{name}  ({reason})")
+        for line in changed:
+            print("   ", line.strip())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["names", "score"])
+    parser.add_argument("command", choices=["names", "score", "equivalent-diffs"])
     parser.add_argument("--share", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=20)
     parser.add_argument("--unchecked", action="store_true", help="names: only those without a result yet")
     parser.add_argument("--all", action="store_true", help="score: every mutant, not the sample")
     args = parser.parse_args()
-    if args.command == "names":
+    if args.command == "equivalent-diffs":
+        equivalent_diffs()
+    elif args.command == "names":
         codes = _modules()
         for path, names in sample(args.share, args.seed).items():
             for name in names:

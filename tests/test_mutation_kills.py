@@ -843,3 +843,51 @@ def test_unify_rejects_groups_of_different_extents(a: tuple[int, ...], b: tuple[
     with pytest.raises(NotFusable) as info:
         eqn.unify(t, [t.new(n) for n in a], [t.new(n) for n in b])
     assert (info.value.reason, info.value.detail) == ("incompatible_factorization", "extents differ")
+
+
+# fusion: why a bias add after a contraction is or is not absorbed (full run of 2026-12-01)
+
+
+class _BiasAfterMatmul(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        ab = a @ b
+        if self.kind == "c+ab":
+            return c + ab
+        if self.kind == "c-ab":
+            return c - ab
+        if self.kind == "ab+1.5":
+            return ab + 1.5
+        if self.kind == "ab+c.half":
+            return ab + c.half()
+        return torch.add(ab, c, alpha=0.5)
+
+
+@pytest.mark.parametrize(
+    ("kind", "bias_fused", "reason"),
+    [
+        ("c+ab", True, None),  # a contraction on the right of add is a bias add too
+        ("alpha", True, None),  # add's alpha is absorbed with the bias
+        ("c-ab", False, "bias_not_tensor"),  # c - ab is not ab + bias
+        ("ab+1.5", False, "bias_not_tensor"),
+        ("ab+c.half", False, "bias_dtype"),
+    ],
+)
+def test_bias_add_after_a_contraction_is_absorbed_or_says_why(kind: str, bias_fused: bool, reason: str | None):
+    args = (torch.randn(3, 4), torch.randn(4, 5), torch.randn(3, 5))
+    gm = torch.export.export(_BiasAfterMatmul(kind), args, strict=False).module()
+    ref = gm(*args)
+    res = FuseContractions(dtypes=ALL_FLOATS, fuse_plain=True)(gm)
+    reasons = {r.reason for r in res.rejections}
+    adds = [n for n in gm.graph.nodes if n.target in (aten.add.Tensor, aten.sub.Tensor)]
+    assert res.counters["fused:matmul"] == 1, (res.counters, res.rejections)
+    assert (not adds) == bias_fused, f"{kind}: bias absorbed should be {bias_fused}, graph adds {adds}"
+    if reason is None:
+        assert not {r for r in reasons if r.startswith("bias")}, reasons
+    else:
+        assert reason in reasons, f"{kind}: the rejection must name {reason}, got {res.rejections}"
+    torch.testing.assert_close(gm(*args), ref, rtol=1e-3, atol=1e-3)
+
