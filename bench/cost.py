@@ -57,7 +57,9 @@ def build_path(report: dict[str, Any] | None, timings: dict[str, float]) -> str:
         return str(report["build_path"])
     if report and isinstance(report.get("build"), dict):  # amplite's report: {"path", "reason"}
         b = report["build"]
-        return "direct" if b.get("path") == "direct" else f"re-export ({b.get('reason') or 'fallback'})"
+        if b.get("path") in ("direct", "original"):
+            return str(b["path"])
+        return f"re-export ({b.get('reason') or 'fallback'})"
     direct = [k for k in REBUILD_KEYS[:-1] if k in timings]
     if direct and "reexport" in timings:
         return f"{direct[0]}, fell back to re-export"
