@@ -15,6 +15,7 @@ not read; only their views' ranges, computed on first read) cost no pass of thei
 from __future__ import annotations
 
 import copy
+import operator
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -159,7 +160,7 @@ def _instrument(gm: torch.fx.GraphModule, observer: _Observer, lazy_weights: boo
     weights: list[tuple[int, torch.Tensor]] = []
     nodes = list(gm.graph.nodes)
     for i, node in enumerate(nodes):
-        if node.op == "get_attr" and isinstance(t := _fetch(gm, node.target), torch.Tensor):
+        if node.op == "get_attr" and isinstance(t := operator.attrgetter(str(node.target))(gm), torch.Tensor):
             env[node] = graph.placeholder(node.name)
             weights.append((i, t))
     for i, node in enumerate(nodes):
@@ -249,8 +250,3 @@ class _Recorder(torch.fx.Interpreter):
         return out
 
 
-def _fetch(gm: torch.fx.GraphModule, target: str) -> object:
-    obj: object = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

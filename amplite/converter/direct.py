@@ -26,6 +26,7 @@ control-flow ops, script objects), module call graphs with more than the root si
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 from typing import Any
 
@@ -54,13 +55,6 @@ class _State:
     persistent: bool | None = None
 
 
-def _lookup(gm: torch.nn.Module, target: str) -> Any:
-    owner = gm
-    for part in target.split("."):
-        owner = getattr(owner, part)
-    return owner
-
-
 def _states(gm: torch.fx.GraphModule) -> list[_State]:
     """Parameters, buffers (tied names each), then the constants ``get_attr`` reads, as torch.export lifts them."""
     found: list[_State] = [_State(InputKind.PARAMETER, n, p) for n, p in gm.named_parameters(remove_duplicate=False)]
@@ -73,7 +67,7 @@ def _states(gm: torch.fx.GraphModule) -> list[_State]:
         found.append(_State(InputKind.BUFFER, name, buf, persistent=name not in non_persistent))
     seen = {id(s.value) for s in found}
     for node in gm.graph.find_nodes(op="get_attr"):
-        value = _lookup(gm, str(node.target))
+        value = operator.attrgetter(str(node.target))(gm)
         if not isinstance(value, torch.Tensor):
             raise NotDirect(f"get_attr {node.target} reads a {type(value).__name__}, not a tensor")
         if id(value) not in seen:
@@ -111,7 +105,7 @@ def _lift_states(
     states = _states(gm)
     readers: dict[int, list[torch.fx.Node]] = {}
     for node in graph.find_nodes(op="get_attr"):
-        readers.setdefault(id(_lookup(gm, str(node.target))), []).append(node)
+        readers.setdefault(id(operator.attrgetter(str(node.target))(gm)), []).append(node)
     first = next(iter(graph.nodes))
     input_specs: list[InputSpec] = []
     state_dict: dict[str, torch.Tensor] = {}
