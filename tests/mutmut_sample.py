@@ -3,11 +3,13 @@
     python tests/mutmut_sample.py names [--share 0.1] [--seed 20] [--unchecked]   # the sample's mutant names
     python tests/mutmut_sample.py score [--share 0.1] [--seed 20] [--all]         # per-module kill rate
     python tests/mutmut_sample.py equivalent-diffs   # what each listed equivalent mutant changes today
+    python tests/mutmut_sample.py survivors          # every survivor with its kept reason (or "NO REASON")
 
 The sample takes ``share`` of each module's mutants (at least 8), drawn with a fixed seed, so a sample run
 is reproducible for one mutmut version and one state of the code. Mutants listed in
-``tests/mutmut_equivalent.txt`` (name, then the reason) are equivalent: no test can kill them, and they are
-left out of the score.
+``tests/mutmut_equivalent*.txt`` (name, then the reason) are equivalent: no test can kill them, and they are
+left out of the score. Survivors that are not equivalent but are kept (a CUDA-only branch, say) are listed
+with their reason in ``tests/mutmut_kept*.txt``; they stay in the score as survivors.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from collections import Counter
 from pathlib import Path
 
 META_ROOT = Path("mutants/amplite")
-EQUIVALENT = Path(__file__).with_name("mutmut_equivalent.txt")
+TESTS = Path(__file__).parent
+EQUIVALENT_GLOB = "mutmut_equivalent*.txt"  # one file per area, so that parallel work does not collide
+KEPT_GLOB = "mutmut_kept*.txt"
 KILLED = {1, 3, -11, -9, 36, -24, 24, 152, 255}  # failed, pytest error, crash, timeout
 SURVIVED = {0, 5, 33}  # passed, or no test reaches the function
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 36: "timeout", -24: "timeout",
@@ -44,11 +48,33 @@ def sample(share: float, seed: int) -> dict[str, list[str]]:
     return out
 
 
+def _listed(glob: str) -> dict[str, str]:
+    """Mutant name -> reason, from every file matching ``glob`` beside this script."""
+    out: dict[str, str] = {}
+    for path in sorted(TESTS.glob(glob)):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        pairs = (line.split(None, 1) for line in lines if line.strip() and not line.startswith("#"))
+        out.update({p[0]: (p[1] if len(p) > 1 else "") for p in pairs})
+    return out
+
+
 def equivalent() -> dict[str, str]:
     """Mutant name -> why it is equivalent."""
-    lines = EQUIVALENT.read_text(encoding="utf-8").splitlines() if EQUIVALENT.exists() else []
-    pairs = (line.split(None, 1) for line in lines if line.strip() and not line.startswith("#"))
-    return {p[0]: (p[1] if len(p) > 1 else "") for p in pairs}
+    return _listed(EQUIVALENT_GLOB)
+
+
+def kept() -> dict[str, str]:
+    """Surviving (not equivalent) mutant name -> why no test kills it."""
+    return _listed(KEPT_GLOB)
+
+
+def survivors() -> None:
+    """Print every survivor of the cached run with its kept reason, ``NO REASON`` where none is listed."""
+    eq, why = equivalent(), kept()
+    for codes in _modules().values():
+        for name in sorted(codes):
+            if codes[name] in SURVIVED and name not in eq:
+                print(f"{name}  {why.get(name, 'NO REASON')}")
 
 
 def score(names_by_module: dict[str, list[str]]) -> None:
@@ -115,7 +141,7 @@ def equivalent_diffs() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["names", "score", "equivalent-diffs"])
+    parser.add_argument("command", choices=["names", "score", "equivalent-diffs", "survivors"])
     parser.add_argument("--share", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=20)
     parser.add_argument("--unchecked", action="store_true", help="names: only those without a result yet")
@@ -123,6 +149,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.command == "equivalent-diffs":
         equivalent_diffs()
+    elif args.command == "survivors":
+        survivors()
     elif args.command == "names":
         codes = _modules()
         for path, names in sample(args.share, args.seed).items():
