@@ -43,7 +43,8 @@ mutate-install: install
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,mutate]'
 
 mutate: mutate-install
-	$(MUTMUT) run --max-children 2 || true
+	@start=$$(date +%s); $(MUTMUT) run --max-children 2 || true; \
+	  echo "mutmut run: $$(( $$(date +%s) - start )) s wall"
 	$(PY) tests/mutmut_sample.py score --all
 
 mutate-sample: mutate-install
