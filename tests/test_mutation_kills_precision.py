@@ -3,3 +3,170 @@
 Each test pins a behaviour users rely on, with values chosen so that a wrong implementation is off clearly;
 docs/testing.md explains the loop (run mutants, read survivors, add a test or list an equivalent).
 """
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from amplite.converter.pipeline import strip_export_checks
+from amplite.passes.annotate_precision import AnnotatePrecision
+from amplite.passes.range_guard import SMALL_POW, RangeGuard, RangeRules, ValueRange
+from amplite.policy import Level, PrecisionPolicy, make_overrides
+
+aten = torch.ops.aten
+
+
+# --- the small-integer-pow rule: range_guard clears x**2 / x**3, annotate_precision lets it follow ---
+
+
+class _PowPlusOne(nn.Module):
+    """``x.pow(n) + 1``: the power's one reader is an add (not FP32)."""
+
+    def __init__(self, n: object) -> None:
+        super().__init__()
+        self.n = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.pow(self.n) + 1
+
+
+class _LinearPow(nn.Module):
+    """A linear (low at O1) feeding ``pow(2) + 1``: a following power computes in the linear's fp16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).pow(2) + 1
+
+
+class _PowOut(nn.Module):
+    """The power is the graph output: its only user is the output node, which has no decision."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.pow(2)
+
+
+class _PowMean(nn.Module):
+    """RMSNorm's ``x.pow(2).mean()``: the reader is an FP32 reduction."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.pow(2).mean(-1)
+
+
+@functools.cache
+def _exported(key: str) -> torch.fx.GraphModule:
+    models = {
+        "pow2": _PowPlusOne(2), "pow3": _PowPlusOne(3), "pow2.0": _PowPlusOne(2.0), "pow4": _PowPlusOne(4),
+        "pow2.5": _PowPlusOne(2.5), "powTrue": _PowPlusOne(True), "pow1": _PowPlusOne(1),
+        "linear_pow": _LinearPow(), "pow_out": _PowOut(), "pow_mean": _PowMean(),
+    }
+    gm = torch.export.export(models[key].eval(), (torch.randn(2, 4),), strict=False).module()
+    strip_export_checks(gm)
+    return gm
+
+
+def _fresh(key: str) -> torch.fx.GraphModule:
+    """The cached export of ``key`` with every amplite annotation removed (the passes only write meta)."""
+    gm = _exported(key)
+    for node in gm.graph.nodes:
+        for k in [k for k in node.meta if k.startswith("amplite_")]:
+            del node.meta[k]
+    return gm
+
+
+def _pow_node(gm: torch.fx.GraphModule) -> torch.fx.Node:
+    return next(n for n in gm.graph.nodes if n.target is aten.pow.Tensor_Scalar)
+
+
+def _guard_pow(key: str, dtype: torch.dtype, ranges: dict | None = None, rules: RangeRules | None = None) -> tuple:
+    gm = _fresh(key)
+    result = RangeGuard(ranges or {}, rules or RangeRules(), dtype)(gm)
+    node = _pow_node(gm)
+    return node.meta.get("amplite_range_low"), node.meta.get("amplite_range"), dict(result.counters)
+
+
+@pytest.mark.parametrize("key", ["pow2", "pow3", "pow2.0"])
+def test_bf16_square_and_cube_are_cleared_without_a_range(key: str) -> None:
+    """bf16 has FP32's exponent range: x**2 and x**3 (int or float 2.0) may follow their input, no range needed."""
+    low, kept, counters = _guard_pow(key, torch.bfloat16)
+    assert (low, kept) == (SMALL_POW, None)
+    assert counters == {"low_ok:small-integer-pow": 1}
+
+
+@pytest.mark.parametrize("key", ["pow4", "pow2.5", "powTrue", "pow1"])
+def test_other_exponents_are_not_small_integer_pows(key: str) -> None:
+    """x**4, x**2.5, x**True and x**1 are not the 2-or-3 multiplies the rule is about: no clearance, no counter."""
+    for dtype in (torch.bfloat16, torch.float16):
+        low, kept, counters = _guard_pow(key, dtype, {"pow_1": ValueRange(max_abs=1.0)})
+        assert (low, kept, counters) == (None, None, {}), (key, dtype)
+
+
+def test_fp16_square_needs_a_calibrated_range_within_data_max() -> None:
+    """fp16: cleared only when the power's calibrated |x^n| was seen and is <= data_max (equal is allowed)."""
+    assert _guard_pow("pow2", torch.float16) == (None, None, {}), "no calibrated range: stays on the FP32 list"
+    assert _guard_pow("pow2", torch.float16, {"x": ValueRange(max_abs=1.0)}) == (None, None, {}), "only its input's"
+    at_limit = _guard_pow("pow3", torch.float16, {"pow_1": ValueRange(max_abs=512.0)})
+    assert at_limit == (SMALL_POW, None, {"low_ok:small-integer-pow": 1})
+    custom = _guard_pow("pow2", torch.float16, {"pow_1": ValueRange(max_abs=8.0)}, RangeRules(data_max=8.0))
+    assert custom[0] == SMALL_POW, "the limit is the configured data_max"
+    over = _guard_pow("pow2", torch.float16, {"pow_1": ValueRange(max_abs=600.0)})
+    # the power and its reader (the add, whose input is the power) are both kept FP32 by the activation rule
+    assert over == (None, "range:activation output |x|=600>512", {"kept_fp32:range:activation": 2})
+
+
+def test_fp16_square_over_data_max_is_not_cleared_even_when_the_percentile_rule_passes_it() -> None:
+    """With a percentile, the activation rule ignores a rare 600; the pow rule still judges the true maximum."""
+    rules = RangeRules(percentile=99.0)
+    ranges = {"pow_1": ValueRange(max_abs=600.0, percentile_abs=1.0)}
+    assert _guard_pow("pow2", torch.float16, ranges, rules) == (None, None, {})
+    ranges = {"pow_1": ValueRange(max_abs=500.0, percentile_abs=1.0)}
+    assert _guard_pow("pow2", torch.float16, ranges, rules)[0] == SMALL_POW
+
+
+def _plan(gm: torch.fx.GraphModule, level: Level, precision: str = "fp16", **kw: object) -> dict[str, dict]:
+    AnnotatePrecision(PrecisionPolicy(precision, level, **kw))(gm)
+    return {n.name: n.meta["amplite_precision"] for n in gm.graph.nodes if "amplite_precision" in n.meta}
+
+
+def _cleared(key: str) -> torch.fx.GraphModule:
+    gm = _fresh(key)
+    _pow_node(gm).meta["amplite_range_low"] = SMALL_POW
+    return gm
+
+
+@pytest.mark.parametrize("level", [Level.O1, Level.O2])
+def test_cleared_square_follows_its_low_input(level: Level) -> None:
+    """A cleared pow after an fp16 linear computes in fp16 with the rule's reason (O1 and O2)."""
+    plan = _plan(_cleared("linear_pow"), level)
+    assert plan["pow_1"] == {"mode": "follow", "dtype": torch.float16, "reason": SMALL_POW}
+    plan = _plan(_fresh("linear_pow"), level)
+    assert plan["pow_1"] == {"mode": "fp32", "dtype": torch.float32, "reason": "fp32-list:transcendental"}
+
+
+def test_cleared_square_at_o0_and_o3_keeps_the_level_decision() -> None:
+    """O0 converts nothing and O3 runs everything low: the pow rule changes neither."""
+    assert _plan(_cleared("linear_pow"), Level.O0)["pow_1"]["reason"] == "level:O0"
+    assert _plan(_cleared("linear_pow"), Level.O3)["pow_1"] == {
+        "mode": "low", "dtype": torch.float16, "reason": "level:O3"}
+
+
+def test_cleared_square_read_by_an_fp32_op_keeps_fp32_squares() -> None:
+    """RMSNorm's x.pow(2).mean(): the mean is FP32, so its squares stay FP32; the graph output is no FP32 reader."""
+    plan = _plan(_cleared("pow_mean"), Level.O1)
+    assert plan["pow_1"]["mode"] == "fp32" and plan["pow_1"]["reason"] == "fp32-list:transcendental"
+    plan = _plan(_cleared("pow_out"), Level.O1)
+    assert plan["pow_1"]["reason"] == SMALL_POW, "a power returned as the output follows its input"
+
+
+def test_user_overrides_win_over_the_pow_rule() -> None:
+    """A user's keep/force stays as it is on a cleared pow."""
+    keep = _plan(_cleared("linear_pow"), Level.O1, overrides=make_overrides(keep_fp32=["op:pow"]))
+    assert keep["pow_1"] == {"mode": "fp32", "dtype": torch.float32, "reason": "user:keep op:pow"}
+    low = _plan(_cleared("linear_pow"), Level.O1, overrides=make_overrides(force_low=["op:pow"]))
+    assert low["pow_1"] == {"mode": "low", "dtype": torch.float16, "reason": "user:low op:pow"}
