@@ -170,3 +170,91 @@ def test_user_overrides_win_over_the_pow_rule() -> None:
     assert keep["pow_1"] == {"mode": "fp32", "dtype": torch.float32, "reason": "user:keep op:pow"}
     low = _plan(_cleared("linear_pow"), Level.O1, overrides=make_overrides(force_low=["op:pow"]))
     assert low["pow_1"] == {"mode": "low", "dtype": torch.float16, "reason": "user:low op:pow"}
+
+
+# --- ValueRange.update: exact maximum, percentile, strided underflow statistics ---
+
+
+def test_value_range_percentile_is_the_kth_smallest_magnitude_and_its_max_over_batches() -> None:
+    """percentile p picks the ceil(p/100 * n)-th smallest |x| (at least the first); batches keep the largest."""
+    t = torch.arange(1.0, 101.0) * torch.tensor([1.0, -1.0]).repeat(50)  # |x| = 1..100, half negative
+    r = ValueRange()
+    r.update(t)
+    assert r.percentile_abs is None and r.max_abs == 100.0, "no percentile asked: none kept"
+    r.update(t, percentile=50.5)  # 50.5 % of 100 = 50.5 -> the 51st smallest
+    assert r.percentile_abs == 51.0
+    r.update(t / 10, percentile=50.5)  # 5.1 < 51: the larger stays
+    assert r.percentile_abs == 51.0
+    r.update(t * 2, percentile=50.5)
+    assert r.percentile_abs == 102.0 and r.max_abs == 200.0
+    low = ValueRange()
+    low.update(t, percentile=0.0)
+    assert low.percentile_abs == 1.0, "percentile 0 is the smallest |x| (k is at least 1)"
+    top = ValueRange()
+    top.update(t, percentile=100.0)
+    assert top.percentile_abs == 100.0
+
+
+def test_value_range_percentile_ignores_non_finite_and_empty_values() -> None:
+    """NaN/Inf never enter the percentile sample; empty or all-non-finite tensors change nothing."""
+    r = ValueRange()
+    r.update(torch.tensor([float("inf"), float("nan"), 1.0, -2.0, 3.0, 4.0, float("-inf")]), percentile=100.0)
+    assert (r.percentile_abs, r.max_abs) == (4.0, 4.0)
+    r.update(torch.tensor([float("nan"), float("inf")]), percentile=100.0)
+    assert (r.percentile_abs, r.max_abs) == (4.0, 4.0)
+    empty = ValueRange()
+    empty.update(torch.tensor([]), percentile=99.0)
+    empty.update(torch.tensor([float("nan")]), percentile=99.0)
+    assert (empty.percentile_abs, empty.max_abs, empty.sampled_nonzero) == (None, 0.0, 0)
+
+
+@pytest.mark.parametrize(("numel", "expected"), [(1 << 20, 5.0), ((1 << 20) + 2, 1.0)])
+def test_value_range_percentile_samples_every_element_up_to_2_20(numel: int, expected: float) -> None:
+    """Up to 2^20 elements every |x| counts; above, a stride of numel // 2^20 + 1 (here 2: the even ones)."""
+    t = torch.ones(numel)
+    t[1::2] = -5.0  # the odd elements, skipped by a stride of 2
+    r = ValueRange()
+    r.update(t, percentile=100.0)
+    assert r.percentile_abs == expected
+    assert r.max_abs == 5.0, "the maximum is exact, never sampled"
+
+
+def test_value_range_maximum_of_magnitudes_ignores_non_finite() -> None:
+    """max |x| takes the negative side too; NaN/Inf are dropped; an all-Inf batch changes nothing."""
+    for t, expected in [([-3.0, 1.0], 3.0), ([-1.0, 3.0], 3.0), ([float("inf"), -3.0, float("nan")], 3.0)]:
+        r = ValueRange()
+        r.update(torch.tensor(t))
+        assert r.max_abs == expected, t
+    r = ValueRange()
+    r.update(torch.tensor([float("inf"), float("-inf")]))
+    assert (r.max_abs, r.sampled_nonzero) == (0.0, 0)
+
+
+def test_value_range_counts_non_zeros_below_fp16_normal_for_tiny_values() -> None:
+    """Only values whose max |x| < 2^-10 are sampled: non-zeros counted, those strictly below 2^-14 are tiny."""
+    t = torch.tensor([0.0, 0.0, 1e-6, -1e-6, 1e-6, 2.0**-14, 1e-4, -5e-4])
+    r = ValueRange()
+    r.update(t)
+    assert (r.sampled_nonzero, r.sampled_tiny) == (6, 3)
+    assert r.tiny_share == 0.5
+    r.update(torch.tensor([float("nan"), 1e-6, 0.0]))  # a NaN is dropped, the rest still sampled
+    assert (r.sampled_nonzero, r.sampled_tiny) == (7, 4)
+    at_limit = ValueRange()
+    at_limit.update(torch.tensor([2.0**-10, 1e-6]))
+    assert (at_limit.sampled_nonzero, at_limit.tiny_share) == (0, 0.0), "max |x| = 2^-10: not sampled"
+    below = ValueRange()
+    below.update(torch.tensor([2.0**-11, 1e-6]))
+    assert (below.sampled_nonzero, below.sampled_tiny) == (2, 1)
+    below.update(torch.tensor([1.0]))
+    below.update(torch.tensor([1e-6, 1e-6]))  # the running maximum is now 1: no longer sampled
+    assert (below.sampled_nonzero, below.sampled_tiny) == (2, 1)
+
+
+@pytest.mark.parametrize(("numel", "nonzero"), [(4096, 2048), (4098, 0)])
+def test_value_range_underflow_sample_strides_above_4096(numel: int, nonzero: int) -> None:
+    """Up to 2^12 elements all are sampled; above, every (numel // 4096 + 1)-th (here the even ones, all zero)."""
+    t = torch.zeros(numel)
+    t[1::2] = 1e-6
+    r = ValueRange()
+    r.update(t)
+    assert (r.sampled_nonzero, r.sampled_tiny) == (nonzero, nonzero)
