@@ -258,3 +258,111 @@ def test_value_range_underflow_sample_strides_above_4096(numel: int, nonzero: in
     r = ValueRange()
     r.update(t)
     assert (r.sampled_nonzero, r.sampled_tiny) == (nonzero, nonzero)
+
+
+# --- AnnotatePrecision._plan_node / _predict_out: compute dtype, reason, counters, predicted output dtypes ---
+
+
+class _Mixed(nn.Module):
+    """One node per branch of the plan: low-list, follow with a 0-dim operand, float64, integers only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, i: torch.Tensor, d: torch.Tensor) -> tuple:
+        h = self.fc(x)  # linear: low
+        a = h + y  # y is a 0-dim fp32 tensor: it does not widen the add
+        b = x.sum(-1, dtype=torch.float64)  # produces float64 from fp32
+        c = x + d  # d is float64
+        e = i + 1  # integers only: no plan
+        f = torch.arange(4) / 2  # float result, no float operand
+        v, idx = h.max(-1)  # two outputs: values and indices
+        return a, b, c, e, f, v, idx
+
+
+_MIXED_INPUTS = (torch.randn(2, 4), torch.tensor(2.0), torch.arange(4), torch.randn(2, 4, dtype=torch.float64))
+
+
+@functools.cache
+def _mixed_export() -> torch.fx.GraphModule:
+    gm = torch.export.export(_Mixed().eval(), _MIXED_INPUTS, strict=False).module()
+    strip_export_checks(gm)
+    return gm
+
+
+def _mixed(level: Level, precision: str = "fp16") -> tuple[dict, dict, dict]:
+    gm = _mixed_export()
+    for node in gm.graph.nodes:
+        for k in [k for k in node.meta if k.startswith("amplite_")]:
+            del node.meta[k]
+    result = AnnotatePrecision(PrecisionPolicy(precision, level))(gm)
+    plan = {n.name: n.meta.get("amplite_precision") for n in gm.graph.nodes}
+    out = {n.name: n.meta["amplite_out_dtype"] for n in gm.graph.nodes}
+    return plan, out, dict(result.counters)
+
+
+def test_plan_of_each_branch_at_o1() -> None:
+    """O1 fp16: linear low; the add follows its fp16 tensor, not its 0-dim fp32 operand; float64 is kept;
+    integer-only ops get no plan; a float result without float operands has no compute dtype."""
+    f16, f32, f64 = torch.float16, torch.float32, torch.float64
+    plan, out, counters = _mixed(Level.O1)
+    assert plan["linear"] == {"mode": "low", "dtype": f16, "reason": "low-list:linear"}
+    assert plan["add"] == {"mode": "follow", "dtype": f16, "reason": "follow-inputs"}
+    assert out["add"] == f16
+    assert plan["sum_1"] == {"mode": "follow", "dtype": f32, "reason": "float64-kept"}, "float64 output is kept"
+    assert out["sum_1"] == f64, "an explicit dtype= keeps its output dtype"
+    assert plan["add_1"] == {"mode": "follow", "dtype": f64, "reason": "float64-kept"}
+    assert out["add_1"] == f64
+    assert plan["add_2"] is None and out["add_2"] == torch.int64, "integer-only op: no plan"
+    assert plan["arange"] is None
+    assert plan["div"] == {"mode": "follow", "dtype": None, "reason": "no-float-operands"}
+    assert out["div"] == f32
+    assert out["x"] == f32 and out["i"] == torch.int64 and out["output"] is None
+    assert plan["max_1"] == {"mode": "follow", "dtype": f16, "reason": "follow-inputs"}
+    # follow: add, sum_1, add_1, div, max_1; compute fp16: linear, add, max_1 (div has none)
+    assert counters == {
+        "nodes:low": 1, "nodes:follow": 5, "compute:float16": 3, "compute:float32": 1, "compute:float64": 1,
+    }, counters
+
+
+def test_plan_at_o3_bf16_runs_low_and_predicts_multi_output_dtypes() -> None:
+    """O3 bf16: float ops compute in bfloat16; max.dim's values take bf16, its indices stay int64, and the
+    getitems read those dtypes from the tuple."""
+    bf = torch.bfloat16
+    plan, out, counters = _mixed(Level.O3, "bf16")
+    assert plan["linear"] == {"mode": "low", "dtype": bf, "reason": "level:O3"}
+    assert plan["max_1"] == {"mode": "low", "dtype": bf, "reason": "level:O3"}
+    assert out["max_1"] == (bf, torch.int64)
+    assert out["getitem"] == bf and out["getitem_1"] == torch.int64
+    assert out["add"] == bf
+    assert plan["add_1"]["reason"] == "float64-kept" and out["add_1"] == torch.float64
+    assert counters["compute:bfloat16"] == 3 and counters["nodes:low"] == 3, counters
+
+
+def _inplace_graph(dest: torch.Tensor, src: torch.Tensor) -> torch.fx.GraphModule:
+    """``dest.add_(src)`` as a hand-built graph (export functionalises in-place ops away)."""
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    a.meta["val"], b.meta["val"] = dest, src
+    node = graph.call_function(aten.add_.Tensor, (a, b))
+    node.meta["val"] = dest
+    graph.output(node)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.mark.parametrize("level", [Level.O1, Level.O3])
+def test_in_place_op_computes_in_its_destination_dtype(level: Level) -> None:
+    """An in-place op cannot change its destination's dtype: it computes in it (O3's 'low' included);
+    an integer destination leaves no compute dtype."""
+    gm = _inplace_graph(torch.zeros(3, dtype=torch.bfloat16), torch.zeros(3))
+    result = AnnotatePrecision(PrecisionPolicy("fp16", level))(gm)
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    assert node.meta["amplite_precision"] == {"mode": "follow", "dtype": torch.bfloat16, "reason": "in-place"}
+    assert node.meta["amplite_out_dtype"] == torch.bfloat16
+    assert dict(result.counters) == {"nodes:follow": 1, "compute:bfloat16": 1}
+    gm = _inplace_graph(torch.zeros(3, dtype=torch.int64), torch.zeros(3))
+    AnnotatePrecision(PrecisionPolicy("fp16", level))(gm)
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    assert node.meta["amplite_precision"] == {"mode": "follow", "dtype": None, "reason": "in-place"}
+    assert node.meta["amplite_out_dtype"] == torch.int64
