@@ -366,3 +366,54 @@ def test_in_place_op_computes_in_its_destination_dtype(level: Level) -> None:
     node = next(n for n in gm.graph.nodes if n.op == "call_function")
     assert node.meta["amplite_precision"] == {"mode": "follow", "dtype": None, "reason": "in-place"}
     assert node.meta["amplite_out_dtype"] == torch.int64
+
+
+# --- RangeGuard._depth: long reductions stay FP32 at any low dtype ---
+
+
+class _Reductions(nn.Module):
+    """Reductions over 4097 elements (one more than the default limit) and over 2."""
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        return (
+            x.sum(-1),  # 4097 per output
+            x.mean(0),  # 2 per output
+            x.cumsum(-1),  # a running sum along the 4097-long dim
+            torch.softmax(x, -1),  # normalises over 4097
+            torch.softmax(x, 0),  # over 2
+            aten.var_mean.correction(x, [-1]),  # two outputs, each over 4097
+            x.sum(),  # 8194 into one
+        )
+
+
+@functools.cache
+def _reductions_export() -> torch.fx.GraphModule:
+    gm = torch.export.export(_Reductions(), (torch.randn(2, 4097),), strict=False).module()
+    strip_export_checks(gm)
+    return gm
+
+
+def _depth_flags(rules: RangeRules, dtype: torch.dtype) -> tuple[dict[str, str], dict]:
+    gm = _reductions_export()
+    for node in gm.graph.nodes:
+        node.meta.pop("amplite_range", None)
+    result = RangeGuard({}, rules, dtype)(gm)
+    flags = {str(n.target).removeprefix("aten."): n.meta["amplite_range"] for n in gm.graph.nodes
+             if "amplite_range" in n.meta}
+    return flags, dict(result.counters)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reductions_deeper_than_the_limit_are_kept_fp32(dtype: torch.dtype) -> None:
+    """Depth = elements folded into each output (softmax/cumsum: the length of their dim); strictly above
+    the limit is flagged, for fp16 and bf16 alike."""
+    flags, counters = _depth_flags(RangeRules(), dtype)
+    deep = "range:reduction-depth 4097>4096"
+    assert flags == {
+        "sum.dim_IntList": deep, "cumsum.default": deep, "softmax.int": deep, "var_mean.correction": deep,
+        "sum.default": "range:reduction-depth 8194>4096",
+    }, flags
+    assert counters == {"kept_fp32:range:reduction-depth": 5}
+    flags, _ = _depth_flags(RangeRules(max_reduction_depth=4097), dtype)
+    assert flags == {"sum.default": "range:reduction-depth 8194>4097"}, "a depth equal to the limit is allowed"
+    assert _depth_flags(RangeRules(max_reduction_depth=None), dtype) == ({}, {}), "None: no depth limit"
