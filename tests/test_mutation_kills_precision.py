@@ -417,3 +417,68 @@ def test_reductions_deeper_than_the_limit_are_kept_fp32(dtype: torch.dtype) -> N
     flags, _ = _depth_flags(RangeRules(max_reduction_depth=4097), dtype)
     assert flags == {"sum.default": "range:reduction-depth 8194>4097"}, "a depth equal to the limit is allowed"
     assert _depth_flags(RangeRules(max_reduction_depth=None), dtype) == ({}, {}), "None: no depth limit"
+
+
+# --- RangeGuard._activation / _underflow on x -> pow_1 -> add, with given ranges ---
+
+
+def _flags(key: str, ranges: dict, rules: RangeRules | None = None, dtype: torch.dtype = torch.float16) -> tuple:
+    gm = _fresh(key)
+    result = RangeGuard(ranges, rules or RangeRules(), dtype)(gm)
+    flags = {n.name: n.meta["amplite_range"] for n in gm.graph.nodes if "amplite_range" in n.meta}
+    return flags, dict(result.counters)
+
+
+def test_percentile_activation_rule_flags_overflow_and_percentiles_above_data_max() -> None:
+    """With a percentile: a max above 65504 is flagged whatever the percentile; otherwise the percentile is
+    judged against data_max (strictly above); a value without a percentile falls back to its maximum."""
+    pct = RangeRules(percentile=99.9)
+    assert _flags("pow2", {"x": ValueRange(max_abs=70000.0, percentile_abs=1.0)}, pct) == (
+        {"pow_1": "range:activation input x |x|=7e+04>65504"}, {"kept_fp32:range:activation": 1})
+    assert _flags("pow2", {"x": ValueRange(max_abs=65504.0, percentile_abs=1.0)}, pct) == ({}, {})
+    flags, _ = _flags("pow2", {"x": ValueRange(max_abs=1000.0, percentile_abs=600.0)}, pct)
+    assert flags == {"pow_1": "range:activation input x p99.9|x|=600>512"}
+    assert _flags("pow2", {"x": ValueRange(max_abs=1000.0, percentile_abs=512.0)}, pct) == ({}, {})
+    flags, _ = _flags("pow2", {"x": ValueRange(max_abs=600.0)}, pct)
+    assert flags == {"pow_1": "range:activation input x |x|=600>512"}, "no percentile recorded: the maximum"
+    flags, _ = _flags("pow2", {"x": ValueRange(max_abs=600.0, percentile_abs=1.0)})
+    assert flags == {"pow_1": "range:activation input x |x|=600>512"}, "no percentile rule: the maximum"
+
+
+def test_activation_rule_reads_every_input_and_skips_missing_ranges() -> None:
+    """A node is judged on its output and each input with a range (a missing one is skipped, not the end)."""
+    flags, counters = _flags("pow2", {"pow_1": ValueRange(max_abs=1000.0)})
+    assert flags == {"pow_1": "range:activation output |x|=1e+03>512",
+                     "add": "range:activation input pow_1 |x|=1e+03>512"}
+    assert counters == {"kept_fp32:range:activation": 2}
+
+
+def _tiny(max_abs: float = 1e-4, nonzero: int = 10, tiny: int = 6) -> ValueRange:
+    return ValueRange(max_abs=max_abs, sampled_nonzero=nonzero, sampled_tiny=tiny)
+
+
+def test_underflow_rule_flags_mostly_subnormal_small_values_in_fp16_only() -> None:
+    """More than half the non-zeros below 2^-14, with max |x| < 2^-10: the node and its readers stay FP32."""
+    flags, counters = _flags("pow2", {"pow_1": _tiny()})
+    assert flags == {
+        "pow_1": "range:underflow output 60% of non-zeros <2^-14 (|x|max=0.0001)",
+        "add": "range:underflow input pow_1 60% of non-zeros <2^-14 (|x|max=0.0001)",
+    }, flags
+    assert counters == {"kept_fp32:range:underflow": 2}
+    assert _flags("pow2", {"pow_1": _tiny(tiny=5)})[0] == {}, "a share equal to the limit is allowed"
+    assert _flags("pow2", {"pow_1": _tiny(max_abs=2.0**-10)})[0] == {}, "max |x| = 2^-10: rounding is harmless"
+    assert _flags("pow2", {"pow_1": _tiny(tiny=3)}, RangeRules(data_underflow_share=0.25))[0] != {}
+    assert _flags("pow2", {"pow_1": _tiny()}, dtype=torch.bfloat16) == ({}, {"low_ok:small-integer-pow": 1})
+
+
+def test_activation_rule_is_reported_before_underflow() -> None:
+    """When an input is too large and the output mostly subnormal, the activation reason is the one given."""
+    flags, _ = _flags("pow2", {"x": ValueRange(max_abs=600.0), "pow_1": _tiny()})
+    assert flags["pow_1"] == "range:activation input x |x|=600>512"
+    assert flags["add"].startswith("range:underflow input pow_1 60%")
+
+
+def test_weight_ranges_are_not_judged_as_activations_or_underflow() -> None:
+    """get_attr inputs (the weights) have their own rule: their calibrated range never flags a reader."""
+    ranges = {"fc_weight": ValueRange(max_abs=1000.0), "fc_bias": _tiny(tiny=10)}
+    assert _flags("linear_pow", ranges)[0] == {}
