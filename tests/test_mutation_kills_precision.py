@@ -482,3 +482,71 @@ def test_weight_ranges_are_not_judged_as_activations_or_underflow() -> None:
     """get_attr inputs (the weights) have their own rule: their calibrated range never flags a reader."""
     ranges = {"fc_weight": ValueRange(max_abs=1000.0), "fc_bias": _tiny(tiny=10)}
     assert _flags("linear_pow", ranges)[0] == {}
+
+
+# --- AnnotatePrecision._decisions / _discrete_decisions: range flags, discrete-decision rule ---
+
+
+class _ArgmaxChain(nn.Module):
+    """x -> linear -> relu -> argmax: the argmax and the producers of the values it reads stay FP32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        h = self.fc(x)
+        return h.relu().argmax(-1), h * 2  # the mul reads the linear but feeds no decision
+
+
+@functools.cache
+def _argmax_export() -> torch.fx.GraphModule:
+    gm = torch.export.export(_ArgmaxChain().eval(), (torch.randn(2, 4),), strict=False).module()
+    strip_export_checks(gm)
+    return gm
+
+
+def _argmax_plan(level: Level, **kw: object) -> dict[str, dict]:
+    gm = _argmax_export()
+    for node in gm.graph.nodes:
+        for k in [k for k in node.meta if k.startswith("amplite_")]:
+            del node.meta[k]
+    return _plan(gm, level, **kw)
+
+
+@pytest.mark.parametrize("level", [Level.O1, Level.O2])
+def test_discrete_decision_keeps_its_value_producers_fp32(level: Level) -> None:
+    """The argmax, the relu it reads and the linear before it compute in FP32 ('discrete-decision'); the
+    mul that only shares the linear's input keeps its own plan."""
+    plan = _argmax_plan(level)
+    for name in ("argmax", "relu", "linear"):
+        assert plan[name] == {"mode": "fp32", "dtype": torch.float32, "reason": "discrete-decision"}, name
+    assert plan["mul"]["reason"] != "discrete-decision"
+    expected = {Level.O1: ("follow-inputs", torch.float32), Level.O2: ("level:O2", torch.float16)}[level]
+    assert (plan["mul"]["reason"], plan["mul"]["dtype"]) == expected, "O1: it follows the FP32 linear"
+
+
+def test_discrete_decision_rule_leaves_o3_and_user_force_low_alone() -> None:
+    """O3 runs everything low; a user's force-low on the linear wins over the fidelity rule."""
+    plan = _argmax_plan(Level.O3)
+    assert plan["linear"]["reason"] == "level:O3" and plan["relu"]["reason"] == "level:O3"
+    plan = _argmax_plan(Level.O1, overrides=make_overrides(force_low=["op:linear"]))
+    assert plan["linear"] == {"mode": "low", "dtype": torch.float16, "reason": "user:low op:linear"}
+    assert plan["relu"]["reason"] == "discrete-decision"
+
+
+def test_range_flag_turns_a_low_decision_fp32_but_not_a_user_one() -> None:
+    """range_guard's flag makes a low/follow node FP32 with the flag as reason; a user override still wins;
+    an op already on the FP32 list keeps its table reason."""
+    gm = _fresh("linear_pow")
+    linear = next(n for n in gm.graph.nodes if n.target is aten.linear.default)
+    add = next(n for n in gm.graph.nodes if n.target is aten.add.Tensor)
+    linear.meta["amplite_range"] = "range:activation output |x|=600>512"
+    add.meta["amplite_range"] = "range:activation input pow_1 |x|=600>512"
+    _pow_node(gm).meta["amplite_range"] = "range:activation output |x|=600>512"
+    plan = _plan(gm, Level.O1)
+    assert plan["linear"] == {"mode": "fp32", "dtype": torch.float32, "reason": "range:activation output |x|=600>512"}
+    assert plan["add"]["reason"] == "range:activation input pow_1 |x|=600>512"
+    assert plan["pow_1"]["reason"] == "fp32-list:transcendental"
+    plan = _plan(gm, Level.O1, overrides=make_overrides(force_low=["op:linear"]))
+    assert plan["linear"]["reason"] == "user:low op:linear"
