@@ -550,3 +550,13 @@ def test_range_flag_turns_a_low_decision_fp32_but_not_a_user_one() -> None:
     assert plan["pow_1"]["reason"] == "fp32-list:transcendental"
     plan = _plan(gm, Level.O1, overrides=make_overrides(force_low=["op:linear"]))
     assert plan["linear"]["reason"] == "user:low op:linear"
+
+
+def test_analysis_passes_report_the_graph_unmodified() -> None:
+    """range_guard and annotate_precision only write metadata: their results say modified is False."""
+    gm = _fresh("pow2")
+    guard = RangeGuard({}, RangeRules(), torch.bfloat16)(gm)
+    assert guard.modified is False and guard.graph_module is gm
+    plan = AnnotatePrecision(PrecisionPolicy("fp16", Level.O1))(gm)
+    assert plan.modified is False and plan.graph_module is gm
+    assert dict(plan.counters) == {"nodes:follow": 2, "compute:float32": 2}, "the cleared pow and the add follow x"
