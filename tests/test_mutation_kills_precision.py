@@ -14,7 +14,7 @@ from torch import nn
 
 from amplite.converter.pipeline import strip_export_checks
 from amplite.passes.annotate_precision import AnnotatePrecision
-from amplite.passes.range_guard import SMALL_POW, RangeGuard, RangeRules, ValueRange
+from amplite.passes.range_guard import SMALL_POW, RangeGuard, RangeRules, ValueRange, weight_reason
 from amplite.policy import Level, PrecisionPolicy, make_overrides
 
 aten = torch.ops.aten
@@ -560,3 +560,24 @@ def test_analysis_passes_report_the_graph_unmodified() -> None:
     plan = AnnotatePrecision(PrecisionPolicy("fp16", Level.O1))(gm)
     assert plan.modified is False and plan.graph_module is gm
     assert dict(plan.counters) == {"nodes:follow": 2, "compute:float32": 2}, "the cleared pow and the add follow x"
+
+
+# --- weight_reason: the fp16 weight rule on one tensor ---
+
+
+def test_weight_reason_ignores_integer_and_empty_tensors() -> None:
+    """Only non-empty floating tensors are judged: an int64 buffer of 1e5 is no fp16 overflow."""
+    assert weight_reason(torch.tensor([100000, 3]), RangeRules()) is None
+    assert weight_reason(torch.zeros(0), RangeRules()) is None
+    assert weight_reason(torch.tensor([100000.0]), RangeRules()) == "range:weight-overflow |w|=1e+05"
+
+
+@pytest.mark.parametrize(("numel", "expected"), [
+    (1 << 20, "range:weight-underflow 50.0% flush to zero"),  # every element is read
+    ((1 << 20) + 2, None),  # stride 2: only the even (0.5) elements are read
+])
+def test_weight_reason_reads_every_value_up_to_2_20(numel: int, expected: str | None) -> None:
+    """The flush-to-zero share is exact up to 2^20 values, then estimated with a stride of numel // 2^20 + 1."""
+    t = torch.full((numel,), 0.5)
+    t[1::2] = 1e-9  # flushes to zero in fp16
+    assert weight_reason(t, RangeRules()) == expected
