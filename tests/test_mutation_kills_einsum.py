@@ -140,7 +140,8 @@ def test_fold_batchnorm_matches_conv_then_bn_and_drops_the_old_tensors(
     params = dict(gm.named_parameters())
     assert set(params) == {"amplite_folded_0_weight", "amplite_folded_0_bias"}, set(params)
     assert not dict(gm.named_buffers()), "the BN statistics are dropped with the rest"
-    assert params["amplite_folded_0_weight"].shape == t["w"].shape and not params["amplite_folded_0_weight"].requires_grad
+    new_w = params["amplite_folded_0_weight"]
+    assert new_w.shape == t["w"].shape and not new_w.requires_grad
     conv = next(n for n in gm.graph.nodes if n.op == "call_function")
     assert [a.target for a in conv.args[1:3]] == ["amplite_folded_0_weight", "amplite_folded_0_bias"]
     assert len(conv.args) == 3, conv.args
@@ -161,7 +162,8 @@ def test_two_folds_get_distinct_names_after_an_existing_one() -> None:
     assert result.counters == {"folded": 2, "tensors_dropped": 12}, result.counters
     torch.testing.assert_close(gm(x), want, rtol=1e-4, atol=1e-4)
     names = {n for n, _ in gm.named_parameters()}
-    assert names == {"amplite_folded_0_weight"} | {f"amplite_folded_{i}_{k}" for i in (1, 2) for k in ("weight", "bias")}
+    new = {f"amplite_folded_{i}_{k}" for i in (1, 2) for k in ("weight", "bias")}
+    assert names == {"amplite_folded_0_weight"} | new, names
     assert gm.amplite_folded_0_weight.shape == (1,), "an existing folded tensor is never overwritten"
     assert gm.amplite_folded_1_weight.shape == t1["w"].shape and gm.amplite_folded_2_weight.shape == t2["w"].shape
 
@@ -278,7 +280,8 @@ def test_folded_tensors_get_fake_values_of_the_weight_mode() -> None:
 def test_exact_conversions_are_the_widening_float_ones() -> None:
     """fp16/bf16 → fp32/fp64 and fp32 → fp64 are exact, as is any dtype to itself; narrowing or fp16↔bf16 is not."""
     floats = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-    exact = {(a, b) for a in floats for b in floats if a == b or (floats.index(b) >= 2 and floats.index(a) < floats.index(b))}
+    rank = {dt: i for i, dt in enumerate(floats)}
+    exact = {(a, b) for a in floats for b in floats if a == b or (rank[b] >= 2 and rank[a] < rank[b])}
     for a in floats:
         for b in floats:
             assert gu.is_exact_conversion(a, b) == ((a, b) in exact), (a, b)
@@ -368,7 +371,7 @@ def test_make_cast_inherits_location_and_records_dtype() -> None:
     cast = gu.make_cast(g, x, torch.bfloat16)
     assert (cast.target, cast.args, cast.kwargs) == (aten._to_copy.default, (x,), {"dtype": torch.bfloat16})
     assert cast.meta["val"].dtype == torch.bfloat16 and cast.meta["amplite_cast"] is True
-    assert cast.meta["nn_module_stack"] == x.meta["nn_module_stack"] and cast.meta["stack_trace"] == x.meta["stack_trace"]
+    assert all(cast.meta[k] == x.meta[k] for k in ("nn_module_stack", "stack_trace"))
     bare = gu.make_cast(g, _node(g, None, "y"), torch.float16)
     assert "val" not in bare.meta and "nn_module_stack" not in bare.meta and "stack_trace" not in bare.meta
     assert gu.cast_dtype(cast) == torch.bfloat16
