@@ -3,3 +3,160 @@
 Each test pins a behaviour users rely on, with values chosen so that a wrong implementation is off clearly;
 docs/testing.md explains the loop (run mutants, read survivors, add a test or list an equivalent).
 """
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+import torch
+from torch import nn
+
+import amplite.ops  # noqa: F401  (registers amplite::contract)
+from amplite.passes.fuse_contractions import FuseContractions
+
+aten = torch.ops.aten
+CONTRACT = torch.ops.amplite.contract.default
+ALL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _h(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).half()
+
+
+class _AfterMatmul(nn.Module):
+    """``a @ b.t()`` (fp16, 4x5) followed by one of the neighbours the pass must stop at and record."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        ab = a @ b.t()
+        k = self.kind
+        if k == "second_bias":
+            return ab + c + c
+        if k == "cast_then_bias":
+            return ab.float() + c.float()
+        if k == "cast":
+            return ab.float()
+        if k == "bias_dtype":
+            return ab + c.float()
+        if k == "tensor_scale":
+            return ab * c
+        if k == "number_add":
+            return ab + 1.5
+        if k == "self_add":
+            return ab + ab
+        if k == "sub_from":
+            return c - ab
+        return ab  # "plain": the contraction result is the graph output
+
+
+# (kind, rejection records, whether an add/sub/mul stays after the contract). The details are the ones
+# ``_note_output_stop`` writes: "<node>: bias <other operand, or ? when both operands are the contraction>
+# not absorbed", the dtypes of a bias_dtype mismatch, and for an output cast what the contract returns and
+# the add after the cast that is therefore not absorbed.
+_STOPS = [
+    ("second_bias", [("add_1", "second_bias", "add_1: bias c not absorbed")]),
+    ("cast_then_bias", [("to", "output_cast",
+                         "contract returns torch.float16; the torch.float32 bias add add after it is not absorbed")]),
+    ("cast", [("to", "output_cast", "contract returns torch.float16")]),
+    ("bias_dtype", [("add", "bias_dtype", "add: bias to not absorbed (torch.float32 vs torch.float16)")]),
+    ("tensor_scale", [("mul", "tensor_scale", "scaling by a tensor is not absorbed")]),
+    ("number_add", [("add", "bias_not_tensor", "add: bias 1.5 not absorbed")]),
+    ("self_add", [("add", "bias_not_tensor", "add: bias ? not absorbed")]),
+    ("sub_from", [("sub", "bias_not_tensor", "sub: bias c not absorbed")]),
+    ("plain", []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "want"), _STOPS, ids=[s[0] for s in _STOPS])
+def test_output_chain_stop_is_recorded_with_its_reason_and_detail(kind: str, want: list[tuple[str, str, str]]) -> None:
+    """Where the output chain stops, the report names the node, the reason and what was not absorbed."""
+    args = (_h(4, 6), _h(5, 6), _h(4, 5))
+    gm = torch.export.export(_AfterMatmul(kind), args, strict=False).module()
+    ref = gm(*args)
+    res = FuseContractions()(gm)
+    got = [asdict(r) for r in res.rejections]
+    assert got == [{"node": n, "rule": "matmul", "reason": r, "detail": d} for n, r, d in want], got
+    counters = {k: v for k, v in res.counters.items() if v}
+    expected = {"fused:matmul": 1, "absorbed:transpose": 1, "absorbed:bias": int(kind == "second_bias")}
+    expected.update({f"rejected:{r}": 1 for _, r, _ in want})
+    assert counters == {k: v for k, v in expected.items() if v}, counters
+    torch.testing.assert_close(gm(*args).float(), ref.float(), rtol=3e-3, atol=3e-3)
+
+
+class _Inner(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return (a.transpose(0, 1).contiguous() @ b.permute(1, 0)) * 0.5 + c
+
+
+class _Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Inner()
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return self.inner(a, b, c)
+
+
+def test_replacement_is_one_contract_with_the_original_provenance_and_records() -> None:
+    """0.5 * (a^T b^T) + c becomes contract('ab,ca->bc', a, b, c, alpha=0.5, beta=1): no other node left.
+
+    The contract keeps the matmul's module path and stack trace (the report and per-module overrides read
+    them), names what it absorbed operand chain first (source to consumer), then the output tail, and the
+    counters count each absorbed node by kind.
+    """
+    args = (torch.randn(6, 4), torch.randn(5, 6), torch.randn(4, 5))
+    gm = torch.export.export(_Outer(), args, strict=False).module()
+    ref = gm(*args)
+    mm = next(n for n in gm.graph.nodes if n.target is aten.matmul.default)
+    provenance = {k: mm.meta[k] for k in ("nn_module_stack", "stack_trace")}
+    assert "_Inner" in str(provenance["nn_module_stack"]) and provenance["stack_trace"]
+    res = FuseContractions(dtypes=ALL_FLOATS)(gm)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert [n.target for n in calls] == [CONTRACT], gm.graph  # every absorbed node is erased
+    (fused,) = calls
+    a, b, c = (n for n in gm.graph.nodes if n.op == "placeholder")
+    assert fused.args == ("ab,ca->bc", a, b, c, 0.5, 1.0)
+    assert {k: fused.meta[k] for k in provenance} == provenance
+    absorbed = ["transpose", "contiguous", "permute", "mul", "add"]
+    assert fused.meta["amplite_contract"] == {"rule": "matmul", "absorbed": absorbed}
+    assert list(fused.meta["val"].shape) == [4, 5] and fused.meta["val"].dtype == torch.float32
+    assert res.details == {
+        "fused": [{"node": fused.name, "rule": "matmul", "equation": "ab,ca->bc", "absorbed": absorbed}],
+        "rejected": [],
+    }
+    assert {k: v for k, v in res.counters.items() if v} == {
+        "fused:matmul": 1, "absorbed:transpose": 1, "absorbed:contiguous": 1, "absorbed:permute": 1,
+        "absorbed:scale": 1, "absorbed:bias": 1,
+    }  # fmt: skip
+    assert res.modified
+    torch.testing.assert_close(gm(*args), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_no_bias_means_beta_zero_and_a_cast_in_the_chain_keeps_the_export_check_on_the_source() -> None:
+    """a.t().half() @ b: the cast is applied to ``a`` itself, the transpose is erased, and export's dtype
+    check that read the transpose now reads ``a``; with no bias the contract's beta is 0."""
+    args = (torch.randn(6, 4), _h(6, 5))
+    gm = torch.export.export(_Fn2(), args, strict=False).module()
+    ref = gm(*args)
+    res = FuseContractions()(gm)
+    gm.graph.lint()
+    a = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    (check,) = [n for n in gm.graph.nodes if n.target is aten._assert_tensor_metadata.default]
+    assert check.args[0] is a
+    assert aten.t.default not in {n.target for n in gm.graph.nodes}
+    (fused,) = [n for n in gm.graph.nodes if n.target is CONTRACT]
+    assert fused.args[3] is None and fused.args[4:] == (1.0, 0.0), fused.args
+    assert fused.args[1].args[0] is a and fused.args[1].meta["val"].dtype == torch.float16
+    assert res.fused[0].absorbed == ["t", "to"]
+    assert {k: v for k, v in res.counters.items() if v} == {"fused:matmul": 1, "absorbed:transpose": 1,
+                                                             "absorbed:cast": 1}
+    torch.testing.assert_close(gm(*args), ref, rtol=2e-3, atol=2e-3)
+
+
+class _Fn2(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a.t().half() @ b
