@@ -160,3 +160,79 @@ def test_no_bias_means_beta_zero_and_a_cast_in_the_chain_keeps_the_export_check_
 class _Fn2(nn.Module):
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a.t().half() @ b
+
+
+class _Fn(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        k = self.kind
+        if k == "expand":
+            return a.expand(3, 4) @ b
+        if k == "merge_a":
+            return a.reshape(6, 4) @ b
+        if k == "merge_k":
+            return a.reshape(2, 12) @ b
+        if k == "clone":
+            return a.clone() @ b
+        if k == "scale":
+            return (a * 2.0) @ b
+        return a @ b
+
+
+_NOTHING = "nothing_to_absorb"
+# (kind, a shape, b shape, dtypes, rejections as (node, reason, detail), counters of a fused result).
+_PLANS = [
+    # FP32 is left alone by default; the detail names the dtype.
+    ("plain", (3, 4), (4, 5), None, [("matmul", "dtype_not_enabled", "torch.float32")], {}),
+    # A bare matmul absorbs nothing: not replaced (cuBLAS runs it as well).
+    ("plain", (3, 4), (4, 5), ALL_FLOATS, [("matmul", _NOTHING, "0 free view(s) absorbed, 0 new view(s) needed")], {}),
+    # Only an expand gives output mode 3: the retry keeps it as the source, then nothing is left to absorb.
+    ("expand", (1, 4), (4, 5), ALL_FLOATS, [("expand", "broadcast_only_mode", "not absorbed into matmul"),
+                                             ("matmul", _NOTHING, "0 free view(s) absorbed, 0 new view(s) needed")], {}),
+    # A merge of a's leading dims is absorbed (the result is viewed back): one free view saved.
+    ("merge_a", (2, 3, 4), (4, 5), ALL_FLOATS, [], {"fused:matmul": 1, "absorbed:view": 1}),
+    # A merge of the contracted dims needs a split view of b: one view saved, one added, so no gain.
+    ("merge_k", (2, 3, 4), (12, 5), ALL_FLOATS, [("matmul", _NOTHING, "1 free view(s) absorbed, 1 new view(s) needed")], {}),
+    # A clone or a scaling is a kernel eager runs: absorbing it always pays.
+    ("clone", (3, 4), (4, 5), ALL_FLOATS, [], {"fused:matmul": 1, "absorbed:contiguous": 1}),
+    ("scale", (3, 4), (4, 5), ALL_FLOATS, [], {"fused:matmul": 1, "absorbed:scale": 1}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "sa", "sb", "dtypes", "want", "fused"), _PLANS)
+def test_plan_gain_decides_and_explains_what_is_fused(
+    kind: str, sa: tuple, sb: tuple, dtypes: tuple | None, want: list, fused: dict
+) -> None:
+    """Whether a contraction is replaced follows its gain (kernels saved, views saved net of new ones), and
+    each decision not to fuse reaches the report with its reason and detail."""
+    args = (torch.randn(sa), torch.randn(sb))
+    gm = torch.export.export(_Fn(kind), args, strict=False).module()
+    ref = gm(*args)
+    res = FuseContractions() if dtypes is None else FuseContractions(dtypes=dtypes)
+    out = res(gm)
+    got = [asdict(r) for r in out.rejections]
+    assert got == [{"node": n, "rule": "matmul", "reason": r, "detail": d} for n, r, d in want], got
+    counters = {k: v for k, v in out.counters.items() if v}
+    want_counters = dict(fused)
+    for _, r, _ in want:
+        key = f"skipped:{r}" if r == _NOTHING else f"rejected:{r}"
+        want_counters[key] = want_counters.get(key, 0) + 1
+    assert counters == want_counters, counters
+    assert out.modified == bool(fused)
+    assert (CONTRACT in {n.target for n in gm.graph.nodes}) == bool(fused)
+    torch.testing.assert_close(gm(*args), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fuse_plain_replaces_a_contraction_that_absorbs_nothing() -> None:
+    """fuse_plain=True: a bare matmul becomes a contract all the same, with nothing absorbed."""
+    args = (torch.randn(3, 4), torch.randn(4, 5))
+    gm = torch.export.export(_Fn("plain"), args, strict=False).module()
+    res = FuseContractions(dtypes=ALL_FLOATS, fuse_plain=True)(gm)
+    assert res.rejections == [] and {k: v for k, v in res.counters.items() if v} == {"fused:matmul": 1}
+    assert [asdict(f) for f in res.fused] == [
+        {"node": "contract_default", "rule": "matmul", "equation": "ab,bc->ac", "absorbed": []}
+    ]
+    torch.testing.assert_close(gm(*args), args[0] @ args[1], rtol=1e-5, atol=1e-5)
