@@ -6,6 +6,8 @@ docs/testing.md explains the loop (run mutants, read survivors, add a test or li
 
 from __future__ import annotations
 
+import operator
+from collections import Counter
 from dataclasses import asdict
 
 import pytest
@@ -183,19 +185,21 @@ class _Fn(nn.Module):
 
 
 _NOTHING = "nothing_to_absorb"
+_NONE_FREE = "0 free view(s) absorbed, 0 new view(s) needed"
 # (kind, a shape, b shape, dtypes, rejections as (node, reason, detail), counters of a fused result).
 _PLANS = [
     # FP32 is left alone by default; the detail names the dtype.
     ("plain", (3, 4), (4, 5), None, [("matmul", "dtype_not_enabled", "torch.float32")], {}),
     # A bare matmul absorbs nothing: not replaced (cuBLAS runs it as well).
-    ("plain", (3, 4), (4, 5), ALL_FLOATS, [("matmul", _NOTHING, "0 free view(s) absorbed, 0 new view(s) needed")], {}),
+    ("plain", (3, 4), (4, 5), ALL_FLOATS, [("matmul", _NOTHING, _NONE_FREE)], {}),
     # Only an expand gives output mode 3: the retry keeps it as the source, then nothing is left to absorb.
     ("expand", (1, 4), (4, 5), ALL_FLOATS, [("expand", "broadcast_only_mode", "not absorbed into matmul"),
-                                             ("matmul", _NOTHING, "0 free view(s) absorbed, 0 new view(s) needed")], {}),
+                                             ("matmul", _NOTHING, _NONE_FREE)], {}),
     # A merge of a's leading dims is absorbed (the result is viewed back): one free view saved.
     ("merge_a", (2, 3, 4), (4, 5), ALL_FLOATS, [], {"fused:matmul": 1, "absorbed:view": 1}),
     # A merge of the contracted dims needs a split view of b: one view saved, one added, so no gain.
-    ("merge_k", (2, 3, 4), (12, 5), ALL_FLOATS, [("matmul", _NOTHING, "1 free view(s) absorbed, 1 new view(s) needed")], {}),
+    ("merge_k", (2, 3, 4), (12, 5), ALL_FLOATS,
+     [("matmul", _NOTHING, "1 free view(s) absorbed, 1 new view(s) needed")], {}),
     # A clone or a scaling is a kernel eager runs: absorbing it always pays.
     ("clone", (3, 4), (4, 5), ALL_FLOATS, [], {"fused:matmul": 1, "absorbed:contiguous": 1}),
     ("scale", (3, 4), (4, 5), ALL_FLOATS, [], {"fused:matmul": 1, "absorbed:scale": 1}),
@@ -236,3 +240,132 @@ def test_fuse_plain_replaces_a_contraction_that_absorbs_nothing() -> None:
         {"node": "contract_default", "rule": "matmul", "equation": "ab,bc->ac", "absorbed": []}
     ]
     torch.testing.assert_close(gm(*args), args[0] @ args[1], rtol=1e-5, atol=1e-5)
+
+
+# --- passes/base.py: the pass manager --------------------------------------------------------------------
+
+from amplite.errors import ConfigError, InternalError  # noqa: E402
+from amplite.passes.base import PassManager, PassResult, call_function_nodes  # noqa: E402
+
+
+class _AddOne(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x) + 1
+
+
+def _traced() -> torch.fx.GraphModule:
+    return torch.fx.symbolic_trace(_AddOne())
+
+
+class _Rewrite:
+    """Turns relu into sigmoid in the graph (without recompiling), reporting ``modified``."""
+
+    name = "rewrite"
+
+    def __init__(self, say_modified: bool = True) -> None:
+        self.say_modified = say_modified
+
+    def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+        for n in call_function_nodes(gm):
+            if n.target is torch.relu:
+                n.target = torch.sigmoid
+        return PassResult(gm, self.say_modified, Counter({"rewritten": 1}))
+
+
+class _Noop:
+    name = "noop"
+
+    def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+        return PassResult(gm, False)
+
+
+class _Raise:
+    def __init__(self, exc: Exception, name: str = "crash") -> None:
+        self.exc, self.name = exc, name
+
+    def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+        raise self.exc
+
+
+class _Break:
+    """Leaves a node that reads an erased one: ``graph.lint()`` rejects it."""
+
+    name = "break"
+
+    def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+        relu = next(n for n in gm.graph.nodes if n.target is torch.relu)
+        add = next(iter(relu.users))
+        add.args = (relu.args[0], 1)
+        gm.graph.erase_node(relu)
+        gm.graph.create_node("call_function", torch.neg, (relu,))  # reads the erased relu
+        return PassResult(gm, True)
+
+
+def test_pass_manager_records_each_pass_and_recompiles_once_after_a_change() -> None:
+    """Records name, modified, counters (a plain dict), time and details ({} when none) per pass, in order;
+    a pass that changed the graph (even if a later one did not) gets the module's code regenerated."""
+    gm = _traced()
+    x = torch.tensor([-1.0, 0.0, 2.0])
+    out, records = PassManager([_Rewrite(), _Noop()])(gm)
+    assert out is gm
+    assert [(r.name, r.modified, r.counters, r.details) for r in records] == [
+        ("rewrite", True, {"rewritten": 1}, {}),
+        ("noop", False, {}, {}),
+    ]
+    assert all(type(r.counters) is dict and 0 <= r.seconds < 5 for r in records)
+    torch.testing.assert_close(gm(x), torch.sigmoid(x) + 1)  # the regenerated code runs the sigmoid
+
+
+def test_pass_manager_leaves_code_alone_when_no_pass_says_it_changed_the_graph() -> None:
+    """No pass reports a change: the module's Python code is not regenerated (still runs relu)."""
+    gm = _traced()
+    x = torch.tensor([-1.0, 0.0, 2.0])
+    PassManager([_Rewrite(say_modified=False)])(gm)
+    torch.testing.assert_close(gm(x), torch.relu(x) + 1)
+
+
+def test_pass_manager_lints_after_a_modifying_pass_unless_told_not_to() -> None:
+    """A rewrite that leaves a dangling node is caught by the lint after that pass (lint=True, the default)."""
+    with pytest.raises(RuntimeError):
+        PassManager([_Break()])(_traced())
+    _, (record,) = PassManager([_Break()], lint=False)(_traced())
+    assert record.modified
+
+
+def test_pass_manager_lint_default_is_on() -> None:
+    """The constructor's default lints."""
+    assert PassManager([]).lint is True and PassManager([], lint=False).lint is False
+
+
+@pytest.mark.parametrize(
+    ("exc", "message"),
+    [
+        (KeyError("boom"), "amplite bug: pass crash failed: KeyError: 'boom'"),
+        (ValueError("  first line\nsecond line"), "amplite bug: pass crash failed: ValueError: first line"),
+        (ValueError(""), "amplite bug: pass crash failed: ValueError: "),
+        (ValueError("x" * 300), "amplite bug: pass crash failed: ValueError: " + "x" * 200),
+    ],
+)
+def test_a_crashing_pass_is_reported_as_an_amplite_bug(exc: Exception, message: str) -> None:
+    """A pass's own exception becomes InternalError naming the pass, the type and the message's first
+    line (stripped, at most 200 characters), chained to the original."""
+    with pytest.raises(InternalError) as info:
+        PassManager([_Noop(), _Raise(exc)])(_traced())
+    assert info.value.problem == message
+    assert info.value.__cause__ is exc
+
+
+def test_a_users_error_from_a_pass_passes_through_unchanged() -> None:
+    """An AmpliteError (the user's problem, with its fix) is not rewrapped as an amplite bug."""
+    err = ConfigError("bad option", "use another")
+    with pytest.raises(ConfigError) as info:
+        PassManager([_Raise(err)])(_traced())
+    assert info.value is err
+
+
+def test_call_function_nodes_is_an_ordered_snapshot() -> None:
+    """Only call_function nodes, in graph order, as a list that erasing nodes does not disturb."""
+    gm = _traced()
+    nodes = call_function_nodes(gm)
+    assert isinstance(nodes, list) and [n.target for n in nodes] == [torch.relu, operator.add]
+    assert all(n.op == "call_function" for n in nodes)
