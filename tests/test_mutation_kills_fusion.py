@@ -369,3 +369,70 @@ def test_call_function_nodes_is_an_ordered_snapshot() -> None:
     nodes = call_function_nodes(gm)
     assert isinstance(nodes, list) and [n.target for n in nodes] == [torch.relu, operator.add]
     assert all(n.op == "call_function" for n in nodes)
+
+
+class _Tail(nn.Module):
+    """A contraction (a @ b.t(), or addmm) followed by constant scalings and a bias add."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> object:
+        k = self.kind
+        if k == "addmm":
+            return torch.addmm(c, a, b.t(), beta=0.5, alpha=3.0) * 2.0
+        ab = a @ b.t()
+        if k == "sub":
+            return ab - c
+        if k == "add_alpha":
+            return torch.add(ab, c, alpha=0.5)
+        if k == "sub_alpha":
+            return torch.sub(ab, c, alpha=2)
+        if k == "bias_then_scale":
+            return (ab + c) * 2.0
+        if k == "div_then_bias":
+            return ab / 4.0 + c
+        if k == "left_scale":
+            return 2.0 * ab
+        if k == "shared_scale":
+            return ab * 0.5, ab
+        return ab + c, ab  # "shared_bias"
+
+
+_SHARED = [("matmul", "shared_intermediate", "output scaling/bias not absorbed")]
+# (kind, rule, bias absorbed, alpha, beta, rejections): out = alpha * (a b^T) + beta * c.
+_TAILS = [
+    ("sub", "matmul", True, 1.0, -1.0, []),  # ab - c
+    ("add_alpha", "matmul", True, 1.0, 0.5, []),  # ab + 0.5 c
+    ("sub_alpha", "matmul", True, 1.0, -2.0, []),  # ab - 2 c
+    ("bias_then_scale", "matmul", True, 2.0, 2.0, []),  # 2 (ab + c)
+    ("div_then_bias", "matmul", True, 0.25, 1.0, []),  # ab / 4 + c
+    ("left_scale", "matmul", False, 2.0, 0.0, []),  # 2 ab, no bias: beta 0
+    ("addmm", "addmm", True, 6.0, 1.0, []),  # 2 (0.5 c + 3 ab)
+    ("shared_scale", "matmul", False, 1.0, 0.0, _SHARED),  # ab also returned: nothing after it is absorbed
+    ("shared_bias", "matmul", False, 1.0, 0.0, _SHARED),
+]
+
+
+@pytest.mark.parametrize(("kind", "rule", "bias", "alpha", "beta", "want"), _TAILS, ids=[t[0] for t in _TAILS])
+def test_output_scalings_and_bias_fold_into_alpha_and_beta(
+    kind: str, rule: str, bias: bool, alpha: float, beta: float, want: list
+) -> None:
+    """Scalings after the contraction multiply alpha (and beta once a bias is in); a bias add/sub sets beta
+    to +-add's alpha; a result that is also used elsewhere keeps its scaling/bias, and says so."""
+    args = (torch.randn(4, 6), torch.randn(5, 6), torch.randn(4, 5))
+    gm = torch.export.export(_Tail(kind), args, strict=False).module()
+    ref = gm(*args)
+    res = FuseContractions(dtypes=ALL_FLOATS)(gm)
+    (fused,) = [n for n in gm.graph.nodes if n.target is CONTRACT]
+    c = [n for n in gm.graph.nodes if n.op == "placeholder"][2]
+    assert fused.args[3:] == ((c if bias else None), alpha, beta), fused.args
+    assert [asdict(r) for r in res.rejections] == [
+        {"node": n, "rule": rule, "reason": r, "detail": d} for n, r, d in want
+    ]
+    absorbed_add = bias and rule != "addmm"  # addmm's own bias is an input, not an absorbed add node
+    assert res.counters[f"fused:{rule}"] == 1 and res.counters["absorbed:bias"] == int(absorbed_add)
+    got = gm(*args)
+    for g, r in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,), strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
