@@ -26,6 +26,18 @@ def _h(*shape: int) -> torch.Tensor:
     return torch.randn(*shape).half()
 
 
+_EXPORTED: dict[tuple[str, str], torch.export.ExportedProgram] = {}
+
+
+def _module(model: nn.Module, kind: str, args: tuple) -> torch.fx.GraphModule:
+    """A fresh exported GraphModule of ``model`` (kind ``kind``); the export itself is done once, at import
+    (see the end of this file), so that each test costs milliseconds and runs within the mutant budget."""
+    key = (type(model).__name__, kind)
+    if key not in _EXPORTED:
+        _EXPORTED[key] = torch.export.export(model, args, strict=False)
+    return _EXPORTED[key].module()
+
+
 class _AfterMatmul(nn.Module):
     """``a @ b.t()`` (fp16, 4x5) followed by one of the neighbours the pass must stop at and record."""
 
@@ -77,7 +89,7 @@ _STOPS = [
 def test_output_chain_stop_is_recorded_with_its_reason_and_detail(kind: str, want: list[tuple[str, str, str]]) -> None:
     """Where the output chain stops, the report names the node, the reason and what was not absorbed."""
     args = (_h(4, 6), _h(5, 6), _h(4, 5))
-    gm = torch.export.export(_AfterMatmul(kind), args, strict=False).module()
+    gm = _module(_AfterMatmul(kind), kind, args)
     ref = gm(*args)
     res = FuseContractions()(gm)
     got = [asdict(r) for r in res.rejections]
@@ -111,7 +123,7 @@ def test_replacement_is_one_contract_with_the_original_provenance_and_records() 
     counters count each absorbed node by kind.
     """
     args = (torch.randn(6, 4), torch.randn(5, 6), torch.randn(4, 5))
-    gm = torch.export.export(_Outer(), args, strict=False).module()
+    gm = _module(_Outer(), "", args)
     ref = gm(*args)
     mm = next(n for n in gm.graph.nodes if n.target is aten.matmul.default)
     provenance = {k: mm.meta[k] for k in ("nn_module_stack", "stack_trace")}
@@ -142,7 +154,7 @@ def test_no_bias_means_beta_zero_and_a_cast_in_the_chain_keeps_the_export_check_
     """a.t().half() @ b: the cast is applied to ``a`` itself, the transpose is erased, and export's dtype
     check that read the transpose now reads ``a``; with no bias the contract's beta is 0."""
     args = (torch.randn(6, 4), _h(6, 5))
-    gm = torch.export.export(_Fn2(), args, strict=False).module()
+    gm = _module(_Fn2(), "", args)
     ref = gm(*args)
     res = FuseContractions()(gm)
     gm.graph.lint()
@@ -213,7 +225,7 @@ def test_plan_gain_decides_and_explains_what_is_fused(
     """Whether a contraction is replaced follows its gain (kernels saved, views saved net of new ones), and
     each decision not to fuse reaches the report with its reason and detail."""
     args = (torch.randn(sa), torch.randn(sb))
-    gm = torch.export.export(_Fn(kind), args, strict=False).module()
+    gm = _module(_Fn(kind), kind, args)
     ref = gm(*args)
     res = FuseContractions() if dtypes is None else FuseContractions(dtypes=dtypes)
     out = res(gm)
@@ -233,7 +245,7 @@ def test_plan_gain_decides_and_explains_what_is_fused(
 def test_fuse_plain_replaces_a_contraction_that_absorbs_nothing() -> None:
     """fuse_plain=True: a bare matmul becomes a contract all the same, with nothing absorbed."""
     args = (torch.randn(3, 4), torch.randn(4, 5))
-    gm = torch.export.export(_Fn("plain"), args, strict=False).module()
+    gm = _module(_Fn("plain"), "plain", args)
     res = FuseContractions(dtypes=ALL_FLOATS, fuse_plain=True)(gm)
     assert res.rejections == [] and {k: v for k, v in res.counters.items() if v} == {"fused:matmul": 1}
     assert [asdict(f) for f in res.fused] == [
@@ -422,7 +434,7 @@ def test_output_scalings_and_bias_fold_into_alpha_and_beta(
     """Scalings after the contraction multiply alpha (and beta once a bias is in); a bias add/sub sets beta
     to +-add's alpha; a result that is also used elsewhere keeps its scaling/bias, and says so."""
     args = (torch.randn(4, 6), torch.randn(5, 6), torch.randn(4, 5))
-    gm = torch.export.export(_Tail(kind), args, strict=False).module()
+    gm = _module(_Tail(kind), kind, args)
     ref = gm(*args)
     res = FuseContractions(dtypes=ALL_FLOATS)(gm)
     (fused,) = [n for n in gm.graph.nodes if n.target is CONTRACT]
@@ -436,3 +448,14 @@ def test_output_scalings_and_bias_fold_into_alpha_and_beta(
     got = gm(*args)
     for g, r in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,), strict=True):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+# Export every model once at import (shapes only matter to export; each test draws its own values).
+for _kind, _ in _STOPS:
+    _module(_AfterMatmul(_kind), _kind, (_h(4, 6), _h(5, 6), _h(4, 5)))
+for _kind, _sa, _sb, *_ in _PLANS:
+    _module(_Fn(_kind), _kind, (torch.randn(_sa), torch.randn(_sb)))
+for _kind, *_ in _TAILS:
+    _module(_Tail(_kind), _kind, (torch.randn(4, 6), torch.randn(5, 6), torch.randn(4, 5)))
+_module(_Outer(), "", (torch.randn(6, 4), torch.randn(5, 6), torch.randn(4, 5)))
+_module(_Fn2(), "", (torch.randn(6, 4), _h(6, 5)))
