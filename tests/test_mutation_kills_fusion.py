@@ -193,6 +193,8 @@ class _Fn(nn.Module):
             return a.clone() @ b
         if k == "scale":
             return (a * 2.0) @ b
+        if k == "two":
+            return (a @ b) @ b.t()
         return a @ b
 
 
@@ -202,6 +204,9 @@ _NONE_FREE = "0 free view(s) absorbed, 0 new view(s) needed"
 _PLANS = [
     # FP32 is left alone by default; the detail names the dtype.
     ("plain", (3, 4), (4, 5), None, [("matmul", "dtype_not_enabled", "torch.float32")], {}),
+    # Two rejections for one reason count 2.
+    ("two", (3, 4), (4, 5), None, [("matmul", "dtype_not_enabled", "torch.float32"),
+                                   ("matmul_1", "dtype_not_enabled", "torch.float32")], {}),
     # A bare matmul absorbs nothing: not replaced (cuBLAS runs it as well).
     ("plain", (3, 4), (4, 5), ALL_FLOATS, [("matmul", _NOTHING, _NONE_FREE)], {}),
     # Only an expand gives output mode 3: the retry keeps it as the source, then nothing is left to absorb.
@@ -448,6 +453,41 @@ def test_output_scalings_and_bias_fold_into_alpha_and_beta(
     got = gm(*args)
     for g, r in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,), strict=True):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+
+
+class _Detailed:
+    """A pass whose result carries per-node details (as FusionResult does), or None for them."""
+
+    name = "detailed"
+
+    def __init__(self, details: object) -> None:
+        self.details_value = details
+
+    def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+        res = PassResult(gm, False, Counter({"n": 2}))
+        res.details = self.details_value  # type: ignore[attr-defined]
+        return res
+
+
+def test_pass_manager_keeps_a_results_details_for_the_report() -> None:
+    """The record carries the result's details (a copy), {} when the result has None."""
+    details = {"rejected": [{"node": "mm", "reason": "why"}]}
+    _, (kept, empty) = PassManager([_Detailed(details), _Detailed(None)])(_traced())
+    assert kept.details == details and kept.details is not details
+    assert (empty.details, empty.counters) == ({}, {"n": 2})
+
+
+def test_a_bias_add_without_a_fake_value_is_not_absorbed() -> None:
+    """An add that lost its meta['val'] (a node some rewrite made without one) cannot be checked for
+    broadcasting: the pass leaves it and says why, rather than crash."""
+    args = (_h(4, 6), _h(5, 6), _h(4, 5))
+    gm = _module(_AfterMatmul("sub_from"), "sub_from", args)
+    sub = next(n for n in gm.graph.nodes if n.target is aten.sub.Tensor)
+    sub.target = aten.add.Tensor  # ab + c, an absorbable bias add, but without its fake value
+    del sub.meta["val"]
+    res = FuseContractions()(gm)
+    assert [(r.node, r.reason) for r in res.rejections] == [("sub", "bias_broadcasts_output")], res.rejections
+    assert aten.add.Tensor in {n.target for n in gm.graph.nodes}
 
 
 # Export every model once at import (shapes only matter to export; each test draws its own values).
