@@ -54,6 +54,8 @@ class _AfterMatmul(nn.Module):
             return ab.float() + c.float()
         if k == "cast":
             return ab.float()
+        if k == "cast_then_relu":
+            return torch.relu(ab.float())
         if k == "bias_dtype":
             return ab + c.float()
         if k == "tensor_scale":
@@ -76,6 +78,7 @@ _STOPS = [
     ("cast_then_bias", [("to", "output_cast",
                          "contract returns torch.float16; the torch.float32 bias add add after it is not absorbed")]),
     ("cast", [("to", "output_cast", "contract returns torch.float16")]),
+    ("cast_then_relu", [("to", "output_cast", "contract returns torch.float16")]),  # no bias add after the cast
     ("bias_dtype", [("add", "bias_dtype", "add: bias to not absorbed (torch.float32 vs torch.float16)")]),
     ("tensor_scale", [("mul", "tensor_scale", "scaling by a tensor is not absorbed")]),
     ("number_add", [("add", "bias_not_tensor", "add: bias 1.5 not absorbed")]),
