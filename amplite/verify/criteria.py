@@ -149,8 +149,10 @@ class Tolerance:
         scoped = [c for c in parsed if c.output is not None and c.applies_to(name)]
         chosen = scoped or [c for c in parsed if c.output is None]
         chosen = [c for c in chosen if floating or c.metric in _INT_METRICS | {"new_nonfinite"}]
-        if not floating:
-            return chosen or [Criterion("mismatch", "<=", self.max_mismatch)]
+        if not floating:  # the NaN/Inf check alone judges nothing here: the mismatch default joins it
+            if not any(c.metric in _INT_METRICS for c in chosen):
+                chosen.append(Criterion("mismatch", "<=", self.max_mismatch))
+            return chosen
         chosen = chosen or self.defaults()
         if not any(c.metric == "new_nonfinite" for c in chosen):
             chosen.append(Criterion("new_nonfinite", "<=", 0))
