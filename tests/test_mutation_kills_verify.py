@@ -122,6 +122,8 @@ def test_integer_and_bool_outputs() -> None:
     assert flags.mismatch == 0.0 and flags.passed and flags.dtype == "bool"
     floats_out = tensor_metrics("ids", torch.tensor([1, 2]), torch.tensor([1.0, 3.0]), FP16)
     assert floats_out.mismatch == 0.5, "the output is compared in the reference's integer dtype"
+    as_ints = tensor_metrics("mask", torch.tensor([False, True]), torch.tensor([0, 3]), FP16)
+    assert as_ints.mismatch == 0.0, "a mask returned as integers reads as bool: non-zero is True"
 
 
 def test_class_metrics_need_two_classes_and_top5_needs_six() -> None:
@@ -193,6 +195,9 @@ def test_unmatched_scope_fails_loudly_with_the_output_keys() -> None:
     with pytest.raises(ConfigError) as info:
         check_scopes(tol, [])
     assert "(e.g. output:sqnr_db>=40)" in info.value.one_line()
+    with pytest.raises(ConfigError) as info:  # a scope may hold ':' (the last one ends it): the example drops it all
+        check_scopes(parse_tolerance(["a:b:sqnr>=40"]), ["output['logits']"])
+    assert "names output 'a:b'" in info.value.one_line() and "(e.g. logits:sqnr_db>=40)" in info.value.one_line()
     check_scopes(parse_tolerance(["logits:sqnr>=40", "sqnr>=30"]), ["output['logits']"])  # matched: no error
     check_scopes(parse_tolerance(["0:sqnr>=40"]), ["output['logits']", "output[0]"])  # the second matches
 
@@ -241,3 +246,21 @@ def test_integer_output_is_never_judged_by_the_nonfinite_check_alone() -> None:
     explicit = parse_tolerance(["nonfinite<=0", "mismatch<=0.8"])
     assert [str(c) for c in explicit.criteria_for("ids", False)] == ["new_nonfinite<=0", "mismatch<=0.8"]
     assert tensor_metrics("ids", torch.arange(4), torch.zeros(4, dtype=torch.int64), explicit).passed
+
+
+def test_shape_mismatch_fails_with_a_false_verdict() -> None:
+    """A converted output of another shape is a plain failure (``passed`` False, not None, in the report)."""
+    m = tensor_metrics("o", torch.ones(2, 3), torch.ones(3, 2), FP16)
+    assert m.passed is False and m.checks == [] and m.notes == ["shape differs: converted [3, 2]"]
+
+
+def test_batches_of_vectors_are_rows_of_classes() -> None:
+    """Batches of 1-D logits stack as rows (one per batch), so top-1 is judged per batch, not over the
+    concatenation; a 0-d batch among them makes the whole output one flat vector."""
+    refs = [torch.tensor([0.0, 1, 2, 3, 9]), torch.tensor([0.0, 1, 2, 3, 4])]
+    outs = [refs[0].clone(), torch.tensor([4.0, 1, 2, 3, 0])]  # batch 2's top class moves from 4 to 0
+    (m,) = compare_batches(list(zip(refs, outs, strict=True)), Tolerance(0, -1))
+    assert m.top1 == 0.5, "one batch of two agrees (flat, the shared maximum 9 would give 1.0)"
+    pairs = [(torch.ones(2), torch.ones(2)), (torch.tensor(1.0), torch.tensor(1.0))]
+    (flat,) = compare_batches(pairs, FP16)
+    assert flat.passed and flat.elements == 3 and flat.shape == [2]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from fnmatch import fnmatchcase
 from functools import lru_cache
 
@@ -172,7 +172,7 @@ def check_scopes(tol: Tolerance, names: Sequence[str]) -> None:
             keys = list(dict.fromkeys(_output_key(n) for n in names))
             raise ConfigError(
                 f"tolerance {text!r} names output {c.output!r}, but the model's outputs are {', '.join(keys)}",
-                f"scope it to one of them (e.g. {keys[0] if keys else 'output'}:{str(c).split(':', 1)[1]}) "
+                f"scope it to one of them (e.g. {keys[0] if keys else 'output'}:{replace(c, output=None)}) "
                 "or leave the scope out to judge every output",
             )
 
