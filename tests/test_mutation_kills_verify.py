@@ -264,3 +264,12 @@ def test_batches_of_vectors_are_rows_of_classes() -> None:
     pairs = [(torch.ones(2), torch.ones(2)), (torch.tensor(1.0), torch.tensor(1.0))]
     (flat,) = compare_batches(pairs, FP16)
     assert flat.passed and flat.elements == 3 and flat.shape == [2]
+
+
+def test_no_finite_values_with_only_a_nonfinite_criterion_uses_the_defaults() -> None:
+    """``nonfinite<=10`` alone judges nothing but the NaN/Inf count: the precision's defaults join it, and an
+    output with no finite value fails on them (SQNR -inf, cosine 0) as well as on its verdict."""
+    m = tensor_metrics("o", torch.ones(4), torch.full((4,), NAN), parse_tolerance(["nonfinite<=10"]))
+    assert [(c["criterion"], c["passed"]) for c in m.checks] == [
+        ("sqnr_db>=40", False), ("cosine>=0.999", False), ("new_nonfinite<=10", True)]
+    assert not m.passed
