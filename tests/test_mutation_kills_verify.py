@@ -273,3 +273,12 @@ def test_no_finite_values_with_only_a_nonfinite_criterion_uses_the_defaults() ->
     assert [(c["criterion"], c["passed"]) for c in m.checks] == [
         ("sqnr_db>=40", False), ("cosine>=0.999", False), ("new_nonfinite<=10", True)]
     assert not m.passed
+
+
+def test_sqnr_and_cosine_of_small_outputs() -> None:
+    """Norms below 1 are ordinary: ref = [0.3, 0.4], out = [0.4, 0.3] (both norm 0.5, |diff| = 0.1·√2) gives
+    cosine 0.24 / 0.25 = 0.96 and SQNR 20·log10(0.5 / (0.1·√2)) ≈ 10.97 dB."""
+    ref = torch.tensor([0.3, 0.4], dtype=torch.float64)
+    m = tensor_metrics("o", ref, ref.flip(0), FP16)
+    assert m.cosine == pytest.approx(0.96, abs=1e-12)
+    assert m.sqnr_db == pytest.approx(20 * math.log10(0.5 / (0.1 * math.sqrt(2))), abs=1e-9)
