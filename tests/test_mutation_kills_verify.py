@@ -282,3 +282,19 @@ def test_sqnr_and_cosine_of_small_outputs() -> None:
     m = tensor_metrics("o", ref, ref.flip(0), FP16)
     assert m.cosine == pytest.approx(0.96, abs=1e-12)
     assert m.sqnr_db == pytest.approx(20 * math.log10(0.5 / (0.1 * math.sqrt(2))), abs=1e-9)
+
+
+def test_run_model_passes_kwargs_on_a_fresh_copy_without_autograd() -> None:
+    """Each run sees the same inputs although the model appends to one in place (a KV cache), keyword
+    arguments reach the model, and no autograd graph is recorded."""
+    from amplite.verify.compare import run_model
+
+    def model(x: torch.Tensor, cache: list[torch.Tensor], *, scale: float = 1.0) -> torch.Tensor:
+        cache.append(x)
+        return x * scale * len(cache)
+
+    w = torch.ones(2, requires_grad=True)
+    inputs = ((w, []), {"scale": 3.0})
+    first, second = run_model(model, inputs), run_model(model, inputs)
+    assert first.tolist() == second.tolist() == [3.0, 3.0] and inputs[0][1] == []
+    assert not first.requires_grad
