@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from fnmatch import fnmatchcase
 from functools import lru_cache
 
@@ -149,8 +149,10 @@ class Tolerance:
         scoped = [c for c in parsed if c.output is not None and c.applies_to(name)]
         chosen = scoped or [c for c in parsed if c.output is None]
         chosen = [c for c in chosen if floating or c.metric in _INT_METRICS | {"new_nonfinite"}]
-        if not floating:
-            return chosen or [Criterion("mismatch", "<=", self.max_mismatch)]
+        if not floating:  # the NaN/Inf check alone judges nothing here: the mismatch default joins it
+            if not any(c.metric in _INT_METRICS for c in chosen):
+                chosen.append(Criterion("mismatch", "<=", self.max_mismatch))
+            return chosen
         chosen = chosen or self.defaults()
         if not any(c.metric == "new_nonfinite" for c in chosen):
             chosen.append(Criterion("new_nonfinite", "<=", 0))
@@ -170,7 +172,7 @@ def check_scopes(tol: Tolerance, names: Sequence[str]) -> None:
             keys = list(dict.fromkeys(_output_key(n) for n in names))
             raise ConfigError(
                 f"tolerance {text!r} names output {c.output!r}, but the model's outputs are {', '.join(keys)}",
-                f"scope it to one of them (e.g. {keys[0] if keys else 'output'}:{str(c).split(':', 1)[1]}) "
+                f"scope it to one of them (e.g. {keys[0] if keys else 'output'}:{replace(c, output=None)}) "
                 "or leave the scope out to judge every output",
             )
 
