@@ -142,6 +142,7 @@ def test_one_line_is_type_and_first_line_capped_at_200() -> None:
     assert cb._one_line(RuntimeError("   \n  ")) == "RuntimeError"
     assert cb._one_line(KeyError("x" * 300)) == "KeyError: '" + "x" * 199
     assert cb._one_line(OSError("ends with colon:")) == "OSError: ends with colon"
+    assert cb._one_line(OSError("MAX")) == "OSError: MAX"  # only colons and spaces are trimmed
 
 
 def test_warn_once_logs_each_reason_once(caplog: pytest.LogCaptureFixture) -> None:
@@ -204,6 +205,8 @@ def test_cutensor_version_is_major_minor_patch(nv: types.ModuleType, monkeypatch
     assert cb.cutensor_version() == "2.3.1"
     monkeypatch.setattr(nv.bindings.cutensor, "get_version", lambda: "120345")
     assert cb.cutensor_version() == "12.3.45"
+    monkeypatch.setattr(nv.bindings.cutensor, "get_version", lambda: 990000)
+    assert cb.cutensor_version() == "99.0.0"
     monkeypatch.setattr(nv.bindings.cutensor, "get_version", lambda: 1 / 0)
     assert cb.cutensor_version() == "?"
 
@@ -222,6 +225,7 @@ def test_probe_runs_two_contractions_and_caches_per_device_and_dtype(nv: types.M
     assert a.dtype == b.dtype == c_full.dtype == torch.float16
     assert c_full.shape == (2, 3, 4) and c_full.stride() == (12, 4, 1)
     assert c_bcast.shape == (2, 3, 4) and c_bcast.stride() == (0, 0, 1) and bool((c_bcast == 1).all())
+    assert c_bcast.dtype == torch.float16  # cuTENSOR needs one dtype for A, B, C and D
     assert _calls("execute") == [(0.5, 2.0, True, None)] * 2
     assert cb.cache_stats() == {"plans": 0, "hits": 0, "fallbacks": 0, "errors": 0, "cached": 2}
     assert cb.probe("cpu", torch.float16).ok and len(_calls("init")) == 2  # cached verdict
@@ -667,3 +671,56 @@ def test_resolve_auto_on_a_gpu(monkeypatch) -> None:
     assert fd.resolve("auto") == (
         False, "auto: off (no bench/gpu_suite.py measurement shows fusion faster on NVIDIA H200 NVL yet)"
     )  # fmt: skip
+
+
+# --- second round: survivors of the first run ---------------------------------------------------------------
+
+
+def test_probe_leaves_the_global_rng_alone(nv: types.ModuleType) -> None:
+    """The probe draws its inputs from its own seeded generator: the user's torch RNG stream is unchanged."""
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    assert cb.probe("cpu").ok
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_counters_accumulate(nv: types.ModuleType) -> None:
+    """fallbacks and errors count every occurrence, not just whether one happened."""
+    lone = torch.randn(3, 2, 4).half(), torch.randn(4, 5).half()
+    for _ in range(2):
+        assert cb.contract("mxk,kn->mn", *lone, None, 1.0, 0.0) is None
+    Rec.fail_plan = RuntimeError("no")
+    assert cb.contract("mk,kn->mn", *_ab(2, 4, 2), None, 1.0, 0.0) is None
+    assert cb.contract("mk,kn->mn", *_ab(3, 4, 2), None, 1.0, 0.0) is None
+    assert cb.cache_stats() == {"plans": 0, "hits": 0, "fallbacks": 2, "errors": 2, "cached": 2}
+
+
+def test_same_operands_different_equation_get_their_own_plan(nv: types.ModuleType) -> None:
+    """Two equations on operands of equal shape, stride and dtype are different problems (key holds the equation)."""
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(3, 3, generator=g).half(), torch.randn(3, 3, generator=g).half()
+    out1 = cb.contract("mk,kn->mn", a, b, None, 1.0, 0.0)
+    out2 = cb.contract("km,kn->mn", a, b, None, 1.0, 0.0)
+    _assert_close(out1.float(), a.float() @ b.float(), rtol=1e-2, atol=1e-2)
+    _assert_close(out2.float(), a.float().t() @ b.float(), rtol=1e-2, atol=1e-2)
+    assert cb.cache_stats()["plans"] == 2
+
+
+def test_output_is_allocated_on_the_operands_device(nv: types.ModuleType) -> None:
+    """out lives where a lives (meta tensors here, standing in for a non-default device)."""
+    a, b = torch.empty(3, 4, device="meta").half(), torch.empty(4, 2, device="meta").half()
+    out = cb.contract("mk,kn->mn", a, b, None, 1.0, 0.0)
+    assert out is not None and out.device.type == "meta" and out.shape == (3, 2)
+
+
+def test_rank_mismatch_is_an_error_fallback_not_a_result(nv: types.ModuleType) -> None:
+    """An operand whose rank does not match its subscripts is refused (counted error, None), never truncated."""
+    assert cb.contract("mk,kn->mn", torch.randn(3).half(), torch.randn(4, 2).half(), None, 1.0, 0.0) is None
+    assert cb.cache_stats()["errors"] == 1 and Rec.calls == []
+
+
+def test_canonicalize_refuses_an_expanded_mode_of_extent_two() -> None:
+    """Stride 0 on a mode of extent 2 is a broadcast cuTENSOR cannot take (the limit is extent > 1)."""
+    a = torch.zeros(1, 4).expand(2, 4)
+    assert cb.canonicalize("mk,kn->mn", a, torch.zeros(4, 2)) is None
