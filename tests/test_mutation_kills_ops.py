@@ -724,3 +724,12 @@ def test_canonicalize_refuses_an_expanded_mode_of_extent_two() -> None:
     """Stride 0 on a mode of extent 2 is a broadcast cuTENSOR cannot take (the limit is extent > 1)."""
     a = torch.zeros(1, 4).expand(2, 4)
     assert cb.canonicalize("mk,kn->mn", a, torch.zeros(4, 2)) is None
+
+
+def test_gradient_flows_to_a_alone_when_only_a_requires_it() -> None:
+    """d/da sum(a @ b) = b summed over n, broadcast over m; b (no grad wanted) gets none."""
+    a = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, 2, dtype=torch.float64)
+    torch.ops.amplite.contract("mk,kn->mn", a, b, None, 2.0, 0.0).sum().backward()
+    assert a.grad is not None and b.grad is None
+    assert torch.allclose(a.grad, 2.0 * b.sum(1).expand(3, 4))
