@@ -733,3 +733,19 @@ def test_gradient_flows_to_a_alone_when_only_a_requires_it() -> None:
     torch.ops.amplite.contract("mk,kn->mn", a, b, None, 2.0, 0.0).sum().backward()
     assert a.grad is not None and b.grad is None
     assert torch.allclose(a.grad, 2.0 * b.sum(1).expand(3, 4))
+
+
+@pytest.mark.parametrize(
+    ("eq", "sa", "sb", "sc"),
+    [("mk,kn->mn", (1, 3), (3, 7), (1,)), ("mk,kn->mn", (3, 4), (4, 2), (1,)),
+     ("bmk,kn->bmn", (1, 3, 5), (5, 4), (3, 1))],
+)  # fmt: skip
+def test_bias_gradient_sums_broadcast_dims_in_fp32_and_rounds_once(eq: str, sa, sb, sc) -> None:
+    """dc = beta * grad summed over every broadcast dim, in FP32, one rounding: beta 0.1 over 7 ones is fp16(0.7)."""
+    a, b = torch.randn(sa).half(), torch.randn(sb).half()
+    c = torch.zeros(sc, dtype=torch.float16, requires_grad=True)
+    out = torch.ops.amplite.contract(eq, a, b, c, 1.0, 0.1)
+    out.backward(torch.ones_like(out))
+    count = out.numel() // c.numel()
+    assert c.grad.shape == c.shape and c.grad.dtype == torch.float16
+    assert torch.equal(c.grad, torch.full(sc, 0.1 * count).half()), (c.grad, 0.1 * count)
