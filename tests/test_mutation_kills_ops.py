@@ -749,3 +749,28 @@ def test_bias_gradient_sums_broadcast_dims_in_fp32_and_rounds_once(eq: str, sa, 
     count = out.numel() // c.numel()
     assert c.grad.shape == c.shape and c.grad.dtype == torch.float16
     assert torch.equal(c.grad, torch.full(sc, 0.1 * count).half()), (c.grad, 0.1 * count)
+
+
+def test_shape_and_dtype_errors_name_the_problem() -> None:
+    """The op's validation errors say what is wrong, with the ranks, sizes or dtypes involved."""
+    with pytest.raises(ValueError) as info:
+        contract_mod.output_shape("mk,kn->mn", (3, 4), (4, 2, 1))
+    assert str(info.value) == "contract: 'mk,kn->mn' does not match operand ranks 2 and 3"
+    with pytest.raises(ValueError) as info:
+        contract_mod.output_shape("mk,kn->mn", (3, 4, 1), (4, 2))
+    assert str(info.value) == "contract: 'mk,kn->mn' does not match operand ranks 3 and 2"
+    with pytest.raises(ValueError) as info:
+        contract_mod.output_shape("mk,kn->mn", (3, 4), (5, 2))
+    assert str(info.value) == "contract: mode 'k' has sizes 4 and 5 in 'mk,kn->mn'"
+    h, f = torch.zeros(2, 2).half(), torch.zeros(2, 2)
+    with pytest.raises(TypeError) as info:
+        contract_mod._check("mk,kn->mn", h, h, f)
+    share = "contract: a, b and c must share one dtype, got "
+    assert str(info.value) == share + "(torch.float16, torch.float16, torch.float32)"
+    with pytest.raises(TypeError) as info:
+        contract_mod._check("mk,kn->mn", h, f, None)
+    assert str(info.value) == share + "(torch.float16, torch.float32, None)"
+    i = torch.zeros(2, 2, dtype=torch.int32)
+    with pytest.raises(TypeError) as info:
+        contract_mod._check("mk,kn->mn", i, i, None)
+    assert str(info.value) == "contract: floating operands required, got torch.int32"
