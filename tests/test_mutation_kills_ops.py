@@ -774,3 +774,11 @@ def test_shape_and_dtype_errors_name_the_problem() -> None:
     with pytest.raises(TypeError) as info:
         contract_mod._check("mk,kn->mn", i, i, None)
     assert str(info.value) == "contract: floating operands required, got torch.int32"
+
+
+def test_a_bias_that_does_not_broadcast_is_named() -> None:
+    """c must broadcast to the output; the error names both shapes."""
+    h = torch.zeros(2, 3).half()
+    with pytest.raises(ValueError) as info:
+        contract_mod._check("mk,kn->mn", h, torch.zeros(3, 4).half(), torch.zeros(3).half())
+    assert str(info.value) == "contract: c of shape (3,) does not broadcast to (2, 4)"
