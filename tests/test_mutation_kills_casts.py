@@ -54,7 +54,7 @@ def _attr(g: torch.fx.Graph, target: str, val: torch.Tensor) -> torch.fx.Node:
 
 
 def _node(gm: torch.fx.GraphModule, name: str) -> torch.fx.Node:
-    return next(n for n in gm.graph.nodes if n.name == name)
+    return next(n for n in gm.graph.nodes if n.name.replace("_to_copy_default", "_to_copy") == name)
 
 
 def test_guard_constants_does_nothing_for_a_dtype_without_a_limit() -> None:
@@ -261,3 +261,178 @@ def test_saturate_fills_saturates_a_creation_op_read_in_the_low_dtype() -> None:
         result = SaturateFills(torch.float16)(gm)
         assert full.args[1] == expected, reader
         assert result.counters == ({"fills_saturated": 1} if expected == -F16_MAX else {}), reader
+
+
+def _cleanup(build: Build) -> tuple[torch.fx.GraphModule, Any, list[str]]:
+    """Run CleanupCasts on a tiny graph; returns the module, the result and the graph as 'name=op(args)' lines."""
+    from amplite.passes.cleanup_casts import CleanupCasts
+
+    gm = _gm(build)
+    result = CleanupCasts()(gm)
+    gm.graph.lint()
+    lines = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            dt = n.kwargs.get("dtype")
+            args = ",".join(a.name if isinstance(a, torch.fx.Node) else str(a) for a in n.args)
+            lines.append(f"{n.name}={n.target._opname}({args}){'->' + str(dt) if dt else ''}")
+        elif n.op == "output":
+            lines.append("out:" + ",".join(a.name for a in n.all_input_nodes))
+    return gm, result, [line.replace("_to_copy_default", "_to_copy") for line in lines]
+
+
+def _cast(g: torch.fx.Graph, value: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
+    from amplite.passes.graph_utils import make_cast
+
+    return make_cast(g, value, dtype)
+
+
+def test_cleanup_removes_identity_casts_and_reports_them() -> None:
+    """A cast of an FP32 value to FP32 disappears; its reader reads the value."""
+    _, result, lines = _cleanup(lambda g, x, r: _call(g, aten.relu.default, (_cast(g, x, torch.float32),)))
+    assert lines == ["relu=relu(x)", "out:relu"]
+    assert result.modified is True and result.counters == {"identity_removed": 1}
+
+
+def test_cleanup_leaves_a_graph_without_redundant_casts_unchanged() -> None:
+    """One rounding cast: nothing to do, modified False, no counters."""
+    _, result, lines = _cleanup(lambda g, x, r: _cast(g, x, torch.float16))
+    assert lines == ["_to_copy=_to_copy(x)->torch.float16", "out:_to_copy"]
+    assert result.modified is False and result.counters == {}
+
+
+def test_cleanup_folds_exact_round_trips_and_keeps_rounding_ones() -> None:
+    """fp32->fp64->fp32 is exact: folded to x. fp32->bf16->fp32 rounds: the plan's rounding stays."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        exact = _cast(g, _cast(g, x, torch.float64), torch.float32)
+        rounding = _cast(g, _cast(g, x, torch.bfloat16), torch.float32)
+        return (_call(g, aten.neg.default, (exact,)), _call(g, aten.relu.default, (rounding,)))
+
+    _, result, lines = _cleanup(build)
+    assert lines == [
+        "_to_copy_2=_to_copy(x)->torch.bfloat16",
+        "_to_copy_3=_to_copy(_to_copy_2)->torch.float32",
+        "neg=neg(x)",
+        "relu=relu(_to_copy_3)",
+        "out:neg,relu",
+    ]
+    assert result.counters == {"round_trips_folded": 1}
+
+
+def test_cleanup_shortens_chains_whose_first_step_is_exact() -> None:
+    """fp16->fp32->bf16: the bf16 cast reads the fp16 value directly; the fp32 step goes when unused, and
+    stays while another op reads it."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        h = _cast(g, x, torch.float16)
+        up = _cast(g, h, torch.float32)
+        alone = _cast(g, _cast(g, h, torch.float32), torch.bfloat16)
+        shared = _cast(g, up, torch.bfloat16)
+        return (alone, shared, _call(g, aten.neg.default, (up,)))
+
+    _, result, lines = _cleanup(build)
+    assert lines == [
+        "_to_copy=_to_copy(x)->torch.float16",
+        "_to_copy_1=_to_copy(_to_copy)->torch.float32",
+        "_to_copy_3=_to_copy(_to_copy)->torch.bfloat16",
+        "neg=neg(_to_copy_1)",
+        "out:_to_copy_3,neg",  # both bf16 casts are one now
+    ]
+    assert result.counters == {"chains_shortened": 2, "duplicates_merged": 1}
+
+
+def test_cleanup_merges_duplicate_casts() -> None:
+    """Two fp16 casts of x become one that both readers share."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        a = _call(g, aten.neg.default, (_cast(g, x, torch.float16),))
+        return _call(g, aten.mul.Tensor, (a, _cast(g, x, torch.float16)))
+
+    _, result, lines = _cleanup(build)
+    assert lines == ["_to_copy=_to_copy(x)->torch.float16", "neg=neg(_to_copy)", "mul=mul(neg,_to_copy)", "out:mul"]
+    assert result.counters == {"duplicates_merged": 1}
+
+
+def test_cleanup_moves_a_cast_below_a_shrinking_slice() -> None:
+    """slice(cast(x)) -> cast(slice(x)) when the slice has fewer elements and is the cast's only reader; the
+    slice's recorded value is FP32 again, the new cast's fp16."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        c = _cast(g, x, torch.float16)
+        return _call(g, aten.slice.Tensor, (c, 0, 0, 1), val=torch.zeros(1, 3, dtype=torch.float16))
+
+    gm, result, lines = _cleanup(build)
+    assert lines == ["slice_1=slice(x,0,0,1)", "_to_copy_1=_to_copy(slice_1)->torch.float16", "out:_to_copy_1"]
+    assert result.counters == {"moved_below_data_movement": 1}
+    assert _node(gm, "slice_1").meta["val"].dtype == torch.float32
+    assert _node(gm, "_to_copy_1").meta["val"].dtype == torch.float16
+
+
+def test_cleanup_keeps_a_cast_above_a_slice_that_does_not_shrink_or_is_shared() -> None:
+    """A full-size slice, or a cast read by two ops, stays where it is."""
+    h16 = torch.zeros(2, 3, dtype=torch.float16)
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        full = _call(g, aten.slice.Tensor, (_cast(g, x, torch.float16), 0, 0, 2), val=h16)
+        y = _call(g, aten.neg.default, (x,))
+        c = _cast(g, y, torch.float16)
+        s = _call(g, aten.slice.Tensor, (c, 0, 0, 1), val=torch.zeros(1, 3, dtype=torch.float16))
+        return (full, s, _call(g, aten.relu.default, (c,), val=h16))
+
+    _, result, lines = _cleanup(build)
+    assert lines == [
+        "_to_copy=_to_copy(x)->torch.float16",
+        "slice_1=slice(_to_copy,0,0,2)",
+        "neg=neg(x)",
+        "_to_copy_1=_to_copy(neg)->torch.float16",
+        "slice_2=slice(_to_copy_1,0,0,1)",
+        "relu=relu(_to_copy_1)",
+        "out:slice_1,slice_2,relu",
+    ]
+    assert result.modified is False and result.counters == {}
+
+
+def test_cleanup_moves_a_cast_above_a_growing_expand() -> None:
+    """cast(expand(x)) -> expand(cast(x)) casts 2 elements instead of 6; the expand now records fp16."""
+    x1 = torch.zeros(2, 1)
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        col = _call(g, aten.slice.Tensor, (x, 1, 0, 1), val=x1)
+        e = _call(g, aten.expand.default, (col, [2, 3]))
+        return _cast(g, e, torch.float16)
+
+    gm, result, lines = _cleanup(build)
+    assert lines == [
+        "slice_1=slice(x,1,0,1)",
+        "_to_copy_1=_to_copy(slice_1)->torch.float16",
+        "expand=expand(_to_copy_1,[2, 3])",
+        "out:expand",
+    ]
+    assert result.counters == {"moved_above_data_movement": 1}
+    assert _node(gm, "expand").meta["val"].dtype == torch.float16
+
+
+def test_cleanup_moves_a_cast_above_a_permute_only_to_merge_with_an_existing_cast() -> None:
+    """permute keeps the element count: its cast moves up only when x already has that cast (after the
+    permute in graph order, so it is moved before it); without one it stays."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        p = _call(g, aten.permute.default, (x, [1, 0]), val=torch.zeros(3, 2))
+        moved = _cast(g, p, torch.float16)
+        partner = _cast(g, x, torch.float16)
+        y = _call(g, aten.neg.default, (x,))
+        q = _call(g, aten.permute.default, (y, [1, 0]), val=torch.zeros(3, 2))
+        return (moved, partner, _cast(g, q, torch.float16))
+
+    gm, result, lines = _cleanup(build)
+    assert lines == [
+        "_to_copy_1=_to_copy(x)->torch.float16",
+        "permute=permute(_to_copy_1,[1, 0])",
+        "neg=neg(x)",
+        "permute_1=permute(neg,[1, 0])",
+        "_to_copy_2=_to_copy(permute_1)->torch.float16",
+        "out:permute,_to_copy_1,_to_copy_2",
+    ]
+    assert result.counters == {"moved_above_data_movement": 1}
+    assert _node(gm, "permute").meta["val"].dtype == torch.float16
