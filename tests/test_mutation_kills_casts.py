@@ -436,3 +436,86 @@ def test_cleanup_moves_a_cast_above_a_permute_only_to_merge_with_an_existing_cas
     ]
     assert result.counters == {"moved_above_data_movement": 1}
     assert _node(gm, "permute").meta["val"].dtype == torch.float16
+
+
+def _insert(build: Build, **kw: Any) -> tuple[torch.fx.GraphModule, Any, list[str]]:
+    """Run InsertCasts on a tiny graph; returns the module, the result and the graph lines as in _cleanup."""
+    from amplite.passes.insert_casts import InsertCasts
+
+    gm = _gm(build)
+    result = InsertCasts(**kw)(gm)
+    lines = []
+    for n in gm.graph.nodes:
+        args = ",".join(a.name if isinstance(a, torch.fx.Node) else str(a) for a in n.args if n.op != "output")
+        if n.op == "call_function":
+            dt = n.kwargs.get("dtype")
+            lines.append(f"{n.name}={n.target._opname}({args}){'->' + str(dt) if dt else ''}")
+        elif n.op == "output":
+            lines.append("out:" + ",".join(a.name for a in n.all_input_nodes))
+    return gm, result, [line.replace("_to_copy_default", "_to_copy") for line in lines]
+
+
+def _planned(node: torch.fx.Node, dtype: torch.dtype, mode: str = "compute") -> torch.fx.Node:
+    node.meta["amplite_precision"] = {"mode": mode, "dtype": dtype, "reason": "test"}
+    if mode == "compute":
+        node.meta["amplite_out_dtype"] = dtype
+    return node
+
+
+def test_insert_casts_casts_inputs_once_and_outputs_back() -> None:
+    """Two fp16 ops reading x share one cast; the fp16 result is cast back to fp32 at the output (counted),
+    and its recorded value is fp16."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        a = _planned(_call(g, aten.relu.default, (x,)), torch.float16)
+        return _planned(_call(g, aten.mul.Tensor, (a, x)), torch.float16)
+
+    gm, result, lines = _insert(build)
+    assert lines == [
+        "_to_copy=_to_copy(x)->torch.float16",
+        "relu=relu(_to_copy)",
+        "mul=mul(relu,_to_copy)",
+        "_to_copy_1=_to_copy(mul)->torch.float32",
+        "out:_to_copy_1",
+    ]
+    assert result.modified is True and result.counters == {"casts_inserted": 2, "casts_shared": 1}
+    assert _node(gm, "mul").meta["val"].dtype == torch.float16 and _node(gm, "x").meta["val"].dtype == torch.float32
+
+
+def test_insert_casts_low_precision_io_leaves_outputs_low() -> None:
+    """With low_precision_io the fp16 result is returned as is: only the input cast."""
+    gm, result, lines = _insert(
+        lambda g, x, r: _planned(_call(g, aten.relu.default, (x,)), torch.float16), low_precision_io=True
+    )
+    assert lines == ["_to_copy=_to_copy(x)->torch.float16", "relu=relu(_to_copy)", "out:relu"]
+    assert result.counters == {"casts_inserted": 1}
+
+
+def test_insert_casts_follow_ops_promote_in_kernel_and_skip_scalars_and_fp64() -> None:
+    """An FP32 'follow' add of an fp16 value and x promotes in the kernel (no cast, counted); a 0-dim operand of a
+    follow op, an fp64 operand and an operand already in the compute dtype are never cast."""
+    h16 = torch.zeros(2, 3, dtype=torch.float16)
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        h = _planned(_call(g, aten.relu.default, (x,), val=h16), torch.float16)
+        h.meta.pop("amplite_out_dtype")
+        h.meta["val"] = h16  # already fp16 (as after an earlier rewrite)
+        add = _planned(_call(g, aten.add.Tensor, (h, x)), torch.float32, mode="follow")
+        s = _call(g, aten.select.int, (h, 0, 0), val=torch.zeros((), dtype=torch.float16))
+        sc = _planned(_call(g, aten.div.Tensor, (x, s)), torch.float16, mode="follow")
+        d = _call(g, aten.neg.default, (x,), val=torch.zeros(2, 3, dtype=torch.float64))
+        keep = _planned(_call(g, aten.mul.Tensor, (d, h)), torch.float16, mode="follow")
+        return (add, sc, keep)
+
+    gm, result, lines = _insert(build, low_precision_io=True)
+    assert lines == [
+        "_to_copy=_to_copy(x)->torch.float16",  # for the fp16 relu, shared by the follow div
+        "relu=relu(_to_copy)",
+        "add=add(relu,x)",  # FP32 follow add: fp16 relu promotes in the kernel
+        "select=select(relu,0,0)",
+        "div=div(_to_copy,select)",  # the 0-dim select is not cast
+        "neg=neg(x)",
+        "mul=mul(neg,relu)",  # fp64 neg is not cast, relu is already fp16
+        "out:add,div,mul",
+    ]
+    assert result.counters == {"promotions_in_kernel": 1, "casts_inserted": 1, "casts_shared": 1}
