@@ -484,7 +484,7 @@ def test_insert_casts_casts_inputs_once_and_outputs_back() -> None:
 
 def test_insert_casts_low_precision_io_leaves_outputs_low() -> None:
     """With low_precision_io the fp16 result is returned as is: only the input cast."""
-    gm, result, lines = _insert(
+    _, result, lines = _insert(
         lambda g, x, r: _planned(_call(g, aten.relu.default, (x,)), torch.float16), low_precision_io=True
     )
     assert lines == ["_to_copy=_to_copy(x)->torch.float16", "relu=relu(_to_copy)", "out:relu"]
@@ -507,7 +507,7 @@ def test_insert_casts_follow_ops_promote_in_kernel_and_skip_scalars_and_fp64() -
         keep = _planned(_call(g, aten.mul.Tensor, (d, h)), torch.float16, mode="follow")
         return (add, sc, keep)
 
-    gm, result, lines = _insert(build, low_precision_io=True)
+    _, result, lines = _insert(build, low_precision_io=True)
     assert lines == [
         "_to_copy=_to_copy(x)->torch.float16",  # for the fp16 relu, shared by the follow div
         "relu=relu(_to_copy)",
