@@ -166,6 +166,7 @@ def test_guard_constants_checks_small_float_constant_tensors() -> None:
         return (*outs, cast, _call(g, aten.mul.Tensor, (x, alias)), _attr(g, "sub.c", consts["sub__c"]))
 
     gm = _gm(build, **consts)
+    gm.register_buffer("x_alias", consts["x_alias"])  # GraphModule copies only the get_attr targets
     result = GuardConstants(torch.float16)(gm)
     flagged = {n.name: n.meta["amplite_range"] for n in gm.graph.nodes if "amplite_range" in n.meta}
     assert flagged == {
