@@ -3,3 +3,520 @@
 Each test pins a behaviour users rely on, with values chosen so that a wrong implementation is off clearly;
 docs/testing.md explains the loop (run mutants, read survivors, add a test or list an equivalent).
 """
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+
+from amplite.passes.guard_constants import GuardConstants, SaturateFills
+
+aten = torch.ops.aten
+F16_MAX = 65504.0
+X = torch.zeros(2, 3)
+
+
+Build = Callable[[torch.fx.Graph, torch.fx.Node, torch.nn.Module], Any]
+
+
+def _gm(build: Build, **consts: torch.Tensor) -> torch.fx.GraphModule:
+    """A tiny graph: placeholder ``x`` (float, meta['val'] set), ``build`` adds nodes and returns the output."""
+    root = torch.nn.Module()
+    for name, value in consts.items():
+        owner = root
+        *path, leaf = name.split("__")
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        owner.register_buffer(leaf, value)
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = X
+    g.output(build(g, x, root))
+    return torch.fx.GraphModule(root, g)
+
+
+def _call(g: torch.fx.Graph, target: Any, args: tuple, kwargs: dict | None = None, val: Any = X) -> torch.fx.Node:
+    node = g.create_node("call_function", target, args, kwargs or {}, name=getattr(target, "_opname", None))
+    node.meta["val"] = val
+    return node
+
+
+def _attr(g: torch.fx.Graph, target: str, val: torch.Tensor) -> torch.fx.Node:
+    node = g.get_attr(target)
+    node.meta["val"] = val
+    return node
+
+
+def _node(gm: torch.fx.GraphModule, name: str) -> torch.fx.Node:
+    return next(n for n in gm.graph.nodes if n.name.replace("_to_copy_default", "_to_copy") == name)
+
+
+def test_guard_constants_does_nothing_for_a_dtype_without_a_limit() -> None:
+    """float32 has no narrower range to guard: the same module, unmodified, no counters, nothing flagged."""
+    gm = _gm(lambda g, x, r: _call(g, aten.add.Tensor, (x, 1e30)))
+    result = GuardConstants(torch.float32)(gm)
+    assert result.graph_module is gm and result.modified is False and result.counters == {}
+    assert all("amplite_range" not in n.meta for n in gm.graph.nodes)
+
+
+def test_guard_constants_flags_scalars_above_the_fp16_max_only() -> None:
+    """A scalar above 65504 keeps its op FP32 with the value and limit in the reason; 65504 itself fits."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> torch.fx.Node:
+        a = _call(g, aten.add.Tensor, (x, 1e5))  # 'Tensor' slot: a wrapped scalar
+        b = _call(g, aten.add.Tensor, (a, F16_MAX))  # exactly the limit: representable
+        c = _call(g, aten.huber_loss.default, (b, x, 1, 2e5))  # 'float' slot
+        return _call(g, aten.nan_to_num.default, (c,), {"posinf": 3e5})  # 'Optional[float]' kwarg
+
+    gm = _gm(build)
+    result = GuardConstants(torch.float16)(gm)
+    assert result.graph_module is gm and result.modified is False
+    assert result.counters == {"kept_fp32:range:constant": 3}
+    reasons = {n.name: n.meta.get("amplite_range") for n in gm.graph.nodes if n.op == "call_function"}
+    assert reasons == {
+        "add": "range:constant 1e+05>65504",
+        "add_1": None,
+        "huber_loss": "range:constant 2e+05>65504",
+        "nan_to_num": "range:constant 3e+05>65504",
+    }
+
+
+def test_guard_constants_marks_extreme_fills_and_clamps_for_saturation() -> None:
+    """Fills of |v| >= 2**120 and clamp bounds (args or kwargs) are marked by slot, not flagged FP32;
+    a -1e9 fill or an extreme value in a non-fill op is flagged FP32 instead."""
+    mask = torch.ones(2, 3, dtype=torch.bool)
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> torch.fx.Node:
+        m = g.placeholder("m")
+        m.meta["val"] = mask
+        f1 = _call(g, aten.masked_fill.Scalar, (x, m, -(2.0**120)))  # exactly the extreme threshold
+        f2 = _call(g, aten.masked_fill.Scalar, (f1, m, -1e9))  # unrepresentable, not extreme: FP32
+        c = _call(g, aten.clamp.default, (f2,), {"max": 1e5})  # min absent, max in kwargs
+        return _call(g, aten.add.Tensor, (c, 2.0**120))  # extreme, but not a fill
+
+    gm = _gm(build)
+    result = GuardConstants(torch.float16)(gm)
+    assert result.counters == {"marked_for_saturation": 2, "kept_fp32:range:constant": 2}
+    assert _node(gm, "masked_fill").meta["amplite_saturate"] == [("args", 2)]
+    assert _node(gm, "clamp").meta["amplite_saturate"] == [("kwargs", "max")]
+    assert _node(gm, "masked_fill_1").meta["amplite_range"] == "range:constant -1e+09>65504"
+    assert _node(gm, "add").meta["amplite_range"] == "range:constant 1.33e+36>65504"
+    assert "amplite_range" not in _node(gm, "masked_fill").meta
+
+
+def test_guard_constants_flags_the_float_readers_of_an_unrepresentable_creation_op() -> None:
+    """full(1e5) (a creation op, not extreme): its readers computing in float are flagged, with the
+    creation node's name in the reason; an earlier range reason stays; the full itself is not flagged."""
+    ints = torch.zeros(2, dtype=torch.int64)
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> torch.fx.Node:
+        full = _call(g, aten.full.default, ([2], 1e5), val=torch.zeros(2))
+        lt = _call(g, aten.lt.Tensor, (x, full), val=torch.zeros(2, dtype=torch.bool))  # float in, bool out
+        kept = _call(g, aten.mul.Tensor, (x, full))
+        kept.meta["amplite_range"] = "range:activation earlier"
+        ifull = _call(g, aten.full.default, ([2], 7e4), {"dtype": torch.int64}, val=ints)
+        div = _call(g, aten.div.Tensor, (ifull, ifull), val=torch.zeros(2))  # int in, float out
+        idx = _call(g, aten.neg.default, (ifull,), val=ints)  # int in, int out: no float math
+        return (lt, kept, div, idx)
+
+    gm = _gm(build)
+    result = GuardConstants(torch.float16)(gm)
+    assert result.counters == {"kept_fp32:range:constant": 2}
+    assert _node(gm, "lt").meta["amplite_range"] == "range:constant full=1e+05>65504"
+    assert _node(gm, "div").meta["amplite_range"] == "range:constant full_1=7e+04>65504"
+    assert _node(gm, "mul").meta["amplite_range"] == "range:activation earlier"
+    assert "amplite_range" not in _node(gm, "neg").meta and "amplite_range" not in _node(gm, "full").meta
+
+
+def test_guard_constants_checks_small_float_constant_tensors() -> None:
+    """A lifted float constant (dotted get_attr, 1..4096 elements, on a real device) whose largest finite
+    |value| exceeds 65504 keeps its reader FP32; boundary sizes/values, infinities, bool, meta tensors,
+    casts, outputs and inputs that share a buffer's name are not flagged."""
+    big4096 = torch.zeros(4096)
+    big4096[7] = -1e5
+    big4097 = torch.zeros(4097)
+    big4097[0] = 1e5
+    consts = {
+        "sub__c": torch.tensor([1e5]),  # one element
+        "edge": big4096,
+        "huge": big4097,
+        "limit": torch.tensor([F16_MAX, -F16_MAX]),
+        "infs": torch.tensor([-math.inf, math.nan]),
+        "mask": torch.tensor([True, False, True]),
+        "on_meta": torch.empty(3, device="meta"),
+        "x_alias": torch.tensor([1e5]),
+    }
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> torch.fx.Node:
+        outs = []
+        for name, t in consts.items():
+            if name == "x_alias":
+                continue
+            outs.append(_call(g, aten.add.Tensor, (x, _attr(g, name.replace("__", "."), t))))
+        cvt = torch.ops.prims.convert_element_type.default
+        cast = _call(g, cvt, (_attr(g, "sub.c", consts["sub__c"]), torch.float16))
+        alias = g.placeholder("x_alias")  # an input, not a constant, though a buffer has its name
+        alias.meta["val"] = X
+        return (*outs, cast, _call(g, aten.mul.Tensor, (x, alias)), _attr(g, "sub.c", consts["sub__c"]))
+
+    gm = _gm(build, **consts)
+    gm.register_buffer("x_alias", consts["x_alias"])  # GraphModule copies only the get_attr targets
+    result = GuardConstants(torch.float16)(gm)
+    flagged = {n.name: n.meta["amplite_range"] for n in gm.graph.nodes if "amplite_range" in n.meta}
+    assert flagged == {
+        "add": "range:constant sub.c |c|=1e+05>65504",
+        "add_1": "range:constant edge |c|=1e+05>65504",
+    }
+    assert result.counters == {"kept_fp32:range:constant": 2} and result.modified is False
+
+
+def _marked(low: torch.dtype) -> torch.fx.GraphModule:
+    """Two fills and a clamp bound marked by GuardConstants(fp16), planned in ``low``; a full() with a low reader."""
+    mask = torch.ones(2, 3, dtype=torch.bool)
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> torch.fx.Node:
+        m = g.placeholder("m")
+        m.meta["val"] = mask
+        f1 = _call(g, aten.masked_fill.Scalar, (x, m, -3.0e38))
+        f2 = _call(g, aten.masked_fill.Scalar, (f1, m), {"value": 3.0e38})
+        c = _call(g, aten.clamp.default, (f2, -1e5))
+        for n in (f1, f2, c):
+            n.meta["amplite_precision"] = {"dtype": low}
+        return c
+
+    gm = _gm(build)
+    GuardConstants(torch.float16)(gm)
+    return gm
+
+
+def test_saturate_fills_replaces_marked_values_in_low_ops_and_reports_each() -> None:
+    """fp16 ops get ±65504 in place of the marked constants (args and kwargs), counted per kind, with the
+    node, op, old and new value and source line in details; the marks are consumed."""
+    gm = _marked(torch.float16)
+    result = SaturateFills(torch.float16)(gm)
+    assert result.graph_module is gm and result.modified is True
+    assert result.counters == {"fills_saturated": 2, "clamp_bounds_saturated": 1}
+    assert _node(gm, "masked_fill").args[2] == -F16_MAX
+    assert _node(gm, "masked_fill_1").kwargs == {"value": F16_MAX}
+    assert _node(gm, "clamp").args[1] == -F16_MAX
+    assert result.details == {
+        "saturated": [
+            {"node": "masked_fill", "op": "masked_fill.Scalar", "from": -3.0e38, "to": -F16_MAX, "source": ""},
+            {"node": "masked_fill_1", "op": "masked_fill.Scalar", "from": 3.0e38, "to": F16_MAX, "source": ""},
+            {"node": "clamp", "op": "clamp.default", "from": -1e5, "to": -F16_MAX, "source": ""},
+        ]
+    }
+    assert all("amplite_saturate" not in n.meta for n in gm.graph.nodes)
+
+
+def test_saturate_fills_leaves_fp32_ops_alone_and_reports_nothing() -> None:
+    """Marked ops planned FP32 (and whose readers are FP32) keep their constants: unmodified, no details."""
+    gm = _marked(torch.float32)
+    c = _node(gm, "clamp")
+    user = gm.graph.call_function(aten.relu.default, (c,))
+    user.meta["amplite_precision"] = {"dtype": torch.float16}  # a low reader does not matter for a non-creation op
+    result = SaturateFills(torch.float16)(gm)
+    assert result.modified is False and result.counters == {} and result.details == {}
+    assert _node(gm, "masked_fill").args[2] == -3.0e38 and c.args[1] == -1e5
+
+
+def test_saturate_fills_without_a_finite_limit_uses_infinity() -> None:
+    """For a dtype with no finite limit in the table the marked constant becomes ±inf, its sign kept."""
+    gm = _marked(torch.float32)
+    result = SaturateFills(torch.float32)(gm)
+    assert _node(gm, "masked_fill").args[2] == -math.inf and _node(gm, "clamp").args[1] == -math.inf
+    assert result.counters == {"fills_saturated": 2, "clamp_bounds_saturated": 1}
+
+
+def _creation(reader: str) -> tuple[torch.fx.GraphModule, torch.fx.Node]:
+    """full(-3e38) marked for saturation, read by an FP32 op and then by ``reader`` (fp16 plan, fp16 cast, fp32)."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> torch.fx.Node:
+        full = _call(g, aten.full.default, ([2, 3], -3.0e38))
+        first = _call(g, aten.add.Tensor, (x, full))
+        first.meta["amplite_precision"] = {"dtype": torch.float32}
+        if reader == "cast":
+            second = _call(g, torch.ops.prims.convert_element_type.default, (full, torch.float16))
+        else:
+            second = _call(g, aten.mul.Tensor, (x, full))
+            second.meta["amplite_precision"] = {"dtype": torch.float16 if reader == "plan" else torch.float32}
+        return (first, second)
+
+    gm = _gm(build)
+    GuardConstants(torch.float16)(gm)
+    return gm, _node(gm, "full")
+
+
+def test_saturate_fills_saturates_a_creation_op_read_in_the_low_dtype() -> None:
+    """A full() is saturated when any reader computes in fp16 (planned fp16 or a cast to fp16) — also after an
+    FP32 reader — and kept when every reader is FP32."""
+    for reader, expected in (("plan", -F16_MAX), ("cast", -F16_MAX), ("fp32", -3.0e38)):
+        gm, full = _creation(reader)
+        assert full.meta["amplite_saturate"] == [("args", 1)]
+        result = SaturateFills(torch.float16)(gm)
+        assert full.args[1] == expected, reader
+        assert result.counters == ({"fills_saturated": 1} if expected == -F16_MAX else {}), reader
+
+
+def _cleanup(build: Build) -> tuple[torch.fx.GraphModule, Any, list[str]]:
+    """Run CleanupCasts on a tiny graph; returns the module, the result and the graph as 'name=op(args)' lines."""
+    from amplite.passes.cleanup_casts import CleanupCasts
+
+    gm = _gm(build)
+    result = CleanupCasts()(gm)
+    gm.graph.lint()
+    lines = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            dt = n.kwargs.get("dtype")
+            args = ",".join(a.name if isinstance(a, torch.fx.Node) else str(a) for a in n.args)
+            lines.append(f"{n.name}={n.target._opname}({args}){'->' + str(dt) if dt else ''}")
+        elif n.op == "output":
+            lines.append("out:" + ",".join(a.name for a in n.all_input_nodes))
+    return gm, result, [line.replace("_to_copy_default", "_to_copy") for line in lines]
+
+
+def _cast(g: torch.fx.Graph, value: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
+    from amplite.passes.graph_utils import make_cast
+
+    return make_cast(g, value, dtype)
+
+
+def test_cleanup_removes_identity_casts_and_reports_them() -> None:
+    """A cast of an FP32 value to FP32 disappears; its reader reads the value."""
+    _, result, lines = _cleanup(lambda g, x, r: _call(g, aten.relu.default, (_cast(g, x, torch.float32),)))
+    assert lines == ["relu=relu(x)", "out:relu"]
+    assert result.modified is True and result.counters == {"identity_removed": 1}
+
+
+def test_cleanup_leaves_a_graph_without_redundant_casts_unchanged() -> None:
+    """One rounding cast: nothing to do, modified False, no counters."""
+    _, result, lines = _cleanup(lambda g, x, r: _cast(g, x, torch.float16))
+    assert lines == ["_to_copy=_to_copy(x)->torch.float16", "out:_to_copy"]
+    assert result.modified is False and result.counters == {}
+
+
+def test_cleanup_folds_exact_round_trips_and_keeps_rounding_ones() -> None:
+    """fp32->fp64->fp32 is exact: folded to x. fp32->bf16->fp32 rounds: the plan's rounding stays."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        exact = _cast(g, _cast(g, x, torch.float64), torch.float32)
+        rounding = _cast(g, _cast(g, x, torch.bfloat16), torch.float32)
+        return (_call(g, aten.neg.default, (exact,)), _call(g, aten.relu.default, (rounding,)))
+
+    _, result, lines = _cleanup(build)
+    assert lines == [
+        "_to_copy_2=_to_copy(x)->torch.bfloat16",
+        "_to_copy_3=_to_copy(_to_copy_2)->torch.float32",
+        "neg=neg(x)",
+        "relu=relu(_to_copy_3)",
+        "out:neg,relu",
+    ]
+    assert result.counters == {"round_trips_folded": 1}
+
+
+def test_cleanup_shortens_chains_whose_first_step_is_exact() -> None:
+    """fp16->fp32->bf16: the bf16 cast reads the fp16 value directly; the fp32 step goes when unused, and
+    stays while another op reads it."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        h = _cast(g, x, torch.float16)
+        up = _cast(g, h, torch.float32)
+        alone = _cast(g, _cast(g, h, torch.float32), torch.bfloat16)
+        shared = _cast(g, up, torch.bfloat16)
+        return (alone, shared, _call(g, aten.neg.default, (up,)))
+
+    _, result, lines = _cleanup(build)
+    assert lines == [
+        "_to_copy=_to_copy(x)->torch.float16",
+        "_to_copy_1=_to_copy(_to_copy)->torch.float32",
+        "_to_copy_3=_to_copy(_to_copy)->torch.bfloat16",
+        "neg=neg(_to_copy_1)",
+        "out:_to_copy_3,neg",  # both bf16 casts are one now
+    ]
+    assert result.counters == {"chains_shortened": 2, "duplicates_merged": 1}
+
+
+def test_cleanup_merges_duplicate_casts() -> None:
+    """Two fp16 casts of x become one that both readers share."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        a = _call(g, aten.neg.default, (_cast(g, x, torch.float16),))
+        return _call(g, aten.mul.Tensor, (a, _cast(g, x, torch.float16)))
+
+    _, result, lines = _cleanup(build)
+    assert lines == ["_to_copy=_to_copy(x)->torch.float16", "neg=neg(_to_copy)", "mul=mul(neg,_to_copy)", "out:mul"]
+    assert result.counters == {"duplicates_merged": 1}
+
+
+def test_cleanup_moves_a_cast_below_a_shrinking_slice() -> None:
+    """slice(cast(x)) -> cast(slice(x)) when the slice has fewer elements and is the cast's only reader; the
+    slice's recorded value is FP32 again, the new cast's fp16."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        c = _cast(g, x, torch.float16)
+        return _call(g, aten.slice.Tensor, (c, 0, 0, 1), val=torch.zeros(1, 3, dtype=torch.float16))
+
+    gm, result, lines = _cleanup(build)
+    assert lines == ["slice_1=slice(x,0,0,1)", "_to_copy_1=_to_copy(slice_1)->torch.float16", "out:_to_copy_1"]
+    assert result.counters == {"moved_below_data_movement": 1}
+    assert _node(gm, "slice_1").meta["val"].dtype == torch.float32
+    assert _node(gm, "_to_copy_1").meta["val"].dtype == torch.float16
+
+
+def test_cleanup_keeps_a_cast_above_a_slice_that_does_not_shrink_or_is_shared() -> None:
+    """A full-size slice, or a cast read by two ops, stays where it is."""
+    h16 = torch.zeros(2, 3, dtype=torch.float16)
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        full = _call(g, aten.slice.Tensor, (_cast(g, x, torch.float16), 0, 0, 2), val=h16)
+        y = _call(g, aten.neg.default, (x,))
+        c = _cast(g, y, torch.float16)
+        s = _call(g, aten.slice.Tensor, (c, 0, 0, 1), val=torch.zeros(1, 3, dtype=torch.float16))
+        return (full, s, _call(g, aten.relu.default, (c,), val=h16))
+
+    _, result, lines = _cleanup(build)
+    assert lines == [
+        "_to_copy=_to_copy(x)->torch.float16",
+        "slice_1=slice(_to_copy,0,0,2)",
+        "neg=neg(x)",
+        "_to_copy_1=_to_copy(neg)->torch.float16",
+        "slice_2=slice(_to_copy_1,0,0,1)",
+        "relu=relu(_to_copy_1)",
+        "out:slice_1,slice_2,relu",
+    ]
+    assert result.modified is False and result.counters == {}
+
+
+def test_cleanup_moves_a_cast_above_a_growing_expand() -> None:
+    """cast(expand(x)) -> expand(cast(x)) casts 2 elements instead of 6; the expand now records fp16."""
+    x1 = torch.zeros(2, 1)
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        col = _call(g, aten.slice.Tensor, (x, 1, 0, 1), val=x1)
+        e = _call(g, aten.expand.default, (col, [2, 3]))
+        return _cast(g, e, torch.float16)
+
+    gm, result, lines = _cleanup(build)
+    assert lines == [
+        "slice_1=slice(x,1,0,1)",
+        "_to_copy_1=_to_copy(slice_1)->torch.float16",
+        "expand=expand(_to_copy_1,[2, 3])",
+        "out:expand",
+    ]
+    assert result.counters == {"moved_above_data_movement": 1}
+    assert _node(gm, "expand").meta["val"].dtype == torch.float16
+
+
+def test_cleanup_moves_a_cast_above_a_permute_only_to_merge_with_an_existing_cast() -> None:
+    """permute keeps the element count: its cast moves up only when x already has that cast (after the
+    permute in graph order, so it is moved before it); without one it stays."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        p = _call(g, aten.permute.default, (x, [1, 0]), val=torch.zeros(3, 2))
+        moved = _cast(g, p, torch.float16)
+        partner = _cast(g, x, torch.float16)
+        y = _call(g, aten.neg.default, (x,))
+        q = _call(g, aten.permute.default, (y, [1, 0]), val=torch.zeros(3, 2))
+        return (moved, partner, _cast(g, q, torch.float16))
+
+    gm, result, lines = _cleanup(build)
+    assert lines == [
+        "_to_copy_1=_to_copy(x)->torch.float16",
+        "permute=permute(_to_copy_1,[1, 0])",
+        "neg=neg(x)",
+        "permute_1=permute(neg,[1, 0])",
+        "_to_copy_2=_to_copy(permute_1)->torch.float16",
+        "out:permute,_to_copy_1,_to_copy_2",
+    ]
+    assert result.counters == {"moved_above_data_movement": 1}
+    assert _node(gm, "permute").meta["val"].dtype == torch.float16
+
+
+def _insert(build: Build, **kw: Any) -> tuple[torch.fx.GraphModule, Any, list[str]]:
+    """Run InsertCasts on a tiny graph; returns the module, the result and the graph lines as in _cleanup."""
+    from amplite.passes.insert_casts import InsertCasts
+
+    gm = _gm(build)
+    result = InsertCasts(**kw)(gm)
+    lines = []
+    for n in gm.graph.nodes:
+        args = ",".join(a.name if isinstance(a, torch.fx.Node) else str(a) for a in n.args if n.op != "output")
+        if n.op == "call_function":
+            dt = n.kwargs.get("dtype")
+            lines.append(f"{n.name}={n.target._opname}({args}){'->' + str(dt) if dt else ''}")
+        elif n.op == "output":
+            lines.append("out:" + ",".join(a.name for a in n.all_input_nodes))
+    return gm, result, [line.replace("_to_copy_default", "_to_copy") for line in lines]
+
+
+def _planned(node: torch.fx.Node, dtype: torch.dtype, mode: str = "compute") -> torch.fx.Node:
+    node.meta["amplite_precision"] = {"mode": mode, "dtype": dtype, "reason": "test"}
+    if mode == "compute":
+        node.meta["amplite_out_dtype"] = dtype
+    return node
+
+
+def test_insert_casts_casts_inputs_once_and_outputs_back() -> None:
+    """Two fp16 ops reading x share one cast; the fp16 result is cast back to fp32 at the output (counted),
+    and its recorded value is fp16."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        a = _planned(_call(g, aten.relu.default, (x,)), torch.float16)
+        return _planned(_call(g, aten.mul.Tensor, (a, x)), torch.float16)
+
+    gm, result, lines = _insert(build)
+    assert lines == [
+        "_to_copy=_to_copy(x)->torch.float16",
+        "relu=relu(_to_copy)",
+        "mul=mul(relu,_to_copy)",
+        "_to_copy_1=_to_copy(mul)->torch.float32",
+        "out:_to_copy_1",
+    ]
+    assert result.modified is True and result.counters == {"casts_inserted": 2, "casts_shared": 1}
+    assert _node(gm, "mul").meta["val"].dtype == torch.float16 and _node(gm, "x").meta["val"].dtype == torch.float32
+
+
+def test_insert_casts_low_precision_io_leaves_outputs_low() -> None:
+    """With low_precision_io the fp16 result is returned as is: only the input cast."""
+    _, result, lines = _insert(
+        lambda g, x, r: _planned(_call(g, aten.relu.default, (x,)), torch.float16), low_precision_io=True
+    )
+    assert lines == ["_to_copy=_to_copy(x)->torch.float16", "relu=relu(_to_copy)", "out:relu"]
+    assert result.counters == {"casts_inserted": 1}
+
+
+def test_insert_casts_follow_ops_promote_in_kernel_and_skip_scalars_and_fp64() -> None:
+    """An FP32 'follow' add of an fp16 value and x promotes in the kernel (no cast, counted); a 0-dim operand of a
+    follow op, an fp64 operand and an operand already in the compute dtype are never cast."""
+    h16 = torch.zeros(2, 3, dtype=torch.float16)
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        h = _planned(_call(g, aten.relu.default, (x,), val=h16), torch.float16)
+        h.meta.pop("amplite_out_dtype")
+        h.meta["val"] = h16  # already fp16 (as after an earlier rewrite)
+        add = _planned(_call(g, aten.add.Tensor, (h, x)), torch.float32, mode="follow")
+        s = _call(g, aten.select.int, (h, 0, 0), val=torch.zeros((), dtype=torch.float16))
+        sc = _planned(_call(g, aten.div.Tensor, (x, s)), torch.float16, mode="follow")
+        d = _call(g, aten.neg.default, (x,), val=torch.zeros(2, 3, dtype=torch.float64))
+        keep = _planned(_call(g, aten.mul.Tensor, (d, h)), torch.float16, mode="follow")
+        return (add, sc, keep)
+
+    _, result, lines = _insert(build, low_precision_io=True)
+    assert lines == [
+        "_to_copy=_to_copy(x)->torch.float16",  # for the fp16 relu, shared by the follow div
+        "relu=relu(_to_copy)",
+        "add=add(relu,x)",  # FP32 follow add: fp16 relu promotes in the kernel
+        "select=select(relu,0,0)",
+        "div=div(_to_copy,select)",  # the 0-dim select is not cast
+        "neg=neg(x)",
+        "mul=mul(neg,relu)",  # fp64 neg is not cast, relu is already fp16
+        "out:add,div,mul",
+    ]
+    assert result.counters == {"promotions_in_kernel": 1, "casts_inserted": 1, "casts_shared": 1}
