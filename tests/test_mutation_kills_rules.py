@@ -594,3 +594,70 @@ def test_fake_call_and_add_view() -> None:
     assert cr.fake_call(aten.cat.default, [x, x]).shape == (4, 3), "nested node args are read too"
     v = cr.add_view(g.g, x, [6], {"tag": 1}, SymbolicExtents(g.g))
     assert (v.target, v.args, v.meta["tag"], tuple(v.meta["val"].shape)) == (aten.view.default, (x, [6]), 1, (6,))
+
+
+# --- matmul_groups / linear_groups / unify, called directly --------------------------------------------------
+
+
+def test_matmul_groups_broadcasts_batch_dims_like_torch_matmul() -> None:
+    """Batch dims broadcast from the right: a missing or size-1 dim takes the other side's group."""
+    table, (a, b) = operands([1, 2, 3], [4, 3, 5])
+    assert eqn.matmul_groups(table, a, b) == [b.dims[0], a.dims[1], b.dims[2]]
+    table, (a, b) = operands([4, 2, 3], [1, 3, 5])
+    assert eqn.matmul_groups(table, a, b) == [a.dims[0], a.dims[1], b.dims[2]]
+    table, (a, b) = operands([2, 3], [6, 4, 3, 5])
+    assert eqn.matmul_groups(table, a, b) == [b.dims[0], b.dims[1], a.dims[0], b.dims[3]]
+    table, (a, b) = operands([6, 4, 2, 3], [3, 5])
+    assert eqn.matmul_groups(table, a, b) == [a.dims[0], a.dims[1], a.dims[2], b.dims[1]]
+    table, (a, b) = operands([4, 2, 3], [4, 3, 5])
+    assert eqn.matmul_groups(table, a, b) == [a.dims[0], a.dims[1], b.dims[2]]
+    assert table.find(a.dims[0][0]) == table.find(b.dims[0][0]), "equal batch dims are one mode"
+    table, (a, b) = operands([1, 2, 3], [1, 3, 5])
+    out = eqn.matmul_groups(table, a, b)
+    assert table.extent(out[0]) == 1 and len(out) == 3
+
+
+def test_matmul_groups_rejects_vectors_and_mismatched_batches() -> None:
+    """A rank-1 operand is 'vector_operand'; batch dims 2 vs 3 are 'bad_broadcast' naming both."""
+    table, (v, m) = operands([3], [3, 4])
+    assert reason_of(eqn.matmul_groups, table, v, m) == ("vector_operand", "")
+    table, (m, v) = operands([4, 3], [3])
+    assert reason_of(eqn.matmul_groups, table, m, v) == ("vector_operand", "")
+    table, (a, b) = operands([3, 2, 3], [2, 3, 5])
+    assert reason_of(eqn.matmul_groups, table, a, b) == ("bad_broadcast", "3 vs 2")
+    table, (a, b) = operands([2, 3], [3, 4])
+    assert eqn.matmul_groups(table, a, b) == [a.dims[0], b.dims[1]], "rank 2 each: no batch"
+
+
+def test_linear_groups_accepts_a_vector_input_and_needs_a_2d_weight() -> None:
+    """linear(x[3], w[4,3]) is [4]; x[2,5,3] keeps its leading dims; a 1-D or 3-D weight is rejected."""
+    table, (x, w) = operands([3], [4, 3])
+    assert eqn.linear_groups(table, x, w) == [w.dims[0]]
+    table, (x, w) = operands([2, 5, 3], [4, 3])
+    assert eqn.linear_groups(table, x, w) == [x.dims[0], x.dims[1], w.dims[0]]
+    table, (x, w) = operands([2, 3], [3])
+    assert reason_of(eqn.linear_groups, table, x, w) == ("vector_operand", "")
+    table, (x, w) = operands([2, 3], [1, 4, 3])
+    assert reason_of(eqn.linear_groups, table, x, w) == ("vector_operand", "")
+    table, (x, w) = operands([], [4, 3])
+    assert reason_of(eqn.linear_groups, table, x, w) == ("vector_operand", "")
+
+
+def test_unify_refines_both_sides_to_a_common_factorisation() -> None:
+    """[6] vs [2,3]: the 6 is split 2x3 and unified; [2,3] vs [6] the other way; size-1 modes are ignored."""
+    t = ModeTable()
+    six, two, three = t.new(6), t.new(2), t.new(3)
+    eqn.unify(t, [six], [two, three])
+    assert [t.size(m) for m in t.expand([six])] == [2, 3]
+    assert t.expand([six]) == [t.find(two), t.find(three)]
+    t = ModeTable()
+    two, three, six = t.new(2), t.new(3), t.new(6)
+    eqn.unify(t, [two, three], [six])
+    assert t.expand([six]) == [t.find(two), t.find(three)]
+    t = ModeTable()
+    one, four, four_b, one_b = t.new(1), t.new(4), t.new(4), t.new(1)
+    eqn.unify(t, [one, four], [four_b, one_b])
+    assert t.find(four) == t.find(four_b) and t.find(one) != t.find(one_b)
+    t = ModeTable()
+    g6, g4 = t.new(6), t.new(4)
+    assert reason_of(eqn.unify, t, [g6], [g4]) == ("incompatible_factorization", "6: 6 vs 4")
