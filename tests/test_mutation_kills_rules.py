@@ -661,3 +661,33 @@ def test_unify_refines_both_sides_to_a_common_factorisation() -> None:
     t = ModeTable()
     g6, g4 = t.new(6), t.new(4)
     assert reason_of(eqn.unify, t, [g6], [g4]) == ("incompatible_factorization", "6: 6 vs 4")
+
+
+class _UndecidableStrides(torch.Tensor):
+    """A tensor whose contiguity cannot be decided (as with a symbolic stride): is_contiguous raises."""
+
+    def is_contiguous(self, *args: object, **kwargs: object) -> bool:
+        raise RuntimeError("undecidable stride")
+
+
+def test_copies_assumes_a_copy_when_contiguity_is_undecidable() -> None:
+    """contiguous() of a value whose strides cannot be decided may copy in eager: counted as a copy."""
+    g = G()
+    x = g.inp("x", 2, 3)
+    node = g.g.call_function(aten.contiguous.default, (x,))
+    node.meta["val"] = torch.zeros(2, 3)
+    x.meta["val"] = torch.zeros(2, 3).as_subclass(_UndecidableStrides)
+    assert cr.copies(node)
+
+
+def test_fake_call_runs_under_the_inputs_fake_mode() -> None:
+    """An op that makes a new tensor must make a fake one: it runs inside the fake mode of its inputs."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    with FakeTensorMode() as mode:
+        x.meta["val"] = torch.empty(2, 3)
+    out = cr.fake_call(lambda v: v + torch.ones(3), x)
+    assert isinstance(out, FakeTensor) and out.fake_mode is mode and tuple(out.shape) == (2, 3)
+    assert isinstance(cr.fake_call(lambda v: v * 2, 3), int), "no tensor input: runs as is"
