@@ -581,7 +581,7 @@ def test_trace_operand_notes_an_unmodelled_view_source_and_a_failed_op() -> None
     notes = []
     tr = cr.trace_operand(ModeTable(), xt, mm, "matmul", False, notes)
     assert (tr.source, tr.chain) == (xv, [xt])
-    assert [(r.node, r.reason) for r in notes] == [(xv.name, "irregular_reshape")]
+    assert notes == [Rejection(xv.name, "matmul", "irregular_reshape", "[2, 3] -> [3, 2]")], "the detail says why"
 
 
 def test_fake_call_and_add_view() -> None:
