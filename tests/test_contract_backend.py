@@ -9,13 +9,13 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
-import types
 
 import pytest
 import torch
 
 import amplite.ops  # noqa: F401
 from amplite.ops import cutensor_backend as cb
+from tests import fake_nvmath
 
 contract_mod = importlib.import_module("amplite.ops.contract")  # the module; amplite.ops.contract is the op
 
@@ -73,16 +73,7 @@ def nvmath(monkeypatch):
     monkeypatch.setattr(Fake, "refuse_stride0_c", False)
     monkeypatch.setattr(Fake, "wrong", False)
     Fake.created = 0
-    mod = types.ModuleType("nvmath")
-    mod.tensor = types.SimpleNamespace(BinaryContraction=Fake)
-    mod.bindings = types.SimpleNamespace(cutensor=types.SimpleNamespace(get_version=lambda: 20301))
-    monkeypatch.setitem(sys.modules, "nvmath", mod)
-    monkeypatch.setattr(cb, "nvmath_version", lambda: "1.0.0")
-    monkeypatch.setattr(cb, "DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(cb, "_alignment", lambda t: 256)
-    monkeypatch.delenv("AMPLITE_CONTRACT_BACKEND", raising=False)
-    cb.reset_probes()
-    cb.clear_cache()
+    mod = fake_nvmath.install(monkeypatch, Fake)
     yield mod
     cb.reset_probes()
     cb.clear_cache()

@@ -24,6 +24,7 @@ import amplite.ops  # noqa: F401  (registers the op)
 from amplite.errors import ConfigError
 from amplite.ops import cutensor_backend as cb
 from amplite.ops import fusion_default as fd
+from tests import fake_nvmath
 
 contract_mod = importlib.import_module("amplite.ops.contract")  # the module; amplite.ops.contract is the op
 
@@ -101,16 +102,7 @@ def nv(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
     monkeypatch.setattr(Rec, "scale", 1.0)
     monkeypatch.setattr(Rec, "offset", 0.0)
     monkeypatch.setattr(Rec, "calls", [])
-    mod = types.ModuleType("nvmath")
-    mod.tensor = types.SimpleNamespace(BinaryContraction=Rec)
-    mod.bindings = types.SimpleNamespace(cutensor=types.SimpleNamespace(get_version=lambda: 20301))
-    monkeypatch.setitem(sys.modules, "nvmath", mod)
-    monkeypatch.setattr(cb, "nvmath_version", lambda: "1.0.0")
-    monkeypatch.setattr(cb, "DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(cb, "_alignment", lambda t: 256)
-    monkeypatch.delenv("AMPLITE_CONTRACT_BACKEND", raising=False)
-    cb.reset_probes()
-    cb.clear_cache()
+    mod = fake_nvmath.install(monkeypatch, Rec)
     Rec.calls.clear()
     yield mod
     cb.reset_probes()
