@@ -31,9 +31,9 @@ bench: install
 	$(PY) bench/bench_convert.py
 
 # Mutation testing of the passes, policy, op tables, verification metrics and ops (config: [tool.mutmut]
-# in pyproject.toml; score and survivors: docs/testing.md). Not in CI: about 5800 mutants, 1.2-1.5 per second
-# with two workers on this machine (over an hour when it is shared); the seeded 10 % sample (mutate-sample)
-# (about 580 mutants) roughly 10 minutes. Each mutant runs its fastest tests up to MUTMUT_TEST_BUDGET seconds of recorded
+# in pyproject.toml; score and survivors: docs/testing.md). Not in CI: 5912 mutants in about 50 minutes with
+# two workers on this idle 2-core machine (longer when it is shared, and a loaded stats run fits fewer tests
+# into the budget); the seeded 10 % sample (mutate-sample, about 590 mutants) roughly 10 minutes. Each mutant runs its fastest tests up to MUTMUT_TEST_BUDGET seconds of recorded
 # test time (tests/mutmut_warmup.py; 0 = all). Results are cached in mutants/ (a rerun only tests what
 # changed; `rm -rf mutants` for a fresh run).
 MUTMUT_TEST_BUDGET ?= 3
