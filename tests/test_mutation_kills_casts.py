@@ -520,3 +520,115 @@ def test_insert_casts_follow_ops_promote_in_kernel_and_skip_scalars_and_fp64() -
         "out:add,div,mul",
     ]
     assert result.counters == {"promotions_in_kernel": 1, "casts_inserted": 1, "casts_shared": 1}
+
+
+# --- StoreLowPrecisionParams: every kind of holder, tied aliases, exact counters -------------------------
+
+
+def _store_graph(targets: list[str], root: torch.nn.Module) -> torch.fx.GraphModule:
+    """``root`` itself as the graph module (holders kept as built: a GraphModule built *from* a root would copy
+    only the read attributes, plain tensors as buffers), running ``sum(cast_fp16(get_attr(t)))``: every
+    tensor is read only through an fp16 cast."""
+    g = torch.fx.Graph()
+    acc = None
+    for target in targets:
+        attr = g.get_attr(target)
+        path, _, name = target.rpartition(".")
+        attr.meta["val"] = getattr(root.get_submodule(path), name)
+        cast = g.call_function(aten._to_copy.default, (attr,), {"dtype": torch.float16})
+        acc = cast if acc is None else g.call_function(aten.add.Tensor, (acc, cast))
+    g.output(acc)
+    gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+    for name, child in root._modules.items():  # not named_children(): it skips a module's second name
+        gm.add_module(name, child)
+    for name, value in vars(root).items():
+        if isinstance(value, torch.Tensor):
+            object.__setattr__(gm, name, value)
+    for store in ("_parameters", "_buffers"):
+        getattr(gm, store).update(getattr(root, store))
+    gm.graph = g
+    return gm
+
+
+def test_store_low_params_replaces_parameters_buffers_and_plain_constants_in_their_own_holder() -> None:
+    """A parameter stays a Parameter in _parameters, a buffer stays in _buffers, a plain tensor attribute
+    (a lifted constant, also one whose name starts with '_') stays a plain attribute: each is the new fp16
+    tensor that the graph's get_attr now reads, the originals are untouched, and the counters are exact."""
+    from amplite.passes.store_low_params import StoreLowPrecisionParams
+
+    root, sub = torch.nn.Module(), torch.nn.Module()
+    root.add_module("sub", sub)
+    w = torch.nn.Parameter(torch.full((2, 3), 1.5))
+    sub.register_parameter("w", w)
+    b = torch.full((2, 3), 2.5)
+    sub.register_buffer("b", b)
+    c, hidden = torch.full((2, 3), 3.5), torch.full((2, 3), 4.5)
+    root.lifted_tensor_0 = c
+    root._hidden = hidden  # not found by the alias scan ('_' names are internals): the reader's path is used
+    gm = _store_graph(["sub.w", "sub.b", "lifted_tensor_0", "_hidden"], root)
+    result = StoreLowPrecisionParams()(gm)
+    root = gm  # the graph module holds root's attributes
+    assert result.modified is True
+    assert result.counters == {"tensors_stored_low": 4, "casts_removed": 4, "aliases_kept_tied": 0, "bytes_saved": 48}
+    assert isinstance(sub._parameters["w"], torch.nn.Parameter) and sub._parameters["w"].dtype == torch.float16
+    assert "w" not in sub._buffers and "b" not in sub._parameters, "a holder's kind must not change"
+    assert sub._buffers["b"].dtype == torch.float16
+    for name in ("lifted_tensor_0", "_hidden"):
+        assert name not in root._buffers and name not in root._parameters, f"{name} must stay a plain attribute"
+        assert getattr(root, name).dtype == torch.float16, f"{name}: the graph must read the fp16 copy"
+    assert [t.dtype for t in (w, b, c, hidden)] == [torch.float32] * 4, "the originals are new tensors' sources"
+    assert not any(n.target is aten._to_copy.default for n in gm.graph.nodes), "the casts are gone"
+    torch.testing.assert_close(gm(), torch.full((2, 3), 12.0, dtype=torch.float16))
+
+
+def test_store_low_params_keeps_every_alias_of_a_tied_tensor_tied_and_counts_them() -> None:
+    """One parameter under three names and one plain constant under two, each read through one name: every
+    name gets the one new fp16 tensor, and aliases_kept_tied counts the extra names of both (2 + 1)."""
+    from amplite.passes.store_low_params import StoreLowPrecisionParams
+
+    root, a, b = torch.nn.Module(), torch.nn.Module(), torch.nn.Module()
+    root.add_module("a", a)
+    root.add_module("b", b)
+    w = torch.nn.Parameter(torch.ones(4))
+    for owner, name in ((a, "w"), (b, "w"), (root, "head")):
+        owner.register_parameter(name, w)
+    k = torch.full((4,), 2.0)
+    root.lifted_tensor_0 = k
+    a.lifted_tensor_1 = k
+    gm = _store_graph(["a.w", "lifted_tensor_0"], root)
+    result = StoreLowPrecisionParams()(gm)
+    root = gm  # the graph module holds root's attributes
+    assert result.counters == {"tensors_stored_low": 2, "casts_removed": 2, "aliases_kept_tied": 3,
+                               "bytes_saved": 2 * 4 * 2}  # fmt: skip
+    assert a.w is b.w is root.head and a.w.dtype == torch.float16 and isinstance(root.head, torch.nn.Parameter)
+    assert root.lifted_tensor_0 is a.lifted_tensor_1 and a.lifted_tensor_1.dtype == torch.float16
+
+
+def test_store_low_params_reports_modified_for_a_single_tensor() -> None:
+    """Storing exactly one tensor low is a modification (the pass manager recompiles on it)."""
+    from amplite.passes.store_low_params import StoreLowPrecisionParams
+
+    root = torch.nn.Module()
+    root.register_buffer("only", torch.ones(3))
+    result = StoreLowPrecisionParams()(_store_graph(["only"], root))
+    assert result.modified is True and result.counters["tensors_stored_low"] == 1
+
+
+def test_store_low_params_updates_a_tied_buffer_everywhere_and_a_shared_module_once() -> None:
+    """A buffer held by two modules gets the new fp16 tensor in both; a submodule reachable under two names
+    is one holder (its parameter is not counted as a tied alias of itself)."""
+    from amplite.passes.store_low_params import StoreLowPrecisionParams
+
+    root, a, b, shared = torch.nn.Module(), torch.nn.Module(), torch.nn.Module(), torch.nn.Module()
+    buf = torch.full((3,), 2.0)
+    a.register_buffer("scale", buf)
+    b.register_buffer("scale", buf)
+    shared.register_parameter("w", torch.nn.Parameter(torch.ones(3)))
+    for name, child in (("a", a), ("b", b), ("s1", shared), ("s2", shared)):
+        root.add_module(name, child)
+    gm = _store_graph(["a.scale", "s1.w"], root)
+    result = StoreLowPrecisionParams()(gm)
+    assert result.counters == {"tensors_stored_low": 2, "casts_removed": 2, "aliases_kept_tied": 1,
+                               "bytes_saved": 2 * 3 * 2}  # fmt: skip
+    assert gm.a.scale is gm.b.scale and gm.b.scale.dtype == torch.float16 and "scale" in gm.b._buffers
+    assert gm.s2.w.dtype == torch.float16
