@@ -21,8 +21,11 @@ import contextlib
 from collections.abc import Callable, Generator
 from typing import Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.plugins.precision import Precision
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import Precision
+except ImportError as exc:  # an optional dependency: say which extra brings it
+    raise ImportError("amplite.integrations.lightning needs Lightning: pip install 'amplite[lightning]'") from exc
 from torch import Tensor, nn
 from torch.optim import Optimizer
 

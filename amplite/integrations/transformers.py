@@ -26,7 +26,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import transformers
+
+try:
+    import transformers
+except ImportError as exc:  # an optional dependency: say which extra brings it
+    raise ImportError(
+        "amplite.integrations.transformers needs transformers and accelerate: pip install 'amplite[transformers]'"
+    ) from exc
 from torch import nn
 
 from amplite.errors import AmpliteError, ConfigError
