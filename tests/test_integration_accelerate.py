@@ -41,7 +41,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
 def test_amplite_and_amplite_integrations_import_without_the_frameworks():
     done = _python(
         "import sys, amplite, amplite.integrations\n"
-        "heavy = [m for m in ('lightning', 'pytorch_lightning', 'accelerate') if m in sys.modules]\n"
+        "heavy = [m for m in ('lightning', 'pytorch_lightning', 'accelerate', 'transformers') if m in sys.modules]\n"
         "print(heavy)"
     )
     assert done.returncode == 0, done.stderr
