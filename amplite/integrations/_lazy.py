@@ -57,10 +57,13 @@ class LazyAmplite:
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """Trace ``model`` on this batch; restore amplite state loaded before now."""
-        self.net, self.opt = prepare_training(
-            model, optimizer, (args, kwargs), precision=self.precision, level=self.level,
-            keep_fp32=self.keep_fp32, force_low=self.force_low,
-        )  # fmt: skip
+        # the first call may come from a validation step (no_grad / inference mode): the low-precision copies
+        # made now must be ordinary trainable tensors
+        with torch.inference_mode(False), torch.enable_grad():
+            self.net, self.opt = prepare_training(
+                model, optimizer, (args, kwargs), precision=self.precision, level=self.level,
+                keep_fp32=self.keep_fp32, force_low=self.force_low,
+            )  # fmt: skip
         self.optimizer = optimizer
         if self.pending_state is not None:
             self.load_amplite_state(self.pending_state)
