@@ -10,6 +10,7 @@ from its shard, cast to its planned dtype (``amplite.checkpoint.write``).
 from __future__ import annotations
 
 import math
+import os
 import resource
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,21 +22,15 @@ import torch
 from torch.export import ExportedProgram
 
 from amplite.checkpoint.blockwise import verify_blockwise
-from amplite.checkpoint.source import (
-    PREFIX,
-    Checkpoint,
-    build_meta_model,
-    example_inputs_for,
-    iter_shard,
-    load_tensor,
-    open_checkpoint,
-)
+from amplite.checkpoint.keys import KeyMap, map_keys
+from amplite.checkpoint.model import build_meta_model
+from amplite.checkpoint.source import PREFIX, Checkpoint, example_inputs_for, iter_shard, load_tensor, open_checkpoint
 from amplite.checkpoint.write import cast_tensor, write_pt2, write_safetensors_dir
 from amplite.converter.graph_stats import graph_stats
 from amplite.converter.pipeline import PipelineOutput, run_pipeline
 from amplite.errors import ConfigError
 from amplite.passes.range_guard import RangeRules, weight_reason
-from amplite.policy import Level, PrecisionPolicy, make_overrides, resolve_level
+from amplite.policy import LEVEL_ENV, Level, PrecisionPolicy, make_overrides, resolve_level
 from amplite.report.document import Report
 from amplite.verify.compare import DEFAULT_TOLERANCES, Tolerance
 
@@ -55,6 +50,7 @@ class StreamedConversion:
         pipeline: The passes' output (``converted`` holds meta tensors in their planned dtypes).
         dtypes: Tensor name -> storage dtype in the output.
         buffers: Real values of the buffers the model computes itself (not in the shards).
+        keys: Which shard tensors make each model tensor (transformers' own mapping).
         data: The report document (``report.json``); :attr:`report` wraps it.
     """
 
@@ -62,6 +58,7 @@ class StreamedConversion:
     pipeline: PipelineOutput
     dtypes: dict[str, torch.dtype]
     buffers: dict[str, torch.Tensor]
+    keys: KeyMap
     data: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -83,9 +80,10 @@ class StreamedConversion:
         """One weight read from ``source`` (default: the input checkpoint), cast to ``dtype`` (default: its
         planned storage dtype)."""
         ckpt = source or self.checkpoint
-        key = _checkpoint_name(name, ckpt)
-        if key is not None:
-            t = load_tensor(ckpt.tensors[key])
+        model_name = name.removeprefix(PREFIX)
+        if model_name in self.keys.sources or model_name in self.keys.tied:
+            origin = self.keys.resolve(model_name)
+            t = self.keys.build(origin, lambda k: load_tensor(ckpt.tensors[k]))[origin]
         elif name in self.buffers:
             t = self.buffers[name]
         else:
@@ -155,19 +153,7 @@ def _meta_bytes(program: ExportedProgram, name: str) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
-def _checkpoint_name(name: str, ckpt: Checkpoint) -> str | None:
-    """The shard tensor for a program weight: the same name, or a tied twin the shards store once."""
-    name = name.removeprefix(PREFIX)
-    if name in ckpt.tensors:
-        return name
-    if name.endswith("lm_head.weight"):
-        for twin in ("model.embed_tokens.weight", "transformer.wte.weight", "model.decoder.embed_tokens.weight"):
-            if twin in ckpt.tensors:
-                return twin
-    return None
-
-
-def weight_rules(ckpt: Checkpoint, progress: Progress, rules: RangeRules) -> dict[str, str]:
+def weight_rules(ckpt: Checkpoint, keys: KeyMap, progress: Progress, rules: RangeRules) -> dict[str, str]:
     """fp16 weight rules on streamed statistics: module path -> reason, for weights fp16 cannot hold.
 
     The rule of ``amplite.passes.range_guard`` (:func:`~amplite.passes.range_guard.weight_reason`): a weight
@@ -175,14 +161,15 @@ def weight_rules(ckpt: Checkpoint, progress: Progress, rules: RangeRules) -> dic
     (``range:weight-underflow``), keeps its module in FP32. Each tensor is read once, without a copy.
     """
     flagged: dict[str, str] = {}
+    targets = keys.shard_targets()
     total, done = ckpt.total_bytes, 0
     for shard in ckpt.shards:
         for name, t in iter_shard(shard):
             done += t.nbytes
             progress("reading weight statistics", done, total)
             reason = weight_reason(t, rules)
-            if reason is not None:
-                flagged[PREFIX + name.rsplit(".", 1)[0]] = reason
+            if reason is not None and name in targets:
+                flagged[PREFIX + targets[name].rsplit(".", 1)[0]] = reason
             del t
     return flagged
 
@@ -214,26 +201,24 @@ def convert_checkpoint(
     timings: dict[str, float] = {}
     start = perf_counter()
     ckpt = open_checkpoint(path)
-    lvl = resolve_level(level)
-    use_rules = range_rules if range_rules is not None else lvl in (Level.O1, Level.O2)
-    flagged = weight_rules(ckpt, progress, RangeRules()) if use_rules and precision == "fp16" else {}
-    timings["weight_statistics"] = perf_counter() - start
-    start = perf_counter()
+    lvl = checkpoint_level(level)
     model, buffers = build_meta_model(ckpt)
+    keys = map_keys(ckpt, model.lm)
     inputs = example_inputs if example_inputs is not None else example_inputs_for(ckpt.config)
     inputs = torch.utils._pytree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, inputs)
     timings["build"] = perf_counter() - start
+    start = perf_counter()
+    use_rules = range_rules if range_rules is not None else lvl in (Level.O1, Level.O2)
+    flagged = weight_rules(ckpt, keys, progress, RangeRules()) if use_rules and precision == "fp16" else {}
+    timings["weight_statistics"] = perf_counter() - start
     keep = [*keep_fp32, *(f"module:{m}" for m in flagged)]
     policy = PrecisionPolicy(precision, lvl, make_overrides(keep, force_low), low_precision_io)
     out = run_pipeline(model, inputs, policy, fold_batchnorm=False)
     timings.update(out.timings)
     dtypes = {name: t.dtype for name, t in [*out.converted.state_dict.items(), *out.converted.constants.items()]
               if isinstance(t, torch.Tensor)}  # fmt: skip
-    shard_dtypes = {n.removeprefix(PREFIX): d for n, d in dtypes.items()}
-    for name, info in ckpt.tensors.items():  # weights the program does not read keep their dtype
-        shard_dtypes.setdefault(name, info.dtype)
-    dtypes.update(shard_dtypes)
-    conv = StreamedConversion(ckpt, out, dtypes, buffers)
+    dtypes.update(storage_dtypes(ckpt, keys, dtypes))
+    conv = StreamedConversion(ckpt, out, dtypes, buffers, keys)
     after = sum(math.prod(i.shape) * dtypes[n].itemsize for n, i in ckpt.tensors.items())
     conv.data = {
         "source": {"path": str(ckpt.path), "format": "checkpoint", "shards": len(ckpt.shards)},
@@ -247,9 +232,52 @@ def convert_checkpoint(
                     "ratio": round(after / ckpt.total_bytes, 4) if ckpt.total_bytes else 1.0},
         "fp32_nodes": [p for p in out.plan if p["mode"] == "fp32"],
         "plan": out.plan,
+        "warnings": storage_warnings(ckpt, keys, dtypes, lvl),
         "timings": timings,
     }  # fmt: skip
     return conv
+
+
+def checkpoint_level(level: str | Level | None) -> Level:
+    """The level for a checkpoint: as given (or ``AMPLITE_LEVEL``), else O2, which stores low-precision
+    weights (O1 keeps FP32 masters: its safetensors output would be the source unchanged)."""
+    if level is None and not os.environ.get(LEVEL_ENV):
+        return Level.O2
+    return resolve_level(level)
+
+
+def storage_dtypes(ckpt: Checkpoint, keys: KeyMap, planned: dict[str, torch.dtype]) -> dict[str, torch.dtype]:
+    """Shard tensor name -> its dtype in a safetensors output: the plan's dtype for the model tensor it
+    feeds, never wider than the source's (a bf16 source is never up-cast); unread tensors keep theirs."""
+    targets = keys.shard_targets()
+    out = {}
+    for name, info in ckpt.tensors.items():
+        want = planned.get(PREFIX + targets[name], info.dtype) if name in targets else info.dtype
+        floating = info.dtype.is_floating_point and want.is_floating_point
+        out[name] = want if floating and want.itemsize <= info.dtype.itemsize else info.dtype
+    return out
+
+
+def storage_warnings(ckpt: Checkpoint, keys: KeyMap, dtypes: dict[str, torch.dtype], level: Level) -> list[str]:
+    """What the outputs do not change: an output that stores nothing in low precision, tensors left FP32,
+    shard tensors the model never reads."""
+    warnings = []
+    low = {torch.float16, torch.bfloat16}
+    floats = {n: i for n, i in ckpt.tensors.items() if i.dtype.is_floating_point}
+    changed = [n for n, i in floats.items() if dtypes[n] != i.dtype]
+    if floats and not changed:
+        why = "O1 keeps FP32 master weights" if level == Level.O1 else f"{level.value} keeps these weights' dtypes"
+        warnings.append(f"the safetensors output stores every weight in its source dtype ({why}); the mixed-"
+                        "precision plan is in the .pt2 (--format pt2), or use --level O2 to store low precision")
+    wide = [n for n, i in floats.items() if dtypes[n] not in low and i.nbytes >= 2**16]
+    if changed and wide:
+        share = sum(floats[n].nbytes for n in wide) / max(1, sum(i.nbytes for i in floats.values()))
+        warnings.append(f"{len(wide)} large weights ({share:.0%} of the bytes) stay {str(dtypes[wide[0]])[6:]}, "
+                        f"e.g. {wide[0]} (their readers run in FP32: see fp32_nodes)")  # fmt: skip
+    if keys.unused:
+        warnings.append(f"{len(keys.unused)} shard tensors are not read by the model (e.g. {keys.unused[0]}); they "
+                        "are copied unchanged")  # fmt: skip
+    return warnings
 
 
 def peak_rss_bytes() -> int:

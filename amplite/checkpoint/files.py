@@ -10,10 +10,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from amplite.checkpoint.convert import Progress, StreamedConversion, _no_progress, convert_checkpoint, peak_rss_bytes
+from amplite.checkpoint.convert import (
+    Progress,
+    StreamedConversion,
+    _no_progress,
+    checkpoint_level,
+    convert_checkpoint,
+    peak_rss_bytes,
+)
 from amplite.converter import emit
 from amplite.errors import ConfigError
-from amplite.policy import resolve_level
 
 FORMATS = ("safetensors", "pt2")
 #: amplite.convert keywords that mean nothing for a streamed checkpoint (with their defaults).
@@ -65,7 +71,7 @@ def checkpoint_to_files(
                               "drop it (checkpoints are streamed from their shards)")  # fmt: skip
     src = Path(source)
     precision = conversion.get("precision", "fp16")
-    level = resolve_level(conversion.get("level")).value
+    level = checkpoint_level(conversion.get("level")).value
     targets = plan_checkpoint_outputs(src, output, formats, precision, level)
     for fmt, path in targets:
         if fmt == "pt2":

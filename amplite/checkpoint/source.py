@@ -7,8 +7,8 @@ small and built on the CPU.
 
 from __future__ import annotations
 
-import contextlib
 import json
+import math
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -89,135 +89,135 @@ def read_header(shard: Path) -> dict[str, Any]:
         raise LoadError(f"{shard} is not a readable safetensors shard ({exc})",
                         "re-download or regenerate that shard") from None  # fmt: skip
     data_len = shard.stat().st_size - 8 - size
-    for name, meta in header.items():
+    bad = not isinstance(header, dict)
+    for name, meta in (header.items() if not bad else ()):
         if name == "__metadata__":
             continue
-        start, end = meta.get("data_offsets", (0, -1))
-        if meta.get("dtype") not in _ST_DTYPES or not 0 <= start <= end <= data_len:
-            raise LoadError(f"{shard}: tensor {name!r} has a bad dtype or data range (truncated or corrupt shard)",
-                            "re-download or regenerate that shard")  # fmt: skip
+        try:
+            start, end = meta["data_offsets"]
+            shape = meta["shape"]
+            count = math.prod(int(d) for d in shape) if all(isinstance(d, int) and d >= 0 for d in shape) else -1
+            ok = meta["dtype"] in _ST_DTYPES and 0 <= start <= end <= data_len
+            ok = ok and count >= 0 and end - start == count * _ST_DTYPES[meta["dtype"]].itemsize
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise LoadError(f"{shard}: tensor {name!r} has a bad dtype, shape or data range (truncated or corrupt "
+                            "shard)", "re-download or regenerate that shard")  # fmt: skip
+    if bad:
+        raise LoadError(f"{shard}: the safetensors header is not an object", "re-download or regenerate that shard")
     return header
+
+
+def inside(root: Path, name: object, what: str) -> Path:
+    """``root / name`` when it is a plain file name inside ``root`` (no ``..``, absolute path or symlink).
+
+    Raises:
+        LoadError: ``name`` leaves the directory, or is a symlink.
+    """
+    if not isinstance(name, str) or not name or name != Path(name).name or name in (".", ".."):
+        raise LoadError(f"{root}: {what} {name!r} is not a file name inside the checkpoint directory",
+                        "keep every shard in the checkpoint directory itself (no paths, no '..')")  # fmt: skip
+    path = root / name
+    if path.is_symlink():
+        raise LoadError(f"{path} is a symlink; amplite reads only files inside the checkpoint directory",
+                        "copy the file into the directory instead of linking it")  # fmt: skip
+    return path
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """Read a checkpoint directory's config and shard headers (no weight values).
 
+    Every file read is a plain file inside the directory; a tensor held by two shards, or by a shard the
+    index does not name for it, is refused (from_pretrained would pick one silently).
+
     Raises:
-        LoadError: No config, a missing or corrupt shard, an index naming a missing file.
+        LoadError: No config, a missing or corrupt shard, an index naming a missing file, a path that leaves
+            the directory, a duplicated tensor.
     """
     root = Path(path)
-    cfg_path = root / "config.json"
-    if not cfg_path.exists():
+    cfg_path = inside(root, "config.json", "config")
+    if not cfg_path.is_file():
         raise LoadError(f"{root} has no config.json", "point at a transformers checkpoint directory (config.json + "
                         "*.safetensors)")  # fmt: skip
     try:
         config = json.loads(cfg_path.read_text())
     except (OSError, ValueError) as exc:
         raise LoadError(f"{cfg_path} is not valid JSON ({exc})", "fix or regenerate config.json") from None
-    if (root / INDEX).exists():
+    if not isinstance(config, dict):
+        raise LoadError(f"{cfg_path} is not a JSON object", "fix or regenerate config.json")
+    weight_map: dict[str, str] = {}
+    if inside(root, INDEX, "index").exists():
         try:
-            weight_map: dict[str, str] = json.loads((root / INDEX).read_text())["weight_map"]
+            weight_map = json.loads((root / INDEX).read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise LoadError(f"{root / INDEX} is not a valid index ({exc})", "regenerate the index") from None
         shards = list(dict.fromkeys(weight_map.values()))
-    elif (root / SINGLE).exists():
-        weight_map, shards = {}, [SINGLE]
+    elif inside(root, SINGLE, "shard").exists():
+        shards = [SINGLE]
     else:
         raise LoadError(f"{root} has no {SINGLE} and no {INDEX}", "save the checkpoint with safe_serialization")
     ckpt = Checkpoint(root, config)
     for name in shards:
-        shard = root / name
+        shard = inside(root, name, "the index names shard")
         if not shard.is_file():
             raise LoadError(f"the index names {name}, which is not in {root}", "copy the missing shard")
         ckpt.shards.append(shard)
         for tname, meta in read_header(shard).items():
             if tname == "__metadata__":
                 continue
+            other = ckpt.tensors.get(tname)
+            if other is not None or weight_map.get(tname, name) != name:
+                first = other.shard.name if other is not None else weight_map[tname]
+                raise LoadError(f"tensor {tname!r} is in {name} and in {first}",
+                                "the shards disagree: regenerate the checkpoint (one copy of each tensor)")  # fmt: skip
             start, end = meta["data_offsets"]
-            ckpt.tensors[tname] = TensorInfo(tname, shard, _ST_DTYPES[meta["dtype"]], tuple(meta["shape"]), end - start)
-    missing = [t for t, s in weight_map.items() if t not in ckpt.tensors]
+            shape = meta.get("shape")
+            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise LoadError(f"{shard}: tensor {tname!r} has a bad shape", "regenerate that shard")
+            ckpt.tensors[tname] = TensorInfo(tname, shard, _ST_DTYPES[meta["dtype"]], tuple(shape), end - start)
+    missing = [t for t in weight_map if t not in ckpt.tensors]
     if missing:
         raise LoadError(f"the index lists {len(missing)} tensors no shard holds (e.g. {missing[0]})",
                         "the shards and the index do not belong together: regenerate the index")  # fmt: skip
     return ckpt
 
 
-@contextlib.contextmanager
-def _params_on_meta() -> Iterator[None]:
-    """Create parameters on the meta device (buffers stay real): no weight memory is allocated."""
-    original = nn.Module.register_parameter
-
-    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(self, name, param)
-        if param is not None:
-            kind = type(self._parameters[name])
-            self._parameters[name] = kind(self._parameters[name].to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
-def build_meta_model(ckpt: Checkpoint) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """The model from ``config.json`` with meta parameters, and its real buffers (moved off the model).
-
-    Returns:
-        The model wrapped in :class:`LogitsOnly` (every parameter and buffer on meta, eval mode) and the
-        buffers' real values by (wrapped) name.
-
-    Raises:
-        LoadError: transformers is missing or cannot build the config.
-    """
-    try:
-        import transformers
-    except ImportError:
-        raise LoadError("converting a checkpoint directory needs transformers",
-                        "pip install transformers") from None  # fmt: skip
-    try:
-        config = transformers.AutoConfig.for_model(**ckpt.config)
-        arch = (ckpt.config.get("architectures") or [None])[0]
-        cls = getattr(transformers, arch) if arch and hasattr(transformers, arch) else None
-        with _params_on_meta():
-            model = cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
-    except Exception as exc:
-        raise LoadError(f"transformers cannot build {ckpt.path / 'config.json'}: {type(exc).__name__}: {exc}",
-                        "check model_type and architectures in config.json") from None  # fmt: skip
-    model = LogitsOnly(model).eval()
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers() if b.device.type != "meta"}
-    for module in model.modules():
-        for bname, b in list(module._buffers.items()):
-            if b is not None and b.device.type != "meta":
-                module._buffers[bname] = b.to("meta")
-    return model, buffers
-
-
 PREFIX = "lm."
 
 
 class LogitsOnly(nn.Module):
-    """``forward(input_ids) -> logits`` of a transformers model (no cache, plain tensor output).
+    """``forward(input_ids, **inputs) -> logits`` of a transformers model (no cache, plain tensor output).
 
     The converted program then loads and runs anywhere, without transformers' output classes.
-    Its weight names are the checkpoint's with :data:`PREFIX` in front.
+    Its weight names are the checkpoint's with :data:`PREFIX` in front. Keyword inputs
+    (``decoder_input_ids``, ``attention_mask``) are passed through.
     """
 
     def __init__(self, lm: nn.Module) -> None:
         super().__init__()
         self.lm = lm
+        import inspect
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=input_ids, use_cache=False, return_dict=False)[0]
+        params = inspect.signature(lm.forward).parameters
+        self._use_cache = "use_cache" in params
+
+    def forward(self, input_ids: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+        extra: dict[str, Any] = {"use_cache": False} if self._use_cache else {}
+        return self.lm(input_ids=input_ids, **inputs, **extra, return_dict=False)[0]
 
 
 def example_inputs_for(config: dict[str, Any], batch: int = 1, seq: int = 8) -> tuple[tuple, dict[str, Any]]:
-    """``input_ids`` of shape ``(batch, seq)`` on meta (zeros: valid ids for any vocabulary)."""
-    if "vocab_size" not in config:
+    """``input_ids`` of shape ``(batch, seq)`` on meta (zeros: valid ids for any vocabulary); encoder-decoder
+    models also get ``decoder_input_ids`` of the same shape."""
+    if "vocab_size" not in config and "d_model" not in config and "hidden_size" not in config:
         raise InputSpecError("the config has no vocab_size: amplite cannot derive example inputs",
                              "pass --input NAME:SHAPE:DTYPE for this model")  # fmt: skip
     ids = torch.zeros(batch, seq, dtype=torch.int64, device="meta")
-    return (ids,), {}
+    kwargs = {"decoder_input_ids": ids.clone()} if config.get("is_encoder_decoder") else {}
+    return (ids,), kwargs
 
 
 def load_tensor(info: TensorInfo) -> torch.Tensor:
