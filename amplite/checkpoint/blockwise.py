@@ -99,6 +99,21 @@ def _block_outputs(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
     return {node: block for block, node in last.items()}
 
 
+def flat_inputs(program: ExportedProgram, inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> list[Any]:
+    """``(args, kwargs)`` in the order of the program's placeholders (keyword inputs in the order traced).
+
+    Raises:
+        ConfigError: A keyword input the program was not traced with, or one it needs that is missing.
+    """
+    args, kwargs = inputs
+    spec = program.call_spec.in_spec
+    names = list(spec.child(1).context) if spec is not None and spec.num_children > 1 else []
+    if set(kwargs) != set(names):
+        raise ConfigError(f"verification inputs {sorted(kwargs)} differ from the traced inputs {names}",
+                          "pass the same --input names for tracing and verification")  # fmt: skip
+    return [*args, *(kwargs[n] for n in names)]
+
+
 def verify_blockwise(
     reference: ExportedProgram,
     converted: ExportedProgram,
@@ -130,8 +145,7 @@ def verify_blockwise(
             f"--verify-max-memory {max_memory / 2**30:.2f} GiB",
             "raise --verify-max-memory, or skip verification with --no-verify",
         )
-    args, kwargs = inputs
-    flat = [*args, *kwargs.values()]
+    flat = flat_inputs(reference, inputs)
     with torch.no_grad():
         ref_run, conv_run = _Streaming(ref_gm, load_reference), _Streaming(conv_gm, load_converted)
         ref_out = ref_run.run(*flat)

@@ -25,7 +25,7 @@ from amplite.checkpoint.blockwise import verify_blockwise
 from amplite.checkpoint.keys import KeyMap, map_keys
 from amplite.checkpoint.model import build_meta_model
 from amplite.checkpoint.source import PREFIX, Checkpoint, example_inputs_for, iter_shard, load_tensor, open_checkpoint
-from amplite.checkpoint.write import cast_tensor, write_pt2, write_safetensors_dir
+from amplite.checkpoint.write import Pt2Weights, cast_tensor, write_pt2, write_safetensors_dir
 from amplite.converter.graph_stats import graph_stats
 from amplite.converter.pipeline import PipelineOutput, run_pipeline
 from amplite.errors import ConfigError
@@ -130,22 +130,46 @@ class StreamedConversion:
         Returns:
             The ``verification`` section (also stored in :attr:`report`).
         """
-        written = open_checkpoint(converted_dir)
-        if inputs is None:
-            vocab = int(self.checkpoint.config.get("vocab_size", 2))
-            gen = torch.Generator().manual_seed(0)
-            inputs = ((torch.randint(0, vocab, (1, 8), generator=gen),), {})
+        if inputs is None or _on_meta(inputs):
+            inputs = random_inputs(self.pipeline.original, int(self.checkpoint.config.get("vocab_size", 2)))
+        converted_dir = Path(converted_dir)
+        if converted_dir.is_dir():
+            written = open_checkpoint(converted_dir)
+            load_converted = lambda n: self.tensor(n, source=written)  # noqa: E731
+        else:  # a .pt2: its weights are read back from the archive, one at a time
+            reader = Pt2Weights(converted_dir)
+            load_converted = reader.tensor
         precision = self.data["config"]["precision"]
         start = perf_counter()
         section = verify_blockwise(
             self.pipeline.original, self.program, inputs,
-            lambda n: self.tensor(n, dtype=torch.float32), lambda n: self.tensor(n, source=written),
+            lambda n: self.tensor(n, dtype=torch.float32), load_converted,
             tolerance or DEFAULT_TOLERANCES[precision],
             max_memory=max_memory_gb * 2**30 if max_memory_gb is not None else None,
         )  # fmt: skip
         self.data["timings"]["verify"] = perf_counter() - start
         self.data["verification"] = section
         return section
+
+
+def _on_meta(inputs: Any) -> bool:
+    leaves = torch.utils._pytree.tree_leaves(inputs)
+    return any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in leaves)
+
+
+def random_inputs(program: ExportedProgram, vocab: int) -> tuple[tuple, dict[str, Any]]:
+    """Seeded inputs shaped like the traced ones: token ids below ``vocab``, masks of ones, floats ~ N(0, 1)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def fake(name: str, t: torch.Tensor) -> torch.Tensor:
+        if "mask" in name:
+            return torch.ones(t.shape, dtype=t.dtype)
+        if t.dtype.is_floating_point:
+            return torch.randn(t.shape, generator=gen).to(t.dtype)
+        return torch.randint(0, max(vocab, 1), t.shape, generator=gen, dtype=t.dtype)
+
+    args, kwargs = program.example_inputs
+    return tuple(fake(f"arg{i}", a) for i, a in enumerate(args)), {k: fake(k, v) for k, v in kwargs.items()}
 
 
 def _meta_bytes(program: ExportedProgram, name: str) -> int:
@@ -215,6 +239,7 @@ def convert_checkpoint(
     policy = PrecisionPolicy(precision, lvl, make_overrides(keep, force_low), low_precision_io)
     out = run_pipeline(model, inputs, policy, fold_batchnorm=False)
     timings.update(out.timings)
+    _check_constants(out.converted, keys, buffers)
     dtypes = {name: t.dtype for name, t in [*out.converted.state_dict.items(), *out.converted.constants.items()]
               if isinstance(t, torch.Tensor)}  # fmt: skip
     dtypes.update(storage_dtypes(ckpt, keys, dtypes))
@@ -236,6 +261,22 @@ def convert_checkpoint(
         "timings": timings,
     }  # fmt: skip
     return conv
+
+
+def _check_constants(program: ExportedProgram, keys: KeyMap, buffers: dict[str, torch.Tensor]) -> None:
+    """Every program tensor must come from the shards or the model's own buffers: a constant the trace made
+    from Python data on the meta device (e.g. Falcon's list indexing ``x[..., [-2], :]``) has lost its values.
+
+    Raises:
+        ConfigError: Such a constant (the conversion would write a program with made-up values).
+    """
+    for name in [*program.state_dict, *program.constants]:
+        bare = name.removeprefix(PREFIX)
+        if bare not in keys.sources and bare not in keys.tied and name not in buffers:
+            raise ConfigError(f"tracing {type(keys.model).__name__} on the meta device creates a constant tensor "
+                              f"({name}) whose values only exist at run time; amplite cannot stream this "
+                              "architecture yet", "convert the loaded model in memory: amplite.convert(model, "
+                              "example_inputs)")  # fmt: skip
 
 
 def checkpoint_level(level: str | Level | None) -> Level:

@@ -7,6 +7,8 @@ Outputs (``formats``): ``safetensors`` (a directory in the checkpoint's layout, 
 from __future__ import annotations
 
 import json
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ from amplite.checkpoint.convert import (
     Progress,
     StreamedConversion,
     _no_progress,
+    _on_meta,
     checkpoint_level,
     convert_checkpoint,
     peak_rss_bytes,
@@ -84,25 +87,55 @@ def checkpoint_to_files(
     emit.check_writable(report_path)
     conv = convert_checkpoint(src, example_inputs, progress=progress, **{k: conversion[k] for k in _PASSED
                                                                         if k in conversion})  # fmt: skip
+    if verify and verify_max_memory is not None:  # refused before anything is written
+        check_verify_memory(conv, verify_max_memory)
     written: list[Path] = []
+    previous = _sigterm_raises()
     try:
         for fmt, path in targets:
             written.append(conv.save_pt2(path, progress) if fmt == "pt2" else conv.save_safetensors(path, progress))
-        if verify:
-            weights_dir = next((p for f, p in targets if f == "safetensors"), None)
-            if weights_dir is None:  # verify reads converted weights from disk: a .pt2 alone gets a temp dir
-                raise ConfigError("block-wise verification reads the converted safetensors directory",
-                                  "add --format safetensors,pt2, or pass --no-verify")  # fmt: skip
-            conv.verify(weights_dir, tolerance=tolerance, max_memory_gb=verify_max_memory)
+        if verify:  # from what was written: the safetensors directory when there is one, else the .pt2
+            weights = next((p for f, p in targets if f == "safetensors"), targets[0][1])
+            real = example_inputs if example_inputs is not None and not _on_meta(example_inputs) else None
+            conv.verify(weights, real, tolerance=tolerance, max_memory_gb=verify_max_memory)
     except BaseException:
         for path in written:
             _remove(path)
         raise
+    finally:
+        _restore_sigterm(previous)
     conv.data["outputs"] = [{"format": f, "path": str(p)} for f, p in targets]
     conv.data["streaming"] = {"peak_rss_bytes": peak_rss_bytes(), "largest_shard_bytes":
                                 conv.checkpoint.largest_shard_bytes, "shards": len(conv.checkpoint.shards)}  # fmt: skip
     emit.write_text(report_path, json.dumps(conv.data, indent=2, default=str) + "\n")
     return conv, written, report_path
+
+
+def check_verify_memory(conv: StreamedConversion, max_memory_gb: float) -> None:
+    """Refuse ``--verify-max-memory`` that block-wise verification cannot meet (before writing anything)."""
+    from amplite.checkpoint.blockwise import _sizes, peak_weight_bytes, runnable_module
+
+    peak = max(peak_weight_bytes(runnable_module(p), _sizes(p)) for p in (conv.pipeline.original, conv.program))
+    if peak > max_memory_gb * 2**30:
+        raise ConfigError(f"block-wise verification needs {peak / 2**30:.2f} GiB of weights at once, over "
+                          f"--verify-max-memory {max_memory_gb:g} GiB",
+                          "raise --verify-max-memory, or skip verification with --no-verify")  # fmt: skip
+
+
+def _sigterm_raises() -> Any:
+    """SIGTERM raises (like SIGINT), so the staging files are removed; returns the previous handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def _restore_sigterm(previous: Any) -> None:
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _remove(path: Path) -> None:

@@ -127,47 +127,47 @@ def map_keys(ckpt: Checkpoint, lm: nn.Module) -> KeyMap:
     return kmap
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _check(ckpt: Checkpoint, kmap: KeyMap, expected: dict[str, torch.Tensor], non_persistent: set[str]) -> None:
     cfg = ckpt.path / "config.json"
     buffers = {n for n, b in expected.items() if not isinstance(b, nn.Parameter)}
     for name, want in expected.items():
-        if name in non_persistent or name in kmap.tied and kmap.resolve(name) in kmap.sources:
-            continue
-        if name not in kmap.sources:
-            if name in buffers:
-                continue  # a persistent buffer the model computes (from_pretrained initialises it too)
-            raise LoadError(f"the model {cfg} describes needs {name!r} {tuple(want.shape)}, which no shard holds "
-                            "(and the config does not tie it)",
-                            "add the missing tensor to the shards, or fix the config (tie_word_embeddings?)")  # fmt: skip
-    done: set[int] = set()
-    for src in kmap.sources.values():
-        if id(src) in done:
-            continue
-        done.add(id(src))
+        tied = name in kmap.tied and kmap.resolve(name) in kmap.sources
+        if name in non_persistent or tied or name in kmap.sources or name in buffers:
+            continue  # a buffer the model computes is initialised as from_pretrained initialises it
+        raise LoadError(f"the model {cfg} describes needs {name!r} {tuple(want.shape)}, which no shard holds (and "
+                        "the config does not tie it)", "add the tensor to the shards, or fix the config "
+                        "(tie_word_embeddings?)")  # fmt: skip
+    for src in {id(s): s for s in kmap.sources.values()}.values():
         infos = [ckpt.tensors[k] for k, _ in src.keys]
+        want = expected[src.target]
+        if src.converter is None and len(infos) > 1:
+            raise LoadError(f"{infos[0].name} ({infos[0].shard.name}) and {infos[1].name} ({infos[1].shard.name}) "
+                            f"both load into {src.target}", "keep one of them in the shards")  # fmt: skip
         for info in infos:
-            if info.dtype.is_floating_point != expected[src.target].dtype.is_floating_point or info.dtype == torch.bool \
-                    and expected[src.target].dtype != torch.bool:  # fmt: skip
-                raise LoadError(f"{info.name} in {info.shard.name} is {str(info.dtype).removeprefix('torch.')}, the "
-                                f"model's {src.target} is {str(expected[src.target].dtype).removeprefix('torch.')}",
-                                "regenerate the shard (a floating tensor must be stored as floating point)")  # fmt: skip
+            if info.dtype.is_floating_point != want.dtype.is_floating_point or (info.dtype == torch.bool) != (
+                want.dtype == torch.bool
+            ):
+                raise LoadError(f"{info.name} in {info.shard.name} is {_dtype_name(info.dtype)}, the model's "
+                                f"{src.target} is {_dtype_name(want.dtype)}",
+                                "regenerate the shard (weights must keep their kind of dtype)")  # fmt: skip
+        meta = {k: torch.empty(ckpt.tensors[k].shape, dtype=ckpt.tensors[k].dtype, device="meta") for k, _ in src.keys}
         try:
-            built = kmap.build(src.target, lambda k: torch.empty(ckpt.tensors[k].shape, dtype=ckpt.tensors[k].dtype,
-                                                                 device="meta"))  # fmt: skip
-        except LoadError:
-            raise
+            built = kmap.build(src.target, meta.__getitem__)
         except Exception as exc:
-            raise LoadError(f"transformers' conversion of {infos[0].name} ({infos[0].shard.name}) into {src.target} "
-                            f"fails: {type(exc).__name__}: {exc}", "check the shards' tensor shapes") from None  # fmt: skip
+            raise LoadError(f"transformers' conversion of {infos[0].name} ({infos[0].shard.name}) into "
+                            f"{src.target} fails: {type(exc).__name__}: {exc}",
+                            "check the shards' tensor shapes") from None  # fmt: skip
         for target, t in built.items():
-            want = expected.get(target)
-            if want is None:
+            if target not in expected:
                 raise LoadError(f"{infos[0].name} ({infos[0].shard.name}) converts to {target!r}, which the model "
                                 "does not have", "check model_type and architectures in config.json")  # fmt: skip
-            if tuple(t.shape) != tuple(want.shape):
+            if tuple(t.shape) != tuple(expected[target].shape):
                 where = ", ".join(sorted({f"{i.name} {tuple(i.shape)} in {i.shard.name}" for i in infos})[:3])
-                raise LoadError(f"shape mismatch: {where} makes {target} {tuple(t.shape)}, but {cfg} gives the model "
-                                f"{tuple(want.shape)}", "the shards and config.json do not belong together: "
-                                "regenerate one of them")  # fmt: skip
-            if target != src.target:
-                kmap.sources.setdefault(target, src)
+                raise LoadError(f"shape mismatch: {where} makes {target} {tuple(t.shape)}, but {cfg} gives the "
+                                f"model {tuple(expected[target].shape)}", "the shards and config.json do not "
+                                "belong together: regenerate one of them")  # fmt: skip
+            kmap.sources.setdefault(target, src)

@@ -52,7 +52,7 @@ def check_config(ckpt: Checkpoint) -> None:
     cfg = ckpt.config
     if "auto_map" in cfg or any(isinstance(v, dict) and "auto_map" in v for v in cfg.values()):
         raise _fail(ckpt, "auto_map names custom model code shipped with the checkpoint; amplite never runs it",
-                    "convert a model transformers implements itself (remove auto_map only if the model is one)")  # fmt: skip
+                    "convert a model transformers implements (drop auto_map only if it is one)")  # fmt: skip
     if not isinstance(cfg.get("model_type"), str):
         raise _fail(ckpt, "no model_type", "save the config with transformers (save_pretrained)")
     held = 1 + max((int(i) for n in ckpt.tensors for i in _INDEX.findall(n)), default=0)
@@ -128,6 +128,8 @@ def build_meta_model(ckpt: Checkpoint) -> tuple[nn.Module, dict[str, torch.Tenso
     """
     config = build_config(ckpt)
     cls = resolve_class(ckpt, config)
+    if hasattr(config, "_experts_implementation"):  # MoE: the batched kernel has no device-dependent branch
+        config._experts_implementation = "batched_mm"  # (the default one takes a CUDA path on meta tensors)
     try:
         with torch.device("meta"):
             lm = cls(config)

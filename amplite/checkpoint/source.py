@@ -7,6 +7,7 @@ small and built on the CPU.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import struct
@@ -189,24 +190,28 @@ PREFIX = "lm."
 
 
 class LogitsOnly(nn.Module):
-    """``forward(input_ids, **inputs) -> logits`` of a transformers model (no cache, plain tensor output).
+    """``forward(input_ids, ...) -> logits`` of a transformers model (no cache, plain tensor output).
 
     The converted program then loads and runs anywhere, without transformers' output classes.
-    Its weight names are the checkpoint's with :data:`PREFIX` in front. Keyword inputs
-    (``decoder_input_ids``, ``attention_mask``) are passed through.
+    Its weight names are the model's with :data:`PREFIX` in front. ``attention_mask``,
+    ``decoder_input_ids`` (encoder-decoder models) and ``token_type_ids`` are passed when given.
     """
 
     def __init__(self, lm: nn.Module) -> None:
         super().__init__()
         self.lm = lm
-        import inspect
+        self._use_cache = "use_cache" in inspect.signature(lm.forward).parameters
 
-        params = inspect.signature(lm.forward).parameters
-        self._use_cache = "use_cache" in params
-
-    def forward(self, input_ids: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
-        extra: dict[str, Any] = {"use_cache": False} if self._use_cache else {}
-        return self.lm(input_ids=input_ids, **inputs, **extra, return_dict=False)[0]
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        named = {"attention_mask": attention_mask, "decoder_input_ids": decoder_input_ids,
+                 "token_type_ids": token_type_ids}  # fmt: skip
+        extra: dict[str, Any] = {k: v for k, v in named.items() if v is not None}
+        if self._use_cache:
+            extra["use_cache"] = False
+        return self.lm(input_ids=input_ids, **extra, return_dict=False)[0]
 
 
 def example_inputs_for(config: dict[str, Any], batch: int = 1, seq: int = 8) -> tuple[tuple, dict[str, Any]]:

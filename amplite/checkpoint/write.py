@@ -44,7 +44,7 @@ _TORCH_DTYPE_CODES = {torch.float32: 7, torch.float16: 6, torch.bfloat16: 13, to
 
 def _raw(t: torch.Tensor) -> memoryview:
     """A contiguous tensor's bytes without copying them again."""
-    t = t.contiguous()
+    t = t.contiguous().reshape(-1)  # a 0-dim tensor cannot be viewed as bytes directly
     return memoryview(t.view(torch.uint8).numpy() if t.numel() else b"")
 
 
@@ -107,10 +107,13 @@ def write_safetensors_dir(
         if (ckpt.path / INDEX).exists():
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (staging / INDEX).write_text(json.dumps(index, indent=2))
-        for extra in ckpt.path.iterdir():  # config, tokenizer, generation config: copied as they are
-            if extra.is_file() and extra.suffix != ".safetensors" and extra.name != INDEX:
-                shutil.copy2(extra, staging / extra.name)
+        plan = {**plan, "not_copied": copy_side_files(ckpt.path, staging)}
+        (staging / "config.json").write_text(json.dumps(output_config(ckpt, dtypes), indent=2) + "\n")
         (staging / "amplite-plan.json").write_text(json.dumps(plan, indent=1, default=str))
+        mask = _umask()
+        for f in staging.iterdir():
+            os.chmod(f, 0o666 & ~mask)
+        os.chmod(staging, 0o777 & ~mask)  # mkdtemp makes it private; the output follows the umask
         if out_dir.exists():
             out_dir.rmdir()
         os.replace(staging, out_dir)
@@ -121,6 +124,49 @@ def write_safetensors_dir(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+#: Weight files in other formats (pickles among them): never copied into a converted output.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".h5", ".msgpack", ".npz",
+                    ".npy", ".gguf", ".onnx", ".pt2", ".joblib")  # fmt: skip
+
+
+def copy_side_files(src: Path, dest: Path) -> list[str]:
+    """Copy tokenizer and generation files: plain files inside ``src`` only (no symlinks, no subfolders), no
+    weight files (a pickled ``pytorch_model.bin`` or an FP32 copy does not belong in a converted output).
+
+    Returns:
+        The names left out, with the reason.
+    """
+    skipped = []
+    for extra in sorted(src.iterdir()):
+        if extra.name in ("config.json", INDEX) or extra.name.startswith("."):
+            continue
+        if extra.is_symlink() or not extra.is_file():
+            skipped.append(f"{extra.name} (a symlink or not a plain file)")
+        elif extra.name.lower().endswith(_WEIGHT_SUFFIXES) or ".safetensors" in extra.name:
+            if extra.suffix != ".safetensors":
+                skipped.append(f"{extra.name} (weights in another format)")
+        else:
+            shutil.copyfile(extra, dest / extra.name)
+    return skipped
+
+
+def output_config(ckpt: Checkpoint, dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
+    """``config.json`` for the output: ``dtype`` is what most weight bytes are stored in, and the mixed-dtype
+    storage is recorded (``amplite``) where loaders and readers see it."""
+    by_dtype: dict[str, int] = {}
+    for name, info in ckpt.tensors.items():
+        dt = dtypes.get(name, info.dtype)
+        if dt.is_floating_point:
+            key = str(dt).removeprefix("torch.")
+            by_dtype[key] = by_dtype.get(key, 0) + dt.itemsize * math.prod(info.shape)
+    cfg = dict(ckpt.config)
+    if by_dtype:
+        cfg["dtype"] = max(by_dtype, key=by_dtype.__getitem__)
+        cfg.pop("torch_dtype", None)
+    cfg["amplite"] = {"storage_bytes_by_dtype": by_dtype, "plan": "amplite-plan.json"}
+    return cfg
 
 
 def write_pt2(
@@ -140,11 +186,13 @@ def write_pt2(
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
     os.close(fd)
-    skeleton = tmp + ".skeleton.pt2"
+    skeleton_dir = tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent)
+    skeleton = os.path.join(skeleton_dir, dest.name)  # the archive's folder is named after it
     try:
         with cpu_stand_ins(program) as metas:
             torch.export.save(program, skeleton)
         _stream_archive(Path(skeleton), Path(tmp), metas, tensors, progress)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, dest)
     except OSError as exc:
         raise EmitError(f"cannot write {dest}: {exc.strerror or exc}", "check the path and free space") from None
@@ -152,7 +200,14 @@ def write_pt2(
         for p in (tmp, skeleton):
             if os.path.exists(p):
                 os.unlink(p)
+        shutil.rmtree(skeleton_dir, ignore_errors=True)
     return dest
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 @contextlib.contextmanager
@@ -219,6 +274,33 @@ def _stream_archive(
                 del t
             else:
                 dst.writestr(item, src.read(item.filename))
+
+
+class Pt2Weights:
+    """Read the weights of a ``.pt2`` :func:`write_pt2` wrote, one tensor at a time (verification reads back
+    what was written)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.entries: dict[str, tuple[str, dict[str, Any]]] = {}
+        codes = {v: k for k, v in _TORCH_DTYPE_CODES.items()}
+        self._codes = codes
+        with zipfile.ZipFile(path) as zf:
+            for cfg_name in zf.namelist():
+                if cfg_name.endswith(("weights_config.json", "constants_config.json")):
+                    folder = cfg_name.rsplit("/", 1)[0]
+                    for name, entry in json.loads(zf.read(cfg_name)).get("config", {}).items():
+                        self.entries[name] = (f"{folder}/{entry['path_name']}", entry["tensor_meta"])
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The weight ``name`` as written."""
+        member, meta = self.entries[name]
+        with zipfile.ZipFile(self.path) as zf:
+            data = bytearray(zf.read(member))
+        shape = [int(s["as_int"]) for s in meta["sizes"]]
+        dtype = self._codes[meta["dtype"]]
+        flat = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        return flat[: math.prod(shape)].reshape(shape)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
