@@ -39,7 +39,7 @@ ARCHS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "gemma2": ("decoder", "Gemma2Config", "Gemma2ForCausalLM", dict(_DEC, head_dim=8)),
     "starcoder2": ("decoder", "Starcoder2Config", "Starcoder2ForCausalLM", _DEC),
     "gpt2": ("decoder", "GPT2Config", "GPT2LMHeadModel", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
-                                                              n_positions=64)),
+                                                              n_positions=64, bos_token_id=0, eos_token_id=0)),
     "opt": ("decoder", "OPTConfig", "OPTForCausalLM", dict(vocab_size=VOCAB, hidden_size=32, ffn_dim=64,
                                                            num_hidden_layers=2, num_attention_heads=4,
                                                            max_position_embeddings=64, word_embed_proj_dim=32)),

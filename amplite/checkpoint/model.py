@@ -14,7 +14,10 @@ What a config may select is bounded by construction:
 
 from __future__ import annotations
 
+import contextlib
 import re
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,6 +40,21 @@ def _transformers() -> Any:
     except ImportError:
         raise LoadError("converting a checkpoint directory needs transformers", "pip install transformers") from None
     return transformers
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' warnings off while it reads a config and builds a model (a refusal is one line)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _fail(ckpt: Checkpoint, what: str, fix: str) -> LoadError:
@@ -126,6 +144,11 @@ def build_meta_model(ckpt: Checkpoint) -> tuple[nn.Module, dict[str, torch.Tenso
     Raises:
         LoadError: Remote code, an unknown architecture, a config transformers rejects, oversized buffers.
     """
+    with quiet_transformers():
+        return _build(ckpt)
+
+
+def _build(ckpt: Checkpoint) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     config = build_config(ckpt)
     cls = resolve_class(ckpt, config)
     if hasattr(config, "_experts_implementation"):  # MoE: the batched kernel has no device-dependent branch
