@@ -212,3 +212,126 @@ def test_fp16_weight_rule_runs_on_streamed_statistics(ckpt: Path, tmp_path: Path
     assert list(rules) == [module] and "weight-overflow" in rules[module]
     assert result.dtypes["model.layers.1.mlp.down_proj.weight"] == torch.float32  # its reader stays FP32
     assert result.dtypes["model.layers.0.mlp.down_proj.weight"] == torch.float16
+
+
+# --- issue 29: wrong results never pass, outputs say what they store, tools read their own output ---------------
+
+def _shard_of(path: Path, name: str) -> Path:
+    return path / json.loads((path / "model.safetensors.index.json").read_text())["weight_map"][name]
+
+
+def _replace(path: Path, name: str, value: torch.Tensor | None) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shard = _shard_of(path, name)
+    tensors = load_file(shard)
+    if value is None:
+        del tensors[name]
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        del index["weight_map"][name]
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:
+        tensors[name] = value
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    return shard
+
+
+@pytest.mark.parametrize(("name", "make", "match"), [
+    ("lm_head.weight", lambda t: t[:250].contiguous(), r"lm_head.weight \(250, 32\) in model-.*\(256, 32\)"),
+    ("model.layers.1.self_attn.q_proj.weight", lambda t: t[:, :16].contiguous(), r"q_proj.weight \(32, 16\)"),
+    ("model.layers.0.mlp.up_proj.weight", lambda t: t.to(torch.int32), r"up_proj.weight in model-.* is int32"),
+    ("lm_head.weight", lambda t: None, r"needs 'lm_head.weight' \(256, 32\), which no shard holds"),
+])  # fmt: skip
+def test_wrong_weights_exit_2_naming_tensor_and_shard_before_writing(
+    ckpt: Path, tmp_path: Path, name: str, make: object, match: str
+) -> None:
+    bad = _copy(ckpt, tmp_path / "bad")
+    from safetensors.torch import load_file
+
+    _replace(bad, name, make(load_file(_shard_of(bad, name))[name]))  # type: ignore[operator]
+    import re
+
+    if "250" in match:  # the CLI once: one line, exit 2, even with --no-verify
+        proc = _run("convert", str(bad), "-o", str(tmp_path / "m"), "--no-verify")
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+        assert re.search(match, proc.stderr), proc.stderr
+    else:
+        from amplite.save import convert_to_files
+
+        with pytest.raises(AmpliteError, match=match) as info:
+            convert_to_files(bad, output=tmp_path / "m")
+        assert info.value.exit_code == 2
+    assert not (tmp_path / "m").exists() and not (tmp_path / "m.report.json").exists()
+
+
+def test_default_conversion_stores_low_precision_and_says_what_it_did(ckpt: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from amplite.save import convert_to_files
+
+    saved = convert_to_files(ckpt, output=tmp_path / "d")  # the default: fp16, and O2 for a checkpoint
+    assert saved.result.data["config"]["level"] == "O2" and saved.exit_code == 0
+    state = {k: v for s in (tmp_path / "d").glob("*.safetensors") for k, v in load_file(s).items()}
+    assert {v.dtype for v in state.values()} == {torch.float16}
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["dtype"] == "float16" and cfg["amplite"]["storage_bytes_by_dtype"].keys() == {"float16"}
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "d")
+    assert loaded.dtype == torch.float16
+    o1 = convert_to_files(ckpt, output=tmp_path / "o1", level="O1", verify=False)
+    assert any("stores every weight in its source dtype" in w for w in o1.result.data["warnings"])
+
+
+def test_a_bf16_source_is_never_up_cast(ckpt: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from amplite.save import convert_to_files
+
+    src = tmp_path / "bf16"
+    transformers.LlamaForCausalLM.from_pretrained(ckpt).to(torch.bfloat16).save_pretrained(src, max_shard_size="40KB")
+    convert_to_files(src, output=tmp_path / "o", precision="fp16", level="O1", verify=False)
+    state = {k: v for s in (tmp_path / "o").glob("*.safetensors") for k, v in load_file(s).items()}
+    assert {v.dtype for v in state.values()} == {torch.bfloat16}  # O1's FP32 plan would double it
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_pt2_only_output_is_verified_from_the_written_archive(ckpt: Path, tmp_path: Path) -> None:
+    proc = _run("convert", str(ckpt), "-o", str(tmp_path / "model.pt2"), "--precision", "bf16",
+                "--input", "input_ids:1x5:int64[0,256)")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "model.report.json").read_text())
+    assert report["verification"]["passed"] and report["verification"]["outputs"][0]["sqnr_db"] > 35
+    assert not list(tmp_path.glob(".*"))  # no staging left
+    ep = torch.export.load(tmp_path / "model.pt2")
+    assert ep.module()(input_ids=_ids(2)[:, :5]).shape == (1, 5, VOCAB)  # traced at the --input shape
+
+
+def test_sigterm_while_writing_leaves_no_staging(ckpt: Path, tmp_path: Path) -> None:
+    import os
+    import signal
+
+    from amplite.save import convert_to_files
+
+    def progress(step: str, done: int, total: int) -> None:
+        if step.startswith("writing") and done:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(SystemExit):
+        convert_to_files(ckpt, output=tmp_path / "o", formats="safetensors,pt2", progress=progress)
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_outputs_follow_the_umask(ckpt: Path, tmp_path: Path) -> None:
+    import os
+
+    from amplite.save import convert_to_files
+
+    old = os.umask(0o022)
+    try:
+        convert_to_files(ckpt, output=tmp_path / "o", formats="safetensors,pt2", verify=False)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "o").stat().st_mode & 0o777 == 0o755
+    assert {f.stat().st_mode & 0o777 for f in (tmp_path / "o").iterdir()} == {0o644}
+    assert (tmp_path / "o.pt2").stat().st_mode & 0o777 == 0o644
