@@ -112,7 +112,22 @@ class StreamedConversion:
             progress("writing .pt2", done[0], total)
 
         sources = {n: (lambda n=n: self.tensor(n)) for n in names}
-        return write_pt2(self.program, Path(dest), sources, step)
+        return write_pt2(self.program, Path(dest), sources, step, self.aliases(names))
+
+    def aliases(self, names: list[str]) -> dict[str, str]:
+        """Program weight -> an earlier one with the same values and dtype (tied weights: stored once)."""
+        first: dict[tuple[str, torch.dtype | None], str] = {}
+        out = {}
+        for name in names:
+            bare = name.removeprefix(PREFIX)
+            if bare not in self.keys.sources and bare not in self.keys.tied:
+                continue
+            key = (self.keys.resolve(bare), self.dtypes.get(name))
+            if key in first:
+                out[name] = first[key]
+            else:
+                first[key] = name
+        return out
 
 
     def verify(

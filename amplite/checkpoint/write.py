@@ -174,6 +174,7 @@ def write_pt2(
     dest: Path,
     tensors: dict[str, Callable[[], torch.Tensor]],
     progress: Progress,
+    aliases: dict[str, str] | None = None,
 ) -> Path:
     """Save ``program`` (meta weights) as a ``.pt2`` whose weights are streamed from ``tensors``.
 
@@ -182,6 +183,8 @@ def write_pt2(
         dest: Output path.
         tensors: State-dict/constant name -> a function returning that tensor's converted values.
         progress: Called with the bytes of each tensor written.
+        aliases: Weight -> an earlier weight with the same values (tied weights): its entry points to that
+            weight's file, so the bytes are stored once.
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
@@ -191,7 +194,7 @@ def write_pt2(
     try:
         with cpu_stand_ins(program) as metas:
             torch.export.save(program, skeleton)
-        _stream_archive(Path(skeleton), Path(tmp), metas, tensors, progress)
+        _stream_archive(Path(skeleton), Path(tmp), metas, tensors, progress, aliases or {})
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, dest)
     except OSError as exc:
@@ -242,17 +245,19 @@ def cpu_stand_ins(program: ExportedProgram) -> Iterator[dict[str, torch.Tensor]]
 
 def _stream_archive(
     skeleton: Path, out: Path, metas: dict[str, torch.Tensor], tensors: dict[str, Callable[[], torch.Tensor]],
-    progress: Progress,
+    progress: Progress, aliases: dict[str, str],
 ) -> None:
     """Copy the skeleton archive, replacing each weight file by the real bytes and fixing its metadata."""
     with zipfile.ZipFile(skeleton) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED, allowZip64=True) as dst:
         configs = [n for n in src.namelist() if n.endswith(("weights_config.json", "constants_config.json"))]
         files: dict[str, str] = {}  # archive path of a weight file -> tensor name
         fixed: dict[str, bytes] = {}
+        dropped: set[str] = set()
         for cfg_name in configs:
             cfg = json.loads(src.read(cfg_name))
             folder = cfg_name.rsplit("/", 1)[0]
-            for name, entry in cfg.get("config", {}).items():
+            entries = cfg.get("config", {})
+            for name, entry in entries.items():
                 if name not in metas or entry.get("use_pickle"):
                     continue
                 meta = metas[name]
@@ -261,8 +266,15 @@ def _stream_archive(
                 tm["strides"] = [{"as_int": s} for s in _contiguous_strides(tuple(meta.shape))]
                 tm["storage_offset"] = {"as_int": 0}
                 files[f"{folder}/{entry['path_name']}"] = name
+            for name, entry in entries.items():  # a tied weight reads its twin's file
+                twin = entries.get(aliases.get(name, ""))
+                if twin is not None and not entry.get("use_pickle") and not twin.get("use_pickle"):
+                    dropped.add(f"{folder}/{entry['path_name']}")
+                    entry["path_name"] = twin["path_name"]
             fixed[cfg_name] = json.dumps(cfg).encode()
         for item in src.infolist():
+            if item.filename in dropped:
+                continue
             if item.filename in fixed:
                 dst.writestr(item.filename, fixed[item.filename])
             elif item.filename in files:

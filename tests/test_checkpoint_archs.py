@@ -1,0 +1,75 @@
+"""Architectures of every family convert from sharded checkpoint directories (CI subset of the sweep).
+
+The full sweep (19 architectures x bf16 O2 and fp16 O1) is ``python bench/checkpoint_archs.py``; its table
+is in docs/models.md. Here: one or two per family (decoder, MoE, encoder, encoder-decoder), alternating
+the two configurations, plus the one architecture that is refused, with its reason.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.checkpoint_archs import make_checkpoint, run_one
+
+CASES = [("llama", "bf16", "O2"), ("gpt2", "fp16", "O1"), ("mixtral", "bf16", "O2"), ("qwen2_moe", "fp16", "O1"),
+         ("bert", "bf16", "O2"), ("t5", "bf16", "O2"), ("gpt_neox", "fp16", "O1")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "precision", "level"), CASES)
+def test_architecture_converts_verifies_and_loads_with_from_pretrained(
+    tmp_path: Path, name: str, precision: str, level: str
+) -> None:
+    row = run_one(name, precision, level, tmp_path)
+    assert row["exit"] == 0, row.get("error")
+    assert row["sqnr_db"] >= (35 if level == "O2" else 55), row
+    fp = row["from_pretrained"]
+    assert fp["loads"], fp
+    if level == "O2":  # the output stores low precision, and from_pretrained loads it as such
+        assert row["ratio"] == pytest.approx(0.5, abs=0.02)
+        assert fp["dtypes"] == [{"bf16": "bfloat16", "fp16": "float16"}[precision]] and fp["sqnr_db"] >= 35
+    else:  # O1 keeps the FP32 masters and says so
+        assert row["ratio"] == 1.0 and any("source dtype" in w for w in row["warnings"])
+        assert fp["sqnr_db"] > 100  # the weights are the source's, unchanged
+
+
+def test_moe_experts_are_stored_low_at_o2(tmp_path: Path) -> None:
+    """transformers 5 fuses per-expert weights on load: amplite maps them the same way and stores them low."""
+    from safetensors.torch import load_file
+
+    run_one("mixtral", "bf16", "O2", tmp_path)
+    out = tmp_path / "mixtral.bf16.O2"
+    state = {k: v for s in out.glob("*.safetensors") for k, v in load_file(s).items()}
+    experts = [k for k in state if ".experts." in k]
+    assert len(experts) == 2 * 4 * 3  # layers x experts x (w1, w2, w3), in the source's layout
+    assert {state[k].dtype for k in experts} == {torch.bfloat16}
+
+
+def test_tied_weights_are_stored_once_in_the_pt2(tmp_path: Path) -> None:
+    import json
+
+    run_one("gpt2", "bf16", "O2", tmp_path)
+    pt2 = tmp_path / "gpt2.bf16.O2.pt2"
+    with zipfile.ZipFile(pt2) as zf:
+        cfg_name = next(n for n in zf.namelist() if n.endswith("weights_config.json"))
+        entries = json.loads(zf.read(cfg_name))["config"]
+        files = [n for n in zf.namelist() if "/data/weights/weight_" in n]
+    assert entries["lm.lm_head.weight"]["path_name"] == entries["lm.transformer.wte.weight"]["path_name"]
+    assert len(files) == len(entries) - 1
+    ep = torch.export.load(pt2)  # torch reads the shared file for both names
+    assert torch.equal(ep.state_dict["lm.lm_head.weight"], ep.state_dict["lm.transformer.wte.weight"])
+    assert ep.state_dict["lm.lm_head.weight"].dtype == torch.bfloat16
+
+
+def test_falcon_is_refused_with_its_reason(tmp_path: Path) -> None:
+    row = run_one("falcon", "bf16", "O2", tmp_path)
+    assert row["exit"] == 2 and "constant tensor" in row["error"] and "lifted_tensor" in row["error"]
+    assert not (tmp_path / "falcon.bf16.O2").exists()
+
+
+def test_sharded_checkpoints_have_several_shards(tmp_path: Path) -> None:
+    src = make_checkpoint("t5", tmp_path / "t5")
+    assert len(list(src.glob("*.safetensors"))) >= 3
