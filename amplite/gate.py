@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
+from amplite.checkpoint.source import is_checkpoint_dir
 from amplite.converter import emit
 from amplite.errors import ConfigError, EmitError, ExportError, InputSpecError
 from amplite.report.document import Report
@@ -152,6 +153,15 @@ def check(
     """
     _check_options(convert_opts)
     out_dir = _prepare_outputs(report_dir, junit)
+    if isinstance(model, (str, Path)) and is_checkpoint_dir(model):
+        unsupported = {"--converted": converted, "--golden": golden, "--baseline": baseline, "--data": data,
+                       "--data-loader": data_loader, "--random-batches": random_batches, "--grad": grad,
+                       "--train-steps": train_steps}  # fmt: skip
+        given = [k for k, v in unsupported.items() if v]
+        if given:
+            raise ConfigError(f"{', '.join(given)} do not apply to a checkpoint directory",
+                              "check it with --input/--inputs and --tolerance")  # fmt: skip
+        return _check_checkpoint(model, example_inputs, tolerance, out_dir, junit, name, convert_opts)
     if train_steps:
         if converted is not None or golden is not None or baseline is not None:
             raise ConfigError("--train-steps trains the model itself", "drop --converted, --golden and --baseline")
@@ -307,6 +317,27 @@ def check(
         "reasons": reasons,
     }
     res = CheckResult(code, Report(report), reasons, metrics)
+    if out_dir is not None:
+        res.files = write_reports(res.report.data, out_dir)
+    if junit is not None:
+        from amplite.report.junit import junit_xml
+
+        res.files["junit"] = emit.write_text(junit, junit_xml(res.report.data))
+    return res
+
+
+def _check_checkpoint(
+    model: str | Path, example: Any, tolerance: Any, out_dir: Path | None, junit: str | Path | None,
+    name: str | None, opts: dict[str, Any],
+) -> CheckResult:
+    """``check DIR`` for a transformers checkpoint directory: streamed conversion and block-wise verification."""
+    from amplite.checkpoint.check import check_checkpoint
+
+    conv, reasons = check_checkpoint(model, example, tolerance=tolerance, **opts)
+    report = copy.deepcopy(conv.data)
+    code = 1 if reasons else 0
+    report["check"] = {"name": name or Path(model).name, "passed": code == 0, "exit_code": code, "reasons": reasons}
+    res = CheckResult(code, Report(report), reasons, [])
     if out_dir is not None:
         res.files = write_reports(res.report.data, out_dir)
     if junit is not None:

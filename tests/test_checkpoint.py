@@ -335,3 +335,16 @@ def test_outputs_follow_the_umask(ckpt: Path, tmp_path: Path) -> None:
     assert (tmp_path / "o").stat().st_mode & 0o777 == 0o755
     assert {f.stat().st_mode & 0o777 for f in (tmp_path / "o").iterdir()} == {0o644}
     assert (tmp_path / "o.pt2").stat().st_mode & 0o777 == 0o644
+
+
+def test_check_dir_gates_on_the_streamed_conversion(ckpt: Path, tmp_path: Path) -> None:
+    from amplite.gate import check
+
+    res = check(ckpt, precision="bf16", junit=tmp_path / "j.xml")
+    assert res.exit_code == 0 and res.report.data["verification"]["outputs"][0]["sqnr_db"] > 35
+    assert "testcase" in (tmp_path / "j.xml").read_text()
+    strict = check(ckpt, precision="bf16", tolerance=["sqnr>=200"])
+    assert strict.exit_code == 1 and "sqnr_db>=200" in strict.reasons[0]
+    assert not list(ckpt.parent.glob(".amplite-check.*"))
+    with pytest.raises(AmpliteError, match="--golden do not apply"):
+        check(ckpt, golden=tmp_path / "g")

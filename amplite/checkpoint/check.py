@@ -1,0 +1,39 @@
+"""``amplite check DIR``: the accuracy gate for a checkpoint directory.
+
+The checkpoint is converted as ``amplite convert DIR`` would, written to a temporary directory (so the
+converted weights are read back from files, as a user gets them), verified block by block on the given
+inputs (or seeded random ones shaped like the traced inputs) and judged by the tolerance.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from amplite.checkpoint.convert import StreamedConversion, _on_meta, convert_checkpoint
+from amplite.verify.compare import parse_tolerance
+
+_PASSED = ("precision", "level", "keep_fp32", "force_low", "low_precision_io", "range_rules")
+
+
+def check_checkpoint(
+    path: str | Path, example_inputs: Any = None, *, tolerance: Any = None, **convert_opts: Any
+) -> tuple[StreamedConversion, list[str]]:
+    """Convert, write to a temporary directory, verify block by block; the conversion and failure reasons.
+
+    Only the conversion options a streamed checkpoint has are used (as for ``amplite.convert(DIR)``).
+    """
+    conv = convert_checkpoint(path, example_inputs, **{k: convert_opts[k] for k in _PASSED if k in convert_opts})
+    precision = conv.data["config"]["precision"]
+    tol = parse_tolerance(list(tolerance or ()), precision) if not hasattr(tolerance, "criteria") else tolerance
+    real = example_inputs if example_inputs is not None and not _on_meta(example_inputs) else None
+    with tempfile.TemporaryDirectory(prefix=".amplite-check.") as tmp:
+        out = conv.save_safetensors(Path(tmp) / "converted")
+        section = conv.verify(out, real, tolerance=tol)
+    reasons = []
+    for o in section["outputs"]:
+        if not o["passed"]:
+            failed = [f"{c['criterion']} (got {c['value']})" for c in o.get("checks", []) if not c["passed"]]
+            reasons.append(f"{o['name']}: " + "; ".join(failed + list(o.get("notes", []))))
+    return conv, reasons
