@@ -102,6 +102,9 @@ def inspect_archive(path: Path) -> Archive:
     handle = path.open("rb")
     try:
         records = _check_zip(path, handle, size)
+        if f"models/{MODEL}.json" not in records and any(r.startswith("data/aotinductor/") for r in records):
+            fix = "run it with torch._inductor.aoti_load_package; amplite commands read --format pt2 output"
+            raise _refuse(path, "is an AOTInductor package (compiled code, which amplite never loads)", fix)
         reader = _open_reader(path, handle, records)
         read = _json_reader(path, reader, records)
         program = read(f"models/{MODEL}.json")
