@@ -70,14 +70,20 @@ def convert_llm(
     """
     for fixed in ("dynamic_dims", "dynamic_batch", "low_precision_io", "calibration"):
         if fixed in options:
-            raise ConfigError(f"convert_llm sets {fixed} itself", f"drop {fixed}: the step program's shapes are fixed by design")
+            raise ConfigError(
+                f"convert_llm sets {fixed} itself", f"drop {fixed}: the step program's shapes are fixed by design"
+            )
     if model.training:
         raise ConfigError("the model is in train mode", "call model.eval() before converting it for generation")
     if cache_dtype not in ("auto", "fp32", "low"):
         raise ConfigError(f"unknown cache dtype {cache_dtype!r}", "use auto, fp32 or low")
     start = perf_counter()
     shape = cache_shape(model)
-    tol = tolerance if isinstance(tolerance, Tolerance) or tolerance is None else parse_tolerance(list(tolerance), precision)
+    tol = (
+        tolerance
+        if isinstance(tolerance, Tolerance) or tolerance is None
+        else parse_tolerance(list(tolerance), precision)
+    )
     low = PRECISIONS.get(precision, torch.float16)
     lvl = resolve_level(level)
     wanted = torch.float32 if cache_dtype == "fp32" or lvl is Level.O0 else low
@@ -117,7 +123,11 @@ def verify_llm(
     Raises:
         ConfigError: Bad prompts, criteria or precision.
     """
-    tol = tolerance if isinstance(tolerance, Tolerance) or tolerance is None else parse_tolerance(list(tolerance), precision)
+    tol = (
+        tolerance
+        if isinstance(tolerance, Tolerance) or tolerance is None
+        else parse_tolerance(list(tolerance), precision)
+    )
     vocab = int(model.get_output_embeddings().weight.shape[0])
     ids, mask = (prompts, attention_mask) if prompts is not None else default_prompts(vocab)
     ids, mask = prepare(ids, mask)
@@ -131,7 +141,12 @@ def verify_llm(
 
 
 def _convert_step(
-    model: nn.Module, cache: torch.dtype, precision: str, level: Level, tol: Tolerance | None, verify: bool,
+    model: nn.Module,
+    cache: torch.dtype,
+    precision: str,
+    level: Level,
+    tol: Tolerance | None,
+    verify: bool,
     options: dict[str, Any],
 ) -> Any:
     """Export and convert :class:`LMStep` on a real example: a 4-token prefill's cache, then 3 new tokens."""
@@ -140,7 +155,9 @@ def _convert_step(
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         empty = step.shape.empty(2, cache)
-        _, keys, values = step(torch.randint(0, vocab, (2, 4), generator=g), torch.ones(2, 4, dtype=torch.long), empty, empty)
+        _, keys, values = step(
+            torch.randint(0, vocab, (2, 4), generator=g), torch.ones(2, 4, dtype=torch.long), empty, empty
+        )
     example = (torch.randint(0, vocab, (2, 3), generator=g), torch.ones(2, 7, dtype=torch.long), keys, values)
     # Size-oblivious tracing: the program must serve batch 1, one-token decode steps and an empty cache.
     with fx_config.patch(backed_size_oblivious=True):
@@ -150,7 +167,9 @@ def _convert_step(
 
 def _attention_low(result: Any) -> bool:
     """Whether the plan runs every attention op in low precision (no attention op: True)."""
-    modes = [e.get("mode") for e in result.report.data.get("plan", []) if any(a in str(e.get("op")) for a in _ATTENTION_OPS)]
+    modes = [
+        e.get("mode") for e in result.report.data.get("plan", []) if any(a in str(e.get("op")) for a in _ATTENTION_OPS)
+    ]
     return all(m == "low" for m in modes)
 
 

@@ -62,8 +62,10 @@ def prepare(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tup
                           "give one mask entry per token (1 = token, 0 = padding)")  # fmt: skip
     mask = mask.long()
     if bool((mask[:, -1] == 0).any()):
-        raise ConfigError("the prompts are right-padded (a row's last token is masked)",
-                          "pad on the left (tokenizer.padding_side = 'left'), as for transformers' generate")  # fmt: skip
+        raise ConfigError(
+            "the prompts are right-padded (a row's last token is masked)",
+            "pad on the left (tokenizer.padding_side = 'left'), as for transformers' generate",
+        )
     return ids.long(), mask
 
 

@@ -63,7 +63,9 @@ def _json(v: float) -> float | str:
 
 def llm_criteria(tolerance: Tolerance | None, precision: str) -> list[Criterion]:
     """The LLM criteria of ``tolerance`` (unscoped ``token_agreement``/``ppl_delta``), else the defaults."""
-    chosen = [c for c in (parse_criterion(t) for t in (tolerance.criteria if tolerance else ())) if c.metric in LLM_METRICS]
+    chosen = [
+        c for c in (parse_criterion(t) for t in (tolerance.criteria if tolerance else ())) if c.metric in LLM_METRICS
+    ]
     return chosen or [parse_criterion(t) for t in DEFAULT_LLM_CRITERIA[precision]]
 
 
@@ -112,7 +114,9 @@ def measure(
     return m
 
 
-def default_prompts(vocab: int, lengths: tuple[int, ...] = (8, 5), per_length: int = 2, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def default_prompts(
+    vocab: int, lengths: tuple[int, ...] = (8, 5), per_length: int = 2, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Seeded random prompts of several lengths, left-padded into one batch: ``(ids, attention_mask)``."""
     g = torch.Generator().manual_seed(seed)
     width = max(lengths)

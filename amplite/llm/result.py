@@ -50,8 +50,7 @@ class LLMProgram:
         past = vals.get(user[2]) if len(user) == 4 else None
         if tuple(user) != _INPUTS or not isinstance(past, torch.Tensor) or past.dim() != 5:
             raise InputSpecError(
-                f"the program takes ({', '.join(user)}), not an amplite LLM step program's "
-                f"({', '.join(_INPUTS)})",
+                f"the program takes ({', '.join(user)}), not an amplite LLM step program's ({', '.join(_INPUTS)})",
                 "convert the model with amplite.llm.convert_llm (or `amplite convert DIR --llm`)",
             )
         layers, _, heads, _, dim = past.shape
@@ -124,7 +123,10 @@ class LLMResult:
         """Write the step program as a ``.pt2``; :func:`load` reads it back."""
         out = self.llm.save(path)
         entry = {"format": "pt2", "path": str(out), "bytes": out.stat().st_size}
-        self.report.data["outputs"] = [*(e for e in self.report.data.get("outputs", []) if e["path"] != entry["path"]), entry]
+        self.report.data["outputs"] = [
+            *(e for e in self.report.data.get("outputs", []) if e["path"] != entry["path"]),
+            entry,
+        ]
         return out
 
 
