@@ -58,14 +58,18 @@ class ConversionResult:
         opset: int | None = None,
         layernorm_stash: str = "off",
     ) -> Path:
-        """Save the converted model; the format (``pt2`` or ``onnx``) comes from the suffix unless given.
+        """Save the converted model; the format (``pt2``, ``onnx``, ``aoti``) comes from the suffix unless given.
+
+        An AOTInductor package (``format="aoti"``, a ``.pt2`` that ``torch._inductor.aoti_load_package`` runs) is
+        loaded back and run against the FP32 reference when ``convert`` verified (report key
+        ``verification_aoti``).
 
         An ONNX file is checked with ``onnx.checker`` and, when ``convert`` verified the model, run in ONNX
         Runtime against the same FP32 reference (report key ``verification_onnx``).
 
         Args:
             path: Destination file.
-            format: ``pt2`` or ``onnx`` (default: from the suffix).
+            format: ``pt2``, ``onnx`` or ``aoti`` (default: from the suffix; ``aoti`` only when given).
             external_data: ONNX only: force (True) or forbid (False) external weights; None decides by size.
             opset: ONNX only: default-domain opset (None: 20 for fp16, 22 for bf16).
             layernorm_stash: ONNX only: ``off`` (default) keeps FP32 LayerNorm islands; ``stash`` writes
@@ -81,6 +85,8 @@ class ConversionResult:
         start = perf_counter()
         if fmt == "onnx":
             out, entry = self._save_onnx(path, external_data, opset, layernorm_stash)
+        elif fmt == "aoti":
+            out, entry = self._save_aoti(path)
         else:
             out = emit.save_program(self.program, path)
             entry = {"format": "pt2", "path": str(out), "bytes": out.stat().st_size}
@@ -88,6 +94,15 @@ class ConversionResult:
         saved = [e for e in self.report.data.get("outputs", []) if e["path"] != entry["path"]]
         self.report.data["outputs"] = [*saved, entry]
         return out
+
+    def _save_aoti(self, path: str | Path) -> tuple[Path, dict]:
+        from amplite.deploy import package_aoti, verify_aoti  # inductor imports in seconds: only when used
+
+        package = package_aoti(self.program, path)
+        if self.tolerance is not None and self.reference is not None:
+            checked = verify_aoti(package.path, self.reference, self.inputs, self.tolerance)
+            self.report.data["verification_aoti"] = checked.to_dict()
+        return Path(package.path), package.to_dict()
 
     def _save_onnx(
         self, path: str | Path, external_data: bool | None, opset: int | None, layernorm_stash: str

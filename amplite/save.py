@@ -37,8 +37,10 @@ class SavedConversion:
     @property
     def exit_code(self) -> int:
         """0 converted and verified (also in ONNX Runtime when ONNX was written), 1 verification failed."""
-        onnx_ok = (self.result.report.data.get("verification_onnx") or {}).get("passed")
-        return 1 if self.result.passed is False or onnx_ok is False else 0
+        data = self.result.report.data
+        onnx_ok = (data.get("verification_onnx") or {}).get("passed")
+        aoti_ok = (data.get("verification_aoti") or {}).get("passed")
+        return 1 if self.result.passed is False or onnx_ok is False or aoti_ok is False else 0
 
 
 def default_output(model: str | Path, precision: str, level: str | None) -> Path:

@@ -8,9 +8,15 @@ verification) and reports wall time, peak RSS, output size and throughput agains
 * peak RSS <= 1.5 x the largest shard + 2 GiB (independent of model size);
 * throughput >= 0.5 x the disk's sequential read+write speed.
 
+With ``--llm`` it also loads the checkpoint (``from_pretrained``, FP32, in a fresh process per config: this
+materialises the model, unlike the streamed conversion above, so its peak RSS is reported apart) and runs
+``amplite.llm.convert_llm``: greedy token agreement with FP32 (teacher-forced, ``--llm-steps`` per prompt)
+and the perplexity delta, each in the "Generation" table.
+
     python bench/bench_big.py                       # ~3.4B parameters, ~12.8 GiB FP32 (needs ~40 GB free)
     python bench/bench_big.py --layers 4 --keep     # smaller, and keep the files
     python bench/bench_big.py --markdown bench/RESULTS-big.md
+    python bench/bench_big.py --llm --llm-steps 8   # + token agreement and perplexity delta (needs ~3x FP32 RAM)
 """
 
 from __future__ import annotations
@@ -134,6 +140,40 @@ def convert(src: Path, out: Path, precision: str, level: str) -> dict:
             "peak_weight_bytes": ver.get("peak_weight_bytes"), "stderr": proc.stderr[-500:]}  # fmt: skip
 
 
+def llm_check(src: Path, precision: str, level: str, steps: int) -> dict:
+    """``convert_llm`` on the checkpoint in a fresh process: token agreement, perplexity delta, time, peak RSS."""
+    code = (
+        "import json, resource, sys, time, transformers, amplite.llm as llm\n"
+        "t = time.perf_counter()\n"
+        f"m = transformers.AutoModelForCausalLM.from_pretrained({str(src)!r}, dtype='float32').eval()\n"
+        f"r = llm.convert_llm(m, precision={precision!r}, level={level!r}, steps={steps})\n"
+        "d = dict(r.report.data['llm'], wall_s=time.perf_counter() - t, passed=r.passed,\n"
+        "         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
+        "print('LLM-JSON ' + json.dumps(d))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("LLM-JSON ")), None)
+    data = json.loads(line[9:]) if line else {}
+    return {"config": f"{precision} {level}", "rc": proc.returncode, **data, "stderr": proc.stderr[-500:]}
+
+
+def llm_lines(checks: list[dict]) -> list[str]:
+    """The "Generation" table: token agreement, first divergences, perplexities and their delta."""
+    lines = ["", "Generation (amplite.llm.convert_llm, teacher-forced greedy vs FP32, default prompts):", "",
+             "| config | rc | token agreement | first divergence | ppl FP32 | ppl converted | ppl delta | cache "
+             "| passed | wall s | peak RSS GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for c in checks:
+        if c["rc"] != 0 or "token_agreement" not in c:
+            lines.append(f"| {c['config']} | {c['rc']} | failed: {c['stderr'][-120:]!r} |||||||||")
+            continue
+        lines.append(
+            f"| {c['config']} | 0 | {c['token_agreement']:.2%} ({c['agreeing_tokens']}/{c['prompts'] * c['steps']}) "
+            f"| {c['first_divergence']} | {c['ppl_fp32']:.2f} | {c['ppl_converted']:.2f} | {c['ppl_delta']:.3%} "
+            f"| {c['cache_dtype']} | {c['passed']} | {c['wall_s']:.0f} | {c['peak_rss_bytes'] / 2**30:.2f} |"
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=26, help="decoder layers (26: ~3.4B parameters)")
@@ -141,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/amplite-big"))
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the table here")
+    ap.add_argument("--llm", action="store_true", help="also measure token agreement and perplexity delta")
+    ap.add_argument("--llm-steps", type=int, default=8, help="greedy steps per prompt for --llm")
     args = ap.parse_args(argv)
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
@@ -175,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     lines += ["", "Phases (s): " + "; ".join(
         f"{r['config']}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["timings"].items()) for r in runs), ""]
+    checks = [llm_check(src, p, lvl, args.llm_steps) for p, lvl in (("bf16", "O2"), ("fp16", "O1"))] if args.llm else []
+    if checks:
+        lines += [*llm_lines(checks), ""]
     text = "\n".join(lines)
     print(text)
     for r in runs:
@@ -184,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         args.markdown.write_text(text + "\n")
     if not args.keep:
         shutil.rmtree(args.work, ignore_errors=True)
-    return 0 if all(r["rc"] == 0 for r in runs) else 1
+    return 0 if all(r["rc"] == 0 for r in runs + checks) else 1
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ def convert(
     model: ModelArg,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Output .pt2 or .onnx path.")] = None,
     format: Annotated[
-        str | None, typer.Option("--format", help="Comma list of pt2,onnx (default: from -o's suffix).")
+        str | None, typer.Option(
+            "--format", help="Comma list of pt2,onnx,aoti (default: from -o's suffix; aoti: an AOTInductor package)."
+        )
     ] = None,
     external_data: Annotated[bool, typer.Option("--external-data", help="ONNX weights in a .data file.")] = False,
     opset: Annotated[int | None, typer.Option("--opset", help="ONNX opset (default 20 fp16, 22 bf16).")] = None,

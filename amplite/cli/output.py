@@ -190,6 +190,12 @@ def print_summary(data: dict[str, Any], written: list[Path], report_path: Path) 
         for line in [ort.get("not_runnable"), ort.get("caveat")]:
             if line:
                 out.print(f"  {escape(line)}")
+    aoti = data.get("verification_aoti")
+    if aoti:
+        verdict = "[green]pass[/]" if aoti["passed"] else "[red]FAIL[/]"
+        worst = min((o["sqnr_db"] for o in aoti["outputs"] if not isinstance(o["sqnr_db"], str)), default=None)
+        detail = f", worst SQNR {worst:.1f} dB" if worst is not None else ""
+        out.print(f"AOTInductor package ({escape(aoti['device'])}): {verdict}{detail}")
     if data.get("estimate"):
         from amplite.estimate import summary_line
 

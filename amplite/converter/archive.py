@@ -102,6 +102,9 @@ def inspect_archive(path: Path) -> Archive:
     handle = path.open("rb")
     try:
         records = _check_zip(path, handle, size)
+        if f"models/{MODEL}.json" not in records and any(r.startswith("data/aotinductor/") for r in records):
+            fix = "run it with torch._inductor.aoti_load_package; amplite commands read --format pt2 output"
+            raise _refuse(path, "is an AOTInductor package (compiled code, which amplite never loads)", fix)
         reader = _open_reader(path, handle, records)
         read = _json_reader(path, reader, records)
         program = read(f"models/{MODEL}.json")
@@ -121,6 +124,12 @@ def inspect_archive(path: Path) -> Archive:
             config = read(f"{base}{MODEL}_{section}_config.json")
             sections[section] = _check_payloads(path, reader, records, config, section, base, pickled)
         return Archive(path, reader, handle, program, sections["weights"], sections["constants"], pickled, targets)
+    except LoadError:
+        handle.close()
+        raise
+    except Exception as exc:  # only parsing happens here: any other failure is a malformed file, not a bug
+        handle.close()
+        raise _refuse(path, f"a malformed archive ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})") from None
     except BaseException:
         handle.close()
         raise
@@ -152,7 +161,7 @@ def check_zip_bytes(label: Path, data: bytes) -> set[str]:
 def _check_zip(path: Path, handle: Any, size: int, rooted: bool = True) -> set[str]:
     try:
         infos = zipfile.ZipFile(handle).infolist()
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+    except Exception as exc:  # BadZipFile, NotImplementedError (a version or method field), OSError, ...
         raise _refuse(path, f"a truncated or corrupt zip archive ({exc})") from None
     names = [i.filename for i in infos]
     seen: set[str] = set()

@@ -16,7 +16,7 @@ from torch.export import ExportedProgram
 
 from amplite.errors import ConfigError, EmitError
 
-FORMATS = ("pt2", "onnx")
+FORMATS = ("pt2", "onnx", "aoti")
 
 
 def format_for(path: str | Path, fmt: str | None = None) -> str:
@@ -26,7 +26,7 @@ def format_for(path: str | Path, fmt: str | None = None) -> str:
         ConfigError: For unknown suffixes or formats.
     """
     chosen = (fmt or Path(path).suffix.lstrip(".")).lower()
-    if chosen not in FORMATS:
+    if chosen not in FORMATS or (fmt is None and chosen == "aoti"):
         raise ConfigError(f"cannot tell the output format of {str(path)!r}", "use a .pt2 or .onnx suffix")
     return chosen
 
@@ -46,7 +46,16 @@ def plan_outputs(dest: str | Path, formats: str | None = None) -> list[tuple[str
     unknown = [f for f in chosen if f not in FORMATS]
     if unknown or not chosen or len(set(chosen)) != len(chosen):
         raise ConfigError(f"bad --format {formats!r}", f"give a comma list of {', '.join(FORMATS)}, each once")
-    return [(f, p.with_suffix("." + f)) for f in chosen]
+    return [(f, _output_path(p, f, chosen)) for f in chosen]
+
+
+def _output_path(dest: Path, fmt: str, chosen: list[str]) -> Path:
+    """``dest`` with the format's suffix; an AOTInductor package is a ``.pt2`` too (``.aoti.pt2`` beside one)."""
+    if fmt != "aoti":
+        return dest.with_suffix("." + fmt)
+    if "pt2" in chosen:
+        return dest.with_suffix(".aoti.pt2")
+    return dest if dest.suffix == ".pt2" else dest.with_suffix(".pt2")
 
 
 def check_writable(path: str | Path) -> Path:

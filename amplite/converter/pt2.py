@@ -8,6 +8,11 @@ deserializer ready tensors, so torch's own fallbacks to ``weights_only=False`` a
 Modules named in the archive (pytree types of inputs/outputs, custom-op libraries) are imported only when the
 user names them (``--import MODULE``) or they belong to :data:`SAFE_AUTO_IMPORT`, installed outside the
 working directory: importing a module runs its code, so a name taken from an untrusted file must not pick it.
+
+Nothing of the file is evaluated: size expressions are parsed by :mod:`amplite.converter.sym_expr` and handed
+to torch as sympy objects; the file's ``guards_code`` (Python torch would ``exec``) is dropped, inputs are
+checked against the program's range constraints instead; every operator is checked against
+:mod:`amplite.converter.op_allowlist` by name before deserializing and, with the writes it makes, after.
 """
 
 from __future__ import annotations
@@ -41,6 +46,13 @@ from amplite.converter.archive import (
     check_zip_bytes,
     inspect_archive,
 )
+from amplite.converter.op_allowlist import check_program_ops, refusal, registered_ops
+from amplite.converter.pt2_checks import (
+    build_expressions,
+    check_example_inputs,
+    check_expansion,
+    check_payload_metadata,
+)
 from amplite.converter.tracing import summarize_exception
 from amplite.errors import LoadError
 
@@ -49,6 +61,8 @@ from amplite.errors import LoadError
 #: folder in the working directory is never imported on the archive's word.
 SAFE_AUTO_IMPORT = ("transformers", "diffusers")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
+#: Operators registered when amplite loaded (torch's own, amplite's): a later --import adds the custom ones.
+_OPS_AT_IMPORT = registered_ops()
 
 
 def load_program(path: Path, *, trust_pickle: bool = False, import_modules: Sequence[str] = ()) -> ExportedProgram:
@@ -58,10 +72,10 @@ def load_program(path: Path, *, trust_pickle: bool = False, import_modules: Sequ
         LoadError: A hostile or malformed archive, an entry that needs unpickling without ``trust_pickle``,
             an unregistered custom op or pytree type (naming the ``--import`` that fixes it).
     """
-    import_user_modules(import_modules)
+    custom = import_user_modules(import_modules)
     arch = inspect_archive(path)
     try:
-        return _load(arch, trust_pickle)
+        return _load(arch, trust_pickle, custom)
     except LoadError:
         raise
     except Exception as exc:  # torch's own checks on what passed ours (a device this machine lacks, ...)
@@ -71,10 +85,11 @@ def load_program(path: Path, *, trust_pickle: bool = False, import_modules: Sequ
         arch.close()
 
 
-def _load(arch: Archive, trust_pickle: bool) -> ExportedProgram:
-    """Check targets and pytree types, refuse untrusted object kinds, load the entries, deserialize."""
+def _load(arch: Archive, trust_pickle: bool, custom: frozenset[str]) -> ExportedProgram:
+    """Check targets and pytree types, refuse untrusted object kinds, load the entries, deserialize, check ops."""
     path = arch.path
-    _check_targets(arch)
+    _check_targets(arch, custom)
+    check_payload_metadata(path, arch.program_json, arch.weights, arch.constants)
     _register_pytree_types(arch)
     for entry in arch.pickled:
         if entry.kind in ("custom_obj", "opaque_obj", "legacy") and not trust_pickle:
@@ -87,11 +102,20 @@ def _load(arch: Archive, trust_pickle: bool) -> ExportedProgram:
     sample = _unpickle(arch, _entry(arch, "sample_inputs"), trust_pickle)
     if not (isinstance(sample, tuple) and len(sample) == 2 and isinstance(sample[1], dict)):
         raise LoadError(f"{str(path)!r}: the example inputs are not (args, kwargs)", "re-save the model")
-    return _deserialize(arch, state_dict, constants, sample)
+    check_example_inputs(path, sample)
+    program = _deserialize(arch, state_dict, constants, sample)
+    why = check_program_ops(program, custom)
+    if why is not None:
+        raise LoadError(f"{str(path)!r}: {why}", "convert only programs written by torch.export.save")
+    return program
 
 
-def import_user_modules(modules: Sequence[str]) -> None:
+def import_user_modules(modules: Sequence[str]) -> frozenset[str]:
     """Import what the user named with ``--import`` (custom-op libraries, pytree registrations).
+
+    Returns:
+        The custom operators (``ns::op``) the user vouches for: those registered since amplite loaded, in a
+        namespace torch did not have then, or in a namespace named like a part of an imported module.
 
     Raises:
         LoadError: A malformed name or an import that fails.
@@ -108,6 +132,15 @@ def import_user_modules(modules: Sequence[str]) -> None:
                 f"--import {name}: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}",
                 "install the package or run from the directory that contains it",
             ) from None
+    if not modules:
+        return frozenset()
+    parts = {part for name in modules for part in name.split(".")}
+    known = {op.split("::", 1)[0] for op in _OPS_AT_IMPORT}
+    return frozenset(
+        op
+        for op in registered_ops()
+        if op.split("::", 1)[0] in parts or (op not in _OPS_AT_IMPORT and op.split("::", 1)[0] not in known)
+    )
 
 
 def _entry(arch: Archive, kind: str) -> Pickled:
@@ -178,6 +211,7 @@ def _payloads(arch: Archive, section: str, trust: bool) -> dict[str, Any] | byte
         sizes = [s["as_int"] for s in tm["sizes"]]
         strides = [s["as_int"] for s in tm["strides"]]
         tensor = torch.as_strided(storages[name], sizes, strides, tm["storage_offset"]["as_int"])
+        check_expansion(arch.path, f"the {section[:-1]} {fqn!r}", tensor)
         device = deserialize_device(_device(tm))
         if device != torch.device("cpu"):
             tensor = tensor.to(device)
@@ -202,6 +236,14 @@ def _deserialize(arch: Archive, state_dict: Any, constants: Any, sample: Any) ->
 
     try:
         serialized = _dict_to_dataclass(schema.ExportedProgram, arch.program_json)
+    except Exception as exc:
+        raise LoadError(
+            f"cannot load .pt2 {str(arch.path)!r}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
+            "re-export the model with this torch version",
+        ) from None
+    build_expressions(arch.path, serialized)
+    serialized.guards_code = []  # Python torch would exec: never loaded, never written back out
+    try:
         return ExportedProgramDeserializer(None).deserialize(serialized, state_dict, constants, sample)
     except Exception as exc:
         raise LoadError(
@@ -220,8 +262,12 @@ def resolve_target(target: str) -> Any:
 
     root, *names = target.split(".")
     obj: Any = {"_operator": operator, "math": math, "torch": torch}.get(root)
-    for name in names:
-        if obj is None or name.startswith("__") or not name.isidentifier() or not hasattr(obj, name):
+    for i, name in enumerate(names):
+        # an ATen op may be named like a dunder (torch.ops.aten.__and__.Tensor); any other dunder is an attribute walk
+        dunder_op = i == 2 and names[0] == "ops" and re.fullmatch(r"__[a-z]+__", name) is not None
+        if obj is None or (name.startswith("__") and not dunder_op) or not name.isidentifier():
+            return None
+        if not hasattr(obj, name):
             return None
         obj = getattr(obj, name)
     if isinstance(obj, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
@@ -229,12 +275,16 @@ def resolve_target(target: str) -> Any:
     return obj if any(obj is op for op in _SYM_OPS) else None
 
 
-def _check_targets(arch: Archive) -> None:
+def _check_targets(arch: Archive, custom: frozenset[str]) -> None:
     missing = []
     for target in sorted(arch.targets):
         if target.startswith("#"):
             continue  # extension ops: resolved by handlers code registered, never by name lookup
-        if resolve_target(target) is not None:
+        op = resolve_target(target)
+        if op is not None:
+            why = refusal(op, custom)
+            if why is not None:
+                raise LoadError(f"{str(arch.path)!r}: a node calls {why}", "convert only programs torch.export wrote")
             continue
         if re.match(r"torch\.ops\.[A-Za-z_]\w*\.[A-Za-z_]\w*(\.[A-Za-z_]\w*)?\Z", target):
             ns, op = target.split(".")[2:4]

@@ -4,6 +4,9 @@ per-precision defaults (``DEFAULT_TOLERANCES``). ``verify`` applies them and re-
 User criteria (``--tolerance``) replace the default rule: ``sqnr>=45``, ``top1>=0.999``, ``max_abs<=1e-2``,
 ``p95_abs<=1e-3``, ``allclose(atol=1e-3,rtol=1e-3)``, each optionally scoped to one output with
 ``NAME:`` (``logits:sqnr>=40``). Scoped criteria replace the unscoped ones for the outputs they name.
+A threshold may end in ``%`` (divided by 100: ``ppl_delta<=0.5%`` is ``ppl_delta<=0.005``).
+``token_agreement`` and ``ppl_delta`` are judged by the LLM verification (``amplite.llm.metrics``) on
+generation, not on an output's values: for other models they judge nothing (the default rule applies).
 """
 
 from __future__ import annotations
@@ -38,9 +41,13 @@ ALIASES = {
     "mismatch": "mismatch",
     "nonfinite": "new_nonfinite",
     "new_nonfinite": "new_nonfinite",
+    # LLM verification (amplite.llm.metrics): judged on generation, not on one output's values
+    "token_agreement": "token_agreement",
+    "agreement": "token_agreement",
+    "ppl_delta": "ppl_delta",
 }
 _INT_METRICS = frozenset({"mismatch"})
-_CRIT = re.compile(r"^(?P<metric>[a-z0-9_.]+|allclose\([^)]*\))\s*(?P<op>>=|<=|>|<)?\s*(?P<thr>[-+\d.eE]+|inf)?$")
+_CRIT = re.compile(r"^(?P<metric>[a-z0-9_.]+|allclose\([^)]*\))\s*(?P<op>>=|<=|>|<)?\s*(?P<thr>[-+\d.eE]+%?|inf)?$")
 #: A quantile metric name (``p95``, ``p99.9_abs``); group ``q`` is the percentile.
 QUANTILE_METRIC = re.compile(r"^p(?P<q>\d+(?:\.\d+)?)(?:_abs)?$")
 _CMP = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, "<": lambda a, b: a < b}
@@ -120,7 +127,8 @@ def parse_criterion(text: str) -> Criterion:
         raise ConfigError(f"unknown metric {metric!r} in tolerance {text!r}", f"use {known}, pNN_abs or allclose(...)")
     if op is None or thr is None:
         raise ConfigError(f"tolerance {text!r} has no condition", fix)
-    return Criterion(metric, op, float(thr), scope.strip() or None if sep else None, atol, rtol)
+    value = float(thr[:-1]) / 100 if thr.endswith("%") else float(thr)
+    return Criterion(metric, op, value, scope.strip() or None if sep else None, atol, rtol)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,123 @@
+"""Greedy generation with a step program (prefill once, then one decode step per token, KV cache in and out).
+
+Works on anything with the :class:`~amplite.llm.step.LMStep` signature: the converted program's module, a
+loaded ``.pt2`` or the FP32 ``LMStep`` itself (the reference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from amplite.errors import ConfigError
+from amplite.llm.step import CacheShape
+
+Step = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class Runner:
+    """A step callable with its cache geometry and dtype."""
+
+    step: Step
+    shape: CacheShape
+    cache_dtype: torch.dtype
+    device: torch.device | str = "cpu"
+
+    def prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Logits of every prompt position and the cache after the prompt."""
+        empty = self.shape.empty(input_ids.shape[0], self.cache_dtype, self.device)
+        with torch.no_grad():
+            return self.step(input_ids, attention_mask, empty, empty)
+
+    def decode(
+        self, token: torch.Tensor, attention_mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One new token per row (``token`` ``[B]``); ``attention_mask`` covers the cache and the token."""
+        with torch.no_grad():
+            return self.step(token[:, None], attention_mask, keys, values)
+
+
+def prepare(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` as ``[B, S]`` int64 and its mask (ones when not given); checks the padding is on the left.
+
+    Raises:
+        ConfigError: Wrong rank or dtype, a mask of another shape, right padding, or an empty prompt.
+    """
+    ids = input_ids[None] if input_ids.dim() == 1 else input_ids
+    if ids.dim() != 2 or ids.dtype.is_floating_point or ids.shape[1] == 0:
+        raise ConfigError(
+            f"input_ids must be a non-empty [batch, length] integer tensor, got {list(input_ids.shape)} "
+            f"{str(input_ids.dtype).removeprefix('torch.')}",
+            "pass token ids, e.g. tokenizer(text, return_tensors='pt').input_ids",
+        )
+    mask = torch.ones_like(ids) if attention_mask is None else attention_mask
+    mask = mask[None] if mask.dim() == 1 else mask
+    if mask.shape != ids.shape:
+        raise ConfigError(f"attention_mask has shape {list(mask.shape)}, input_ids {list(ids.shape)}",
+                          "give one mask entry per token (1 = token, 0 = padding)")  # fmt: skip
+    mask = mask.long()
+    if bool((mask[:, -1] == 0).any()):
+        raise ConfigError(
+            "the prompts are right-padded (a row's last token is masked)",
+            "pad on the left (tokenizer.padding_side = 'left'), as for transformers' generate",
+        )
+    return ids.long(), mask
+
+
+def greedy(
+    runner: Runner,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    attention_mask: torch.Tensor | None = None,
+    eos_token_id: int | None = None,
+) -> torch.Tensor:
+    """Greedy decoding: ``[B, S + n]`` ids, prompt first, ``n <= max_new_tokens`` (rows that produced
+    ``eos_token_id`` continue with it until every row has; generation then stops).
+
+    Raises:
+        ConfigError: Bad ``input_ids``/``attention_mask`` (see :func:`prepare`) or ``max_new_tokens < 0``.
+    """
+    if max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens={max_new_tokens} is negative", "ask for 0 or more new tokens")
+    ids, mask = prepare(input_ids, attention_mask)
+    if max_new_tokens == 0:
+        return ids
+    logits, keys, values = runner.prefill(ids, mask)
+    done = torch.zeros(ids.shape[0], dtype=torch.bool)
+    out = [ids]
+    for i in range(max_new_tokens):
+        token = logits[:, -1].argmax(-1)
+        if eos_token_id is not None:
+            token = torch.where(done, torch.full_like(token, eos_token_id), token)
+            done |= token == eos_token_id
+        out.append(token[:, None])
+        if i == max_new_tokens - 1 or bool(done.all()):
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        logits, keys, values = runner.decode(token, mask, keys, values)
+    return torch.cat(out, dim=1)
+
+
+def teacher_forced(
+    runner: Runner, input_ids: torch.Tensor, attention_mask: torch.Tensor, forced: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token predictions when ``forced`` ``[B, M]`` is fed back instead of the model's own tokens.
+
+    Returns:
+        ``(predictions [B, M], logits [B, M, V])``: position ``t`` is the prediction after the prompt and
+        ``forced[:, :t]``; prefill makes position 0, each decode step one more.
+    """
+    logits, keys, values = runner.prefill(input_ids, attention_mask)
+    last = [logits[:, -1]]
+    mask = attention_mask
+    for t in range(forced.shape[1] - 1):
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        step_logits, keys, values = runner.decode(forced[:, t], mask, keys, values)
+        last.append(step_logits[:, -1])
+    stacked = torch.stack(last, dim=1)
+    return stacked.argmax(-1), stacked
