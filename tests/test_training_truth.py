@@ -172,3 +172,72 @@ def test_state_dict_of_net_is_the_model_checkpoint_and_loads_back(tmp_path):
         assert torch.equal(net2.eval()(x), net(x))
     with pytest.raises(AmpliteError, match=r"net\.state_dict\(\)"):
         torch.save(net, tmp_path / "whole.pt")
+
+
+@pytest.mark.parametrize("sched", ["LinearLR", "OneCycleLR", "linear_warmup"])
+def test_opt_is_an_optimizer_schedulers_drive_its_learning_rate(sched):
+    model = _Mlp()
+    net, opt = _prep(model, "O2")
+    assert isinstance(opt, torch.optim.Optimizer)
+    if sched == "LinearLR":
+        s = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=4)
+    elif sched == "OneCycleLR":
+        s = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=10)
+    else:
+        import transformers
+
+        s = transformers.get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=10)
+    ref = {"LinearLR": torch.optim.lr_scheduler.LinearLR, "OneCycleLR": torch.optim.lr_scheduler.OneCycleLR}
+    shadow_opt = torch.optim.SGD(_Mlp().parameters(), lr=0.1)
+    shadow = (ref[sched](shadow_opt, start_factor=0.5, total_iters=4) if sched == "LinearLR" else
+              ref[sched](shadow_opt, max_lr=0.2, total_steps=10) if sched == "OneCycleLR" else None)  # fmt: skip
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    lrs = []
+    for _ in range(3):
+        opt.backward(F.cross_entropy(net(x), y))
+        opt.step()
+        opt.zero_grad()
+        s.step()
+        lrs.append(opt.optimizer.param_groups[0]["lr"])
+        if shadow is not None:
+            shadow_opt.step()
+            shadow.step()
+            assert lrs[-1] == pytest.approx(shadow_opt.param_groups[0]["lr"])
+    assert len(set(lrs)) == 3  # the schedule moved the wrapped optimizer's learning rate
+    if sched == "linear_warmup":
+        assert lrs == pytest.approx([0.05, 0.1, 0.1 * 7 / 8])  # two warm-up steps, then linear decay
+
+
+def test_add_param_group_checks_the_parameters_and_lbfgs_closure_trains():
+    model = _Mlp()
+    base = torch.optim.SGD([*model.a.parameters(), *model.b.parameters()], lr=0.1)
+    net, opt = amplite.prepare_training(model, base, torch.randn(4, 8), level="O2")
+    opt.add_param_group({"params": model.c.parameters(), "lr": 0.01})
+    assert len(opt.param_groups) == 2 and opt.param_groups[1]["lr"] == 0.01
+    with pytest.raises(AmpliteError, match="not a parameter of the model"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    # LBFGS: the closure re-runs the net; every evaluation sees the masters LBFGS just moved
+    torch.manual_seed(0)
+    model = _Mlp()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    net, opt = amplite.prepare_training(model, torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5), x)
+    ref_opt = torch.optim.LBFGS(ref.parameters(), lr=0.5, max_iter=5)
+
+    def closure(m, o):
+        def run():
+            o.zero_grad()
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            return loss
+        return run
+
+    start = F.cross_entropy(ref(x), y).item()
+    for _ in range(3):
+        opt.step(closure(net, opt))
+        ref_opt.step(closure(ref, ref_opt))
+    ours, theirs = F.cross_entropy(model(x), y).item(), F.cross_entropy(ref(x), y).item()
+    assert ours < 0.3 * start and abs(ours - theirs) < 0.05 * start  # as far as FP32 LBFGS, within bf16
+    with pytest.raises(AmpliteError, match=r"LBFGS.*bf16"):
+        m2 = _Mlp()
+        amplite.prepare_training(m2, torch.optim.LBFGS(m2.parameters()), x, precision="fp16")
