@@ -106,8 +106,8 @@ class AmplitePrecision(Precision):
             )
         if trainer.world_size > 1:
             raise ConfigError(
-                "AmplitePrecision supports one process for now: the strategy's gradient sync sees the FP32 "
-                "masters, while amplite's graph produces the gradients on its low-precision copies",
+                "AmplitePrecision supports one process for now: its lazy trace under a multi-process "
+                "strategy's model wrapper is untested",
                 "train on one device, or use amplite.prepare_training with DDP(net) directly",
             )
         opt = optimizers[0]

@@ -190,8 +190,8 @@ class AmpliteTrainer(transformers.Trainer):
             if not amp.ready:
                 if self.accelerator.num_processes > 1:
                     raise ConfigError(
-                        "AmpliteTrainer supports one process for now: the gradient sync sees the FP32 masters, "
-                        "while amplite's graph produces the gradients on its low-precision copies",
+                        "AmpliteTrainer supports one process for now: its lazy trace under Accelerate's "
+                        "multi-process model wrapper is untested",
                         "train on one device, or use amplite.prepare_training with DDP(net) directly",
                     )
                 with original_forward(target):
