@@ -348,3 +348,13 @@ def test_check_dir_gates_on_the_streamed_conversion(ckpt: Path, tmp_path: Path) 
     assert not list(ckpt.parent.glob(".amplite-check.*"))
     with pytest.raises(AmpliteError, match="--golden do not apply"):
         check(ckpt, golden=tmp_path / "g")
+
+
+def test_verification_reports_progress(ckpt: Path, tmp_path: Path) -> None:
+    from amplite.save import convert_to_files
+
+    seen: list[tuple[str, int, int]] = []
+    convert_to_files(ckpt, output=tmp_path / "o", progress=lambda *a: seen.append(a))
+    verifying = [(d, t) for s, d, t in seen if s == "verifying"]
+    assert len(verifying) > 10 and verifying[-1][0] == verifying[-1][1] > 0
+    assert [d for d, _ in verifying] == sorted(d for d, _ in verifying)
