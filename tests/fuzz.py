@@ -8,7 +8,7 @@ Targets (each builds its seed file by code, small, and mutates a copy):
   :func:`amplite.converter.inputs.load_inputs_file`;
 - ``safetensors``: a shard's header, through :func:`amplite.checkpoint.source.read_header`;
 - ``checkpoint``: a transformers checkpoint directory (``config.json``, index, shards), through
-  :func:`amplite.checkpoint.source.open_checkpoint` and the meta build.
+  :func:`amplite.checkpoint.source.open_checkpoint`, the meta build and the key mapping with its checks.
 
 Mutations: *structured* ones parse a JSON record (the program, a config, a safetensors header), pick a random
 value and replace it with one from :data:`HOSTILE` (huge and negative numbers, wrong types, deep nesting,
@@ -289,9 +289,13 @@ class Checkpoint(Target):
         return out
 
     def read(self, path: Path) -> None:
-        from amplite.checkpoint.source import build_meta_model, open_checkpoint
+        from amplite.checkpoint.keys import map_keys
+        from amplite.checkpoint.model import build_meta_model
+        from amplite.checkpoint.source import open_checkpoint
 
-        build_meta_model(open_checkpoint(path))
+        ckpt = open_checkpoint(path)
+        model, _ = build_meta_model(ckpt)
+        map_keys(ckpt, model)
 
 
 TARGETS: dict[str, Target] = {t.name: t for t in (Pt2(), Inputs(), Safetensors(), Checkpoint())}

@@ -295,7 +295,8 @@ def _as_int32(doc: dict) -> None:
 
 @pytest.mark.parametrize(
     ("edit", "needle"),
-    [(_stride0, "is stored as torch.float32 [100000, 100000]"), (_transposed, "[4, 3] but the program uses it as torch.float32 [3, 4]"),
+    [(_stride0, "is stored as torch.float32 [100000, 100000]"),
+     (_transposed, "[4, 3] but the program uses it as torch.float32 [3, 4]"),
      (_as_int32, "stored as torch.int32")],
     ids=["stride0", "shape", "dtype"],
 )  # fmt: skip

@@ -6,6 +6,7 @@ import os
 import socket
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -18,7 +19,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, out: str, level: str) -> None:
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -28,9 +29,13 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         from fixtures import train_zoo
 
         model, _ = train_zoo.make("cnn")
+        torch.manual_seed(100 + rank)  # ranks start from different weights: DDP's broadcast must reach the graph
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         batches = train_zoo.loader("cnn", 6, seed=rank)  # each rank sees its own data
-        net, opt = amplite.prepare_training(model, optimizer, batches[0][0], precision="bf16", level="O2")
+        net, opt = amplite.prepare_training(model, optimizer, batches[0][0], precision="bf16", level=level)
         ddp = torch.nn.parallel.DistributedDataParallel(net)
         for x, y in batches[:3]:
             opt.backward(F.cross_entropy(ddp(x), y))
@@ -41,12 +46,13 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_ddp_gloo_two_processes_keeps_masters_in_sync(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_ddp_gloo_two_processes_differently_seeded_end_identical(tmp_path, level):
+    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), level), nprocs=2, join=True)
     a, b = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     from fixtures import train_zoo
 
     fresh, _ = train_zoo.make("cnn")
     assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a)  # gradients were averaged across ranks
+    assert all(torch.equal(a[k], b[k]) for k in a)  # rank 0's weights broadcast, gradients averaged
     assert any(not torch.equal(a[k], fresh.state_dict()[k]) for k in a)  # and the masters moved

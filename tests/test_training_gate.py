@@ -71,3 +71,52 @@ def test_train_steps_rejects_inference_criteria():
         amplite.check(model, inputs, train_steps=2, tolerance=["sqnr>=40"])
     with pytest.raises(ConfigError, match="--train-steps trains the model itself"):
         amplite.check(model, inputs, train_steps=2, golden="somewhere")
+
+
+def _tiny_gpt2():
+    import transformers
+
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def test_train_gate_uses_the_models_own_loss_on_labelled_batches():
+    from amplite.training.gate import train_check
+
+    model = _tiny_gpt2()
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for i in range(4):
+        ids = torch.randint(0, 64, (2, 12), generator=g)
+        batches.append((f"b{i}", ((), {"input_ids": ids, "labels": ids})))
+    report, reasons = train_check(model, None, batches, steps=8, lr=3e-3, precision="bf16", level="O2")
+    t = report["training"]
+    assert t["loss"] == "the model's own loss", t["loss"]
+    ref = copy.deepcopy(model).train()  # the FP32 curve is the model's language-model loss, and it falls
+    torch.manual_seed(0)  # the gate's seed for step 0 (the same dropout mask)
+    first = ref(**batches[0][1][1]).loss.item()
+    assert t["fp32_losses"][0] == pytest.approx(first, rel=1e-5)
+    assert t["fp32_losses"][-1] < t["fp32_losses"][0]
+    assert not reasons, reasons
+
+
+class _BlowsUpInFp16(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * 1e3  # > 65504 in fp16 once x is large
+
+
+def test_train_gate_checks_every_step_including_the_last_partial_window():
+    from amplite.training.gate import train_check
+
+    torch.manual_seed(0)
+    model = _BlowsUpInFp16()
+    small = torch.randn(8, 4) * 1e-2
+    batches = [(f"b{i}", ((small,), {"target": torch.zeros(8, 4)})) for i in range(40)]
+    batches.append(("last", ((small * 1e5,), {"target": torch.zeros(8, 4)})))  # step 41 of 41 overflows
+    _, reasons = train_check(model, None, batches, steps=41, lr=1e-6, precision="fp16", level="O1")
+    assert any("not finite at 1 of 41 steps (first at step 41)" in r for r in reasons), reasons

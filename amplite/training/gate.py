@@ -81,8 +81,16 @@ def first_float(out: Any) -> torch.Tensor:
     raise InputSpecError("the model returns no floating-point tensor to train on", "return logits or predictions")
 
 
+def own_loss(out: Any) -> torch.Tensor | None:
+    """The loss the model computed itself (``out.loss`` / ``out["loss"]``, as transformers models return)."""
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point() else None
+
+
 def loss_of(out: Any, target: torch.Tensor | None, seed: int) -> tuple[torch.Tensor, str]:
-    """The loss of one step and its name."""
+    """The loss of one step and its name: the model's own loss when it returns one and no target is given."""
+    if target is None and (own := own_loss(out)) is not None:
+        return own.float(), "the model's own loss"
     y = first_float(out).float()
     if target is None:
         g = torch.Generator().manual_seed(seed)
@@ -189,9 +197,12 @@ def train_check(
 
     log_every = max(1, steps // 20)
     logged, worst = [], 0.0
-    for end in range(log_every, steps + 1, log_every):
-        a = sum(amp_curve[end - log_every : end]) / log_every
-        f = sum(fp32_curve[end - log_every : end]) / log_every
+    ends = [*range(log_every, steps + 1, log_every)]
+    if ends[-1] != steps:  # the last steps % log_every steps form a window of their own
+        ends.append(steps)
+    for begin, end in zip([0, *ends[:-1]], ends, strict=True):
+        a = sum(amp_curve[begin:end]) / (end - begin)
+        f = sum(fp32_curve[begin:end]) / (end - begin)
         gap = abs(a - f) / max(abs(f), 1e-12) if math.isfinite(a) else math.inf
         worst = max(worst, gap)
         logged.append({"step": end, "fp32": f, "amplite": _num(a), "gap": _num(gap)})
@@ -202,6 +213,10 @@ def train_check(
             f"train_loss_gap: {len(bad)} of {len(logged)} logged steps beyond {gap_limit} (first at step {bad[0]}, "
             f"max gap {_fmt_gap(worst)})"
         )
+    non_finite = [i for i, v in enumerate(amp_curve) if not math.isfinite(v)]
+    if non_finite:
+        reasons.append(f"the amplite loss is not finite at {len(non_finite)} of {steps} steps (first at step "
+                       f"{non_finite[0] + 1})")  # fmt: skip
     skipped = list(opt.scaler.skipped) if opt.scaler else []
     if skipped and len(skipped) == steps:
         reasons.append(f"every one of the {steps} steps was skipped for non-finite gradients")

@@ -5,16 +5,24 @@ The graph comes from a train-mode ``torch.export`` (training IR: ``aten.dropout(
 ``num_batches_tracked``). The eval graph is the same graph with those flags off and the counter update
 removed, as ``torch.ao``'s ``move_exported_model_to_eval`` did for pt2e graphs; both graphs read the same
 tensor objects, so switching costs nothing and never copies a weight.
+
+A ``TrainingNet`` holds one or more such graph pairs (:class:`~amplite.training.variants.Variant`): a batch
+that no graph accepts as strictly as ``torch.export``'s own program would (another keyword set, a size baked
+into the graph) is traced once more, with the dims whose size changed made dynamic, into a bounded cache;
+every graph reads the same user parameters and the same low-precision copies.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import torch
 import torch.fx
 from torch import nn
+
+from amplite.errors import ConfigError, InputSpecError
 
 _aten = torch.ops.aten
 #: Ops whose last positional argument is ``train`` (a bool): dropout flavours in the training IR.
@@ -74,37 +82,132 @@ def _is_counter(arg: Any) -> bool:
 class TrainingNet(nn.Module):
     """The converted model for training: call it like the original; ``train()``/``eval()`` switch graphs.
 
-    Its parameters are the user's FP32 parameters where a graph reads them in FP32 (all of them at O1:
-    the casts are in the graph) and low-precision copies where the graph reads only a low-precision
-    version (O2/O3); :class:`~amplite.training.optim.MixedPrecisionOptimizer` keeps the copies in step with
-    the masters. Buffers (BatchNorm's running statistics) are the user's own.
+    Its parameters and buffers are the user's model's own (``net.parameters()`` is ``model.parameters()``,
+    so ``clip_grad_norm_(net.parameters())`` and ``DDP(net)`` see every gradient); where a graph wants a
+    weight in low precision it reads a cached cast of the user's parameter whose gradient flows back to
+    that parameter in FP32. ``net.state_dict()`` is the model's FP32 state dict (the same keys);
+    ``net.load_state_dict`` loads one into the model.
 
     Args:
-        train_graph: The rewritten train-mode GraphModule.
-        info: What ``prepare_training`` decided (precision, level, pairs, counters), for reports.
+        model: The user's FP32 model (registered as ``net.model``; the state-dict keys carry no prefix).
+        variant: The first traced graph pair.
+        tracer: ``tracer(inputs, dynamic) -> Variant`` traces another one.
+        info: What ``prepare_training`` decided (precision, level, counters), for reports.
+        max_graphs: At most this many graph pairs (distinct calling conventions or shapes one graph
+            cannot cover); one more is an error.
     """
 
-    def __init__(self, train_graph: torch.fx.GraphModule, info: dict[str, Any]) -> None:
+    def __init__(self, model: nn.Module, variant: Any, tracer: Any, info: dict[str, Any], max_graphs: int = 8):
         super().__init__()
-        self.graph_module = train_graph
-        eval_gm, counters = to_eval_graph(train_graph)
-        # Not a registered submodule: it shares every tensor with ``graph_module`` and must not list them twice.
-        object.__setattr__(self, "_eval_graph", eval_gm)
-        self.info = {**info, "mode_switch": counters}
+        self.model = model
+        object.__setattr__(self, "_variants", [variant])
+        object.__setattr__(self, "_tracer", tracer)
+        self.max_graphs = max_graphs
+        self.info = {**info, **variant.info, "graphs": 1, "retraces": []}
+        self._owners = [
+            (mod, attr, p, p.dtype)
+            for _, mod in model.named_modules(remove_duplicate=False)
+            for attr, p in mod._parameters.items()
+            if p is not None
+        ]
+        self._register_state_dict_hook(_strip_prefix)
+        self._register_load_state_dict_pre_hook(_add_prefix, with_module=True)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the train graph in train mode and the eval graph in eval mode."""
-        graph = self.graph_module if self.training else self._eval_graph
-        return graph(*args, **kwargs)
+        """Run the train graph in train mode and the eval graph in eval mode (of the graph for this batch)."""
+        self._check_model()
+        variant = self._select(args, kwargs)
+        return (variant.train if self.training else variant.eval)(*args, **kwargs)
+
+    def _select(self, args: tuple, kwargs: dict) -> Any:
+        reasons = []
+        for i, variant in enumerate(self._variants):
+            flat = variant.flatten(args, kwargs)
+            if flat is None:
+                continue
+            found = variant.mismatch(flat)
+            if found is None:
+                if i:
+                    self._variants.insert(0, self._variants.pop(i))  # most recently used first
+                return variant
+            kind, why = found
+            if kind == "dtype":  # no graph of another shape fixes it
+                raise InputSpecError(f"{why}", "give the batch the dtype and device of the example inputs "
+                                     "(e.g. ids.long(), x.float(), .to(device)), or call prepare_training with one "
+                                     "like it")  # fmt: skip
+            reasons.append((variant, flat, why))
+        return self._retrace(args, kwargs, reasons)
+
+    def _retrace(self, args: tuple, kwargs: dict, reasons: list) -> Any:
+        if len(self._variants) >= self.max_graphs:
+            why = reasons[0][2] if reasons else "a calling convention no graph was traced with"
+            raise InputSpecError(
+                f"this batch needs a graph of its own ({why}) and the net already holds {self.max_graphs}",
+                "pass dynamic_dims= for the dims that vary (or pad/bucket the batches to fewer shapes), "
+                "or raise max_graphs",
+            )
+        dynamic = set(self._variants[0].dynamic)
+        for variant, flat, _ in reasons:
+            dynamic |= variant.dynamic | variant.differing_dims(flat)
+        new = self._tracer((args, kwargs), frozenset(dynamic))
+        self._variants.insert(0, new)
+        why = reasons[0][2] if reasons else "a new calling convention (inputs or keyword names)"
+        self.info["graphs"] = len(self._variants)
+        self.info["retraces"].append({"reason": why, "dynamic": sorted(f"{k}:{d}" for k, d in new.dynamic)})
+        logging.getLogger("amplite").info("amplite traced graph %d for a new batch: %s", len(self._variants), why)
+        return new
+
+    def _check_model(self) -> None:
+        for mod, attr, p, dtype in self._owners:
+            now = mod._parameters.get(attr)
+            if now is not p or now.dtype != dtype:
+                name = next((n for n, q in self.model.named_parameters() if q is now), attr)
+                raise ConfigError(
+                    f"the model's parameter {name!r} was replaced or changed dtype after prepare_training: the "
+                    "graphs read the parameter objects they were prepared with",
+                    "change parameters in place (model.load_state_dict(sd), p.copy_(...), requires_grad_) or call "
+                    "prepare_training again",
+                )
 
     def train(self, mode: bool = True) -> TrainingNet:
-        """Switch between the train and eval graphs (the graph modules themselves have no mode)."""
+        """Switch between the train and eval graphs (the user's model's own mode is left as it is)."""
         if not isinstance(mode, bool):
             raise ValueError("training mode is expected to be boolean")
         self.training = mode
         return self
 
     @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        """The train-mode GraphModule most recently used."""
+        return self._variants[0].train
+
+    @property
     def eval_graph(self) -> torch.fx.GraphModule:
-        """The eval-mode GraphModule (dropout off, BatchNorm on running statistics)."""
-        return self._eval_graph
+        """The eval-mode GraphModule (dropout off, BatchNorm on running statistics) most recently used."""
+        return self._variants[0].eval
+
+    @property
+    def graphs(self) -> int:
+        """How many graph pairs the net holds (one per calling convention / shape family)."""
+        return len(self._variants)
+
+    def __getstate__(self) -> Any:
+        raise ConfigError(
+            "a TrainingNet holds traced graphs and is not pickled (torch.save(net), copy.deepcopy(net))",
+            "save net.state_dict() (the model's FP32 state dict); load it with net.load_state_dict or "
+            "model.load_state_dict, or save the model itself",
+        )
+
+
+def _strip_prefix(module: nn.Module, state: dict[str, Any], prefix: str, local: Any) -> None:
+    """``net.state_dict()`` keys are the model's own: drop the ``model.`` level."""
+    inner = prefix + "model."
+    for key in [k for k in state if k.startswith(inner)]:
+        state[prefix + key[len(inner) :]] = state.pop(key)
+
+
+def _add_prefix(module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
+    """``net.load_state_dict`` takes the model's keys: put them under ``model.``."""
+    inner = prefix + "model."
+    for key in [k for k in state if k.startswith(prefix) and not k.startswith(inner)]:
+        state[inner + key[len(prefix) :]] = state.pop(key)

@@ -1,15 +1,18 @@
 """The optimizer side of mixed-precision training: FP32 masters, low-precision copies, loss scaling.
 
-:class:`MixedPrecisionOptimizer` wraps the user's optimizer, which keeps stepping the user's FP32
-parameters (the masters). At O2/O3 the net computes with low-precision copies: their gradients are added
-into the masters' FP32 ``.grad`` (after every backward, so accumulation over several backwards happens in
-FP32) and the copies are refreshed from the masters after every step. Under fp16 the loss is scaled
-(:class:`~amplite.training.scaler.LossScaler`); a step with non-finite gradients is skipped.
+:class:`MixedPrecisionOptimizer` is a ``torch.optim.Optimizer`` (schedulers, ``add_param_group``,
+``state_dict`` and closures work) wrapping the user's optimizer, which keeps stepping the user's FP32
+parameters (the masters). Their gradients arrive in FP32 through autograd itself (the low-precision copies
+the graphs read are a differentiable cast of the masters, :mod:`amplite.training.lowcast`), so
+accumulation over several backwards happens in FP32 whichever way backward is called. After every step
+the copies are recast. Under fp16 the loss is scaled (:class:`~amplite.training.scaler.LossScaler`); a step
+with non-finite gradients is skipped.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +20,7 @@ import torch
 from torch import nn
 
 from amplite.errors import AmpliteError
+from amplite.training.lowcast import LowCopies
 from amplite.training.scaler import LossScaler
 
 
@@ -24,45 +28,75 @@ class TrainingError(AmpliteError):
     """The training loop used the optimizer wrapper in an order that cannot be right."""
 
 
-class MixedPrecisionOptimizer:
-    """``opt`` of ``net, opt = amplite.prepare_training(...)``.
+#: Optimizers whose ``step`` needs a closure (which re-runs forward and backward).
+CLOSURE_OPTIMIZERS = (torch.optim.LBFGS,)
+
+
+class MixedPrecisionOptimizer(torch.optim.Optimizer):
+    """``opt`` of ``net, opt = amplite.prepare_training(...)``: a ``torch.optim.Optimizer``.
+
+    ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own (a scheduler changing the
+    learning rate changes it there).
 
     Args:
         optimizer: The user's optimizer (over the model's FP32 parameters).
-        pairs: ``(low copy, FP32 master)`` for every parameter the net holds in low precision.
-        low_dtype: The low-precision dtype.
+        copies: The low-precision copies the net's graphs read.
+        model: The user's model (parameters added later must be its own).
         scaling: Use dynamic loss scaling (fp16).
-        round_masters: Round the masters to ``low_dtype`` after each step (O3: no FP32 masters).
+        round_masters: Round the masters to the low dtype after each step (O3: no FP32 masters).
     """
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        pairs: list[tuple[nn.Parameter, nn.Parameter]],
-        low_dtype: torch.dtype,
+        copies: LowCopies,
+        model: nn.Module,
         *,
         scaling: bool,
         round_masters: bool = False,
-    ) -> None:
+    ) -> None:  # the base __init__ would build param groups of its own: set up its hooks only
         self.optimizer = optimizer
-        self.pairs = pairs
-        self.low_dtype = low_dtype
+        self.copies = copies
+        self.model = model
+        self.low_dtype = copies.dtype
         self.scaler = LossScaler() if scaling else None
         self.round_masters = round_masters
         self.steps = 0  # steps attempted (taken + skipped)
         self._backward_done = False
         self._unscaled: bool | None = None  # found_inf of this step's unscale_, None before it
+        for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
+                      "load_state_dict_post"):  # fmt: skip
+            setattr(self, f"_optimizer_{hooks}_hooks", OrderedDict())
+        self._patch_step_function()
+        self._warned_capturable_if_run_uncaptured = True
 
     # -- the optimizer interface -------------------------------------------------------------------------
-    @property
+    @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
         """The wrapped optimizer's parameter groups (learning rates live here)."""
         return self.optimizer.param_groups
 
-    @property
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
+    @property  # type: ignore[override]
     def state(self) -> Any:
         """The wrapped optimizer's per-parameter state."""
         return self.optimizer.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self.optimizer.state = state
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        """The wrapped optimizer's defaults."""
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
 
     @property
     def loss_scale(self) -> float:
@@ -74,15 +108,25 @@ class MixedPrecisionOptimizer:
         """Every parameter the wrapped optimizer steps (the model's FP32 parameters)."""
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
+    @property
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(low copy, FP32 master)`` for every parameter a graph read in low precision so far."""
+        return [(low, m) for low, m in self.copies.pairs() if isinstance(m, nn.Parameter)]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the wrapped optimizer; its parameters must be FP32 parameters of the model."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        _check_params(self.model, [{"params": params}], first_group=len(self.optimizer.param_groups))
+        self.optimizer.add_param_group({**param_group, "params": params})
+
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward of ``loss`` (times the loss scale under fp16); gradients end up in the FP32 masters."""
         (loss * self.scaler.scale if self.scaler else loss).backward(**kwargs)
         self._backward_done = True
-        self._collect()
 
     def unscale_(self) -> None:
         """Divide the masters' gradients by the loss scale now (before clipping them). Once per step."""
-        self._collect()
         if self.scaler is None:
             self._unscaled = False
             return
@@ -91,8 +135,12 @@ class MixedPrecisionOptimizer:
         self._require_backward("opt.unscale_()")
         self._unscaled = self.scaler.unscale(p.grad for p in self.masters)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> bool:
-        """Unscale, skip on inf/NaN (lowering the scale), step the masters, refresh the low copies.
+    def step(self, closure: Callable[[], Any] | None = None) -> bool:  # type: ignore[override]
+        """Unscale, skip on inf/NaN (lowering the scale), step the masters, recast the low copies.
+
+        Args:
+            closure: For optimizers that re-evaluate the loss (LBFGS): runs ``net`` forward and
+                ``loss.backward()`` and returns the loss (bf16 only: a closure cannot be loss-scaled).
 
         Returns:
             Whether the step was taken (False: skipped for non-finite gradients).
@@ -100,10 +148,9 @@ class MixedPrecisionOptimizer:
         Raises:
             TrainingError: Under fp16 scaling, when no ``opt.backward(loss)`` preceded the step.
         """
-        if closure is not None:
-            raise TrainingError("opt.step(closure) is not supported", "compute the loss and call opt.backward(loss)")
-        self._collect()
         found_inf = False
+        if closure is not None and self.scaler is not None:
+            raise TrainingError("opt.step(closure) under fp16 loss scaling", "use bf16 with a closure optimizer")
         if self.scaler is not None:
             self._require_backward("opt.step()")
             found_inf = self._unscaled if self._unscaled is not None else self.scaler.unscale(
@@ -111,7 +158,10 @@ class MixedPrecisionOptimizer:
             )
             self.scaler.update(found_inf)
         if not found_inf:
-            self.optimizer.step()
+            if closure is None:
+                self.optimizer.step()
+            else:
+                self.optimizer.step(closure)
             self.refresh()
         self.steps += 1
         self._backward_done = False
@@ -119,28 +169,22 @@ class MixedPrecisionOptimizer:
         return not found_inf
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the masters' and the low copies' gradients."""
+        """Clear the masters' gradients."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        for low, _ in self.pairs:
-            low.grad = None
 
-    @torch.no_grad()
     def refresh(self) -> None:
-        """Copy the masters into the low copies (rounding); at O3 round the masters too."""
-        for low, master in self.pairs:
-            if self.round_masters:
-                master.copy_(master.to(self.low_dtype))
-            low.copy_(master)
+        """Recast the low copies from the masters; at O3 round the masters first."""
+        self.copies.refresh(round_masters=self.round_masters)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The wrapped optimizer's state plus the loss-scaler state."""
         return {
             "optimizer": self.optimizer.state_dict(),
             "amplite": {"scaler": self.scaler.state_dict() if self.scaler else None, "steps": self.steps},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output and refresh the low copies from the (reloaded) masters."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore :meth:`state_dict`'s output and recast the low copies from the (reloaded) masters."""
         if "optimizer" not in state or "amplite" not in state:
             raise AmpliteError(
                 "this optimizer state was not saved by amplite's optimizer wrapper",
@@ -151,22 +195,9 @@ class MixedPrecisionOptimizer:
         if self.scaler is not None and scaler is not None:
             self.scaler.load_state_dict(scaler)
         self.steps = int(state["amplite"].get("steps", 0))
-        self.refresh()
+        self.copies.refresh()
 
     # -- internals -----------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _collect(self) -> None:
-        """Add the low copies' gradients into the masters' FP32 gradients and clear them."""
-        for low, master in self.pairs:
-            if low.grad is None:
-                continue
-            g = low.grad.to(torch.float32)
-            if master.grad is None:
-                master.grad = g
-            else:
-                master.grad.add_(g)
-            low.grad = None
-
     def _require_backward(self, what: str) -> None:
         if not self._backward_done:
             raise TrainingError(
@@ -175,24 +206,43 @@ class MixedPrecisionOptimizer:
                 "call opt.backward(loss) instead of loss.backward()",
             )
 
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
     def __repr__(self) -> str:
         scale = f", loss_scale={self.scaler.scale:g}" if self.scaler else ""
-        return f"MixedPrecisionOptimizer({type(self.optimizer).__name__}, low_copies={len(self.pairs)}{scale})"
+        return f"MixedPrecisionOptimizer({type(self.optimizer).__name__}, low_copies={len(self.copies._copies)}{scale})"
 
 
-def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, *, scaling: bool = False) -> None:
     """The optimizer must step FP32 parameters of ``model`` (they are the masters).
 
     Raises:
-        AmpliteError: A parameter that is not the model's, or one that is not FP32.
+        AmpliteError: A parameter that is not the model's, one that is not FP32, or a closure optimizer
+            under fp16 loss scaling.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise AmpliteError(
             f"optimizer is a {type(optimizer).__name__}, not a torch.optim.Optimizer",
             "pass the optimizer built over model.parameters()",
         )
+    if isinstance(optimizer, MixedPrecisionOptimizer):
+        raise AmpliteError("the optimizer is already amplite's", "pass the optimizer you built (opt.optimizer)")
+    if scaling and isinstance(optimizer, CLOSURE_OPTIMIZERS):
+        raise AmpliteError(
+            f"{type(optimizer).__name__} re-evaluates the loss in a closure, which fp16 loss scaling cannot check "
+            "for overflow",
+            "train with precision='bf16' (closures work there), or use a closure-free optimizer",
+        )
+    _check_params(model, optimizer.param_groups)
+
+
+def _check_params(model: nn.Module, groups: list[dict[str, Any]], first_group: int = 0) -> None:
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    for gi, group in enumerate(optimizer.param_groups):
+    for gi, group in enumerate(groups, start=first_group):
         for pi, p in enumerate(group["params"]):
             if id(p) not in names:
                 raise AmpliteError(

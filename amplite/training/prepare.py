@@ -1,44 +1,32 @@
-"""``amplite.prepare_training``: a train-mode export, amplite's precision plan, masters and copies.
+"""``amplite.prepare_training``: a train-mode export, amplite's precision plan, the user's tensors.
 
 Steps: export the model in train mode (dropout live, BatchNorm on batch statistics, running statistics
 updated in place), run amplite's passes with BatchNorm unfolded and kept FP32 (its running statistics
-must stay the user's FP32 buffers), then give the graph the user's own parameters and buffers wherever
-it reads them in FP32 and pair each low-precision copy with the user's parameter it came from.
+must stay the user's FP32 buffers), then make the graph read the user's own parameters and buffers, through
+a cached low-precision cast where it wants them low (:mod:`amplite.training.lowcast`). Batches another
+graph must serve (shapes, keyword sets) are traced on first sight (:mod:`amplite.training.variants`).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from amplite.converter.graph_stats import graph_stats, weight_bytes
-from amplite.converter.inputs import bind_inputs, normalize_inputs
-from amplite.converter.pipeline import rewrite
-from amplite.converter.tracing import export_model
+from amplite.converter.inputs import normalize_inputs
 from amplite.errors import ConfigError, InputSpecError
 from amplite.policy import Level, Override, PrecisionPolicy, make_overrides, resolve_level
+from amplite.training.lowcast import LowCopies
 from amplite.training.net import TrainingNet
 from amplite.training.optim import MixedPrecisionOptimizer, check_optimizer, warn_o3
+from amplite.training.variants import initial_dynamic, trace_variant
 
 #: Training keeps BatchNorm in FP32 at every level: its running statistics are the user's FP32 buffers,
 #: updated in place by the op, and a cast would send the update to a temporary copy.
 BATCHNORM_FP32 = Override("keep_fp32", "op:batch_norm*")
-
-
-@contextlib.contextmanager
-def train_mode(model: nn.Module) -> Iterator[None]:
-    """Put ``model`` (every submodule) in train mode and restore each one's mode afterwards."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.train()
-    try:
-        yield
-    finally:
-        for m, mode in modes:
-            m.training = mode
 
 
 def prepare_training(
@@ -51,6 +39,8 @@ def prepare_training(
     keep_fp32: tuple[str, ...] | list[str] = (),
     force_low: tuple[str, ...] | list[str] = (),
     dynamic_batch: bool = True,
+    dynamic_dims: Mapping[str, Sequence[int]] | None = None,
+    max_graphs: int = 8,
 ) -> tuple[TrainingNet, MixedPrecisionOptimizer]:
     """Prepare ``model`` for mixed-precision training with ``optimizer``.
 
@@ -60,94 +50,54 @@ def prepare_training(
         optimizer: The user's optimizer over ``model``'s parameters.
         example_inputs: One batch of inputs (a tensor, a tuple of args, or ``(args, kwargs)``).
         precision: ``bf16`` (plain backward) or ``fp16`` (dynamic loss scaling).
-        level: ``O1`` (compute from the masters, casts in the graph), ``O2`` (low-precision weight copies),
-            ``O3`` (everything low, no FP32 masters), ``O0`` (FP32); None reads ``AMPLITE_LEVEL``, else O1.
+        level: ``O1`` (compute from the masters, casts in the graph), ``O2`` (cached low-precision casts of
+            the masters), ``O3`` (everything low, masters rounded), ``O0`` (FP32); None reads
+            ``AMPLITE_LEVEL``, else O1.
         keep_fp32: Extra keep-FP32 patterns (as for ``amplite.convert``).
         force_low: Extra force-low patterns.
-        dynamic_batch: Trace with a dynamic batch dimension (a smaller last batch still runs).
+        dynamic_batch: Trace with a dynamic batch dimension (a smaller last batch runs the same graph).
+        dynamic_dims: Also trace these dims dynamic, by input name (``{"input_ids": [1]}``). Dims not
+            declared are discovered: a batch with another size there is traced once more with them dynamic.
+        max_graphs: At most this many traced graphs (calling conventions or shapes one graph cannot cover).
 
     Returns:
-        ``(net, opt)``: the trainable converted module and the optimizer wrapper.
+        ``(net, opt)``: the trainable converted module and the optimizer (a ``torch.optim.Optimizer``).
 
     Raises:
         AmpliteError: An untraceable train-mode forward (naming the op and source line), an optimizer
-            over parameters that are not the model's, or a bad option.
+            over parameters that are not the model's, gradient checkpointing, or a bad option.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"prepare_training needs an nn.Module, got {type(model).__name__}", "pass the FP32 model")
-    check_optimizer(model, optimizer)
+    if precision not in ("bf16", "fp16"):
+        raise ConfigError(f"precision {precision!r} is not one amplite trains with", "pass 'bf16' or 'fp16'")
+    if max_graphs < 1:
+        raise ConfigError(f"max_graphs={max_graphs} must be at least 1", "pass a positive number of graphs")
     lvl = resolve_level(level)
+    scaling = precision == "fp16" and lvl is not Level.O0
+    check_optimizer(model, optimizer, scaling=scaling)
     policy = PrecisionPolicy(precision, lvl, (BATCHNORM_FP32, *make_overrides(keep_fp32, force_low)))
     inputs = normalize_inputs(example_inputs)
     if inputs is None:
         raise InputSpecError("no example inputs: the model needs a batch to be traced", "pass one batch of inputs")
-    bind_inputs(model, inputs)
-    with train_mode(model):
-        program = export_model(model, inputs, dynamic_batch=dynamic_batch, what="the model in train mode")
-    if lvl is Level.O0:
-        from amplite.converter.pipeline import strip_export_checks
-
-        gm, records, plan = program.module(), [], []
-        strip_export_checks(gm)
-    else:
-        done = rewrite(program, inputs, policy, fold_batchnorm=False)
-        gm, records, plan = done.module, done.records, done.plan
-    pairs = attach_user_tensors(gm, model)
+    copies = LowCopies(policy.low_dtype)
+    tracer = functools.partial(_trace, model, policy, lvl, copies)
+    first = tracer(inputs, initial_dynamic(inputs, model, dynamic_batch, dict(dynamic_dims or {})))
     if lvl is Level.O3:
         warn_o3()
     info = {
         "precision": precision,
         "level": lvl.value,
-        "low_copies": len(pairs),
         "masters": "none (rounded to the low dtype after each step)" if lvl is Level.O3 else "fp32",
-        "records": records,
-        "plan": plan,
-        # facts of the FP32 program for reports; the program itself is not kept (its graph holds memory)
-        "graph_before": graph_stats(program.graph, policy.low_dtype),
-        "weight_bytes_before": weight_bytes(program),
     }
-    net = TrainingNet(gm, info)
+    net = TrainingNet(model, first, tracer, info, max_graphs=max_graphs)
     net.train(model.training)
-    opt = MixedPrecisionOptimizer(
-        optimizer, pairs, policy.low_dtype, scaling=precision == "fp16" and lvl is not Level.O0,
-        round_masters=lvl is Level.O3,
-    )  # fmt: skip
+    opt = MixedPrecisionOptimizer(optimizer, copies, model, scaling=scaling, round_masters=lvl is Level.O3)
     return net, opt
 
 
-def attach_user_tensors(gm: torch.fx.GraphModule, model: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter]]:
-    """Make ``gm`` hold the user's tensors where it reads them unchanged; pair the low copies with masters.
-
-    Export already hands the graph the user's parameter objects and buffers sharing their storage; this
-    makes that a guarantee (by name) rather than an accident, and finds each copy the
-    ``store_low_params`` pass made (tied weights share one copy, hence one pair).
-
-    Returns:
-        ``(low copy, master)`` per low-precision parameter.
-    """
-    user_params = dict(model.named_parameters(remove_duplicate=False))
-    user_buffers = dict(model.named_buffers(remove_duplicate=False))
-    pairs: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
-    for name, p in list(gm.named_parameters(remove_duplicate=False)):
-        master = user_params.get(name)
-        if master is None:
-            continue
-        owner, attr = _owner(gm, name)
-        if p.dtype == master.dtype:
-            owner._parameters[attr] = master
-        else:
-            pairs.setdefault(id(p), (p, master))
-    for name, b in list(gm.named_buffers(remove_duplicate=False)):
-        mine = user_buffers.get(name)
-        if mine is not None and b.dtype == mine.dtype and b is not mine:
-            owner, attr = _owner(gm, name)
-            owner._buffers[attr] = mine
-    return list(pairs.values())
-
-
-def _owner(gm: nn.Module, name: str) -> tuple[nn.Module, str]:
-    path, _, attr = name.rpartition(".")
-    return (gm.get_submodule(path) if path else gm), attr
+def _trace(model: nn.Module, policy: PrecisionPolicy, level: Level, copies: LowCopies, inputs: Any, dynamic: Any):
+    return trace_variant(model, inputs, policy, level, dynamic, copies)
 
 
 __all__ = ["MixedPrecisionOptimizer", "TrainingNet", "prepare_training"]

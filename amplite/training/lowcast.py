@@ -1,0 +1,132 @@
+"""Low-precision copies that are a differentiable, cached function of the user's FP32 tensors.
+
+At O2/O3 amplite's graph reads some weights only in low precision. Instead of holding separate
+low-precision leaf parameters (which DDP, ``clip_grad_norm_``, ``requires_grad_`` and
+``model.load_state_dict`` never see), every graph reads the user's own parameter and passes it through
+:class:`LowCopies` (a ``call_module`` node): the copy is cast once and reused until the parameter
+changes (its version counter, storage or shape), and its gradient flows back into the parameter's FP32
+``.grad`` through autograd itself. So:
+
+- gradients of several backwards accumulate in FP32 in ``param.grad`` (plain ``loss.backward()`` too);
+- DDP's gradient hooks and its initial broadcast act on the parameters the graph actually depends on;
+- ``requires_grad_(False)`` freezes a parameter (no gradient reaches it), unfreezing brings them back;
+- an in-place change of a parameter (``model.load_state_dict``, an optimizer step, DDP's broadcast)
+  makes the next forward recast it: no graph ever runs on a stale copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class _Cast(torch.autograd.Function):
+    """``master -> low`` with a cached forward; the backward is the cast of the gradient to FP32."""
+
+    @staticmethod
+    def forward(ctx: Any, master: torch.Tensor, low: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.dtype = master.dtype
+        return low.detach()  # a new alias: autograd gives it its own grad_fn, the cached tensor stays plain
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad.to(ctx.dtype), None
+
+
+class LowCopies(nn.Module):
+    """The cache of low-precision copies shared by every graph of one ``TrainingNet``.
+
+    Args:
+        dtype: The low-precision dtype.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        # id(master) -> (master, low copy, the master's state the copy was made from)
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[int, int, torch.Size]]] = {}
+
+    @staticmethod
+    def _stamp(t: torch.Tensor) -> tuple[int, int, torch.Size]:
+        return (t._version, t.data_ptr(), t.shape)
+
+    def low_of(self, master: torch.Tensor) -> torch.Tensor:
+        """The current low-precision copy of ``master`` (cast now if it changed since the last cast)."""
+        entry = self._copies.get(id(master))
+        stamp = self._stamp(master)
+        if entry is None or entry[0] is not master or entry[2] != stamp:
+            with torch.no_grad():
+                low = master.detach().to(self.dtype)
+            self._copies[id(master)] = (master, low, stamp)
+            return low
+        return entry[1]
+
+    def forward(self, master: torch.Tensor) -> torch.Tensor:
+        """The low copy of ``master``, differentiable back to ``master`` (FP32 gradient)."""
+        low = self.low_of(master)
+        if master.requires_grad and torch.is_grad_enabled():
+            return _Cast.apply(master, low)
+        return low
+
+    @torch.no_grad()
+    def refresh(self, round_masters: bool = False) -> None:
+        """Recast every copy from its master now (in place); with ``round_masters`` round the masters first."""
+        for key, (master, low, _) in list(self._copies.items()):
+            if round_masters:
+                master.copy_(master.to(self.dtype))
+            if low.shape == master.shape and low.device == master.device:
+                low.copy_(master)
+            else:
+                low = master.detach().to(self.dtype)
+            self._copies[key] = (master, low, self._stamp(master))
+
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(low copy, master)`` for every tensor the graphs read in low precision (cast if stale)."""
+        return [(self.low_of(master), master) for master, _, _ in list(self._copies.values())]
+
+    def __repr__(self) -> str:
+        return f"LowCopies({str(self.dtype).removeprefix('torch.')}, {len(self._copies)} tensors)"
+
+
+def read_user_tensors(gm: torch.fx.GraphModule, model: nn.Module, copies: LowCopies) -> int:
+    """Make ``gm`` read the user's parameters and buffers, through ``copies`` where it wants them low.
+
+    Export hands the graph the user's parameter objects (buffers share their storage); amplite's
+    ``store_low_params`` pass replaced those read only in low precision by new low-precision tensors.
+    Afterwards every parameter/buffer attribute of ``gm`` that has a user tensor of the same name *is*
+    that tensor, and every read of one that was stored low goes through ``copies``.
+
+    Returns:
+        How many distinct user tensors the graph reads in low precision.
+    """
+    user = dict(model.named_parameters(remove_duplicate=False))
+    user.update(model.named_buffers(remove_duplicate=False))
+    low_names: set[str] = set()
+    for store in ("_parameters", "_buffers"):
+        for mod_name, mod in list(gm.named_modules(remove_duplicate=False)):
+            for attr, t in list(getattr(mod, store).items()):
+                name = f"{mod_name}.{attr}" if mod_name else attr
+                mine = user.get(name)
+                if mine is None or t is None or t is mine:
+                    continue
+                if t.dtype != mine.dtype:
+                    low_names.add(name)
+                del getattr(mod, store)[attr]
+                (mod._parameters if isinstance(mine, nn.Parameter) else mod._buffers)[attr] = mine
+    for n in low_names:
+        copies.low_of(user[n])  # cast now: the copies exist from the start, as the FP32 masters do
+    if not low_names:
+        return 0
+    if not hasattr(gm, "amplite_low_copies"):
+        gm.add_module("amplite_low_copies", copies)
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and node.target in low_names:
+            with graph.inserting_after(node):
+                cast = graph.call_module("amplite_low_copies", (node,))
+            node.replace_all_uses_with(cast, delete_user_cb=lambda user_node, c=cast: user_node is not c)
+    graph.lint()
+    gm.recompile()
+    return len({id(user[n]) for n in low_names})

@@ -1,0 +1,274 @@
+"""One traced graph of a ``TrainingNet`` (a *variant*), the inputs it accepts, and how to trace another.
+
+A variant is a train-mode export of the user's model for one calling convention (positional inputs,
+keyword names, nesting) and a set of dynamic dimensions, rewritten by amplite's passes, plus its eval twin.
+It accepts exactly what ``torch.export``'s own program accepts: the same input structure, the same dtypes
+and devices, and every dimension equal to the traced size unless it is dynamic and inside the range export
+derived (relations between dims included: torch's own check does the unification). Nothing runs on a size
+that was baked into the graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import io
+import logging
+import types
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch.export import Dim
+from torch.export._tree_utils import reorder_kwargs
+from torch.utils import _pytree as pytree
+
+from amplite.converter.graph_stats import graph_stats, weight_bytes
+from amplite.converter.inputs import bind_inputs
+from amplite.converter.pipeline import rewrite, strip_export_checks
+from amplite.converter.tracing import summarize_exception
+from amplite.errors import ConfigError, ExportError
+from amplite.policy import Level, PrecisionPolicy
+from amplite.training.lowcast import LowCopies, read_user_tensors
+
+Inputs = tuple[tuple[Any, ...], dict[str, Any]]
+#: (input path as ``pytree.keystr`` of ``(args, kwargs)``, dim) pairs traced dynamic.
+DynamicSet = frozenset[tuple[str, int]]
+
+
+@dataclass
+class Variant:
+    """A traced graph and what it accepts."""
+
+    train: torch.fx.GraphModule
+    eval: torch.fx.GraphModule
+    in_spec: pytree.TreeSpec
+    placeholders: list[Any]  # objects with ``.meta["val"]`` per user input, in the program's order
+    range_constraints: dict[Any, Any]
+    dynamic: DynamicSet  # what was asked to be dynamic
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def flatten(self, args: tuple, kwargs: dict) -> list[tuple[Any, Any]] | None:
+        """The inputs flattened in the program's order, or None when their structure differs."""
+        try:
+            kwargs = reorder_kwargs(kwargs, self.in_spec) if kwargs else kwargs
+        except (ValueError, KeyError, TypeError, AssertionError):
+            return None
+        flat, spec = pytree.tree_flatten_with_path((args, kwargs))
+        return flat if spec == self.in_spec else None
+
+    def mismatch(self, flat: list[tuple[Any, Any]]) -> tuple[str, str] | None:
+        """``(kind, why)`` ``flat`` (from :meth:`flatten`) does not fit this graph (kind ``dtype`` or
+        ``shape``); None when it fits."""
+        for (path, arg), holder in zip(flat, self.placeholders, strict=True):
+            val = holder.meta.get("val")
+            if (isinstance(val, torch.Tensor) and isinstance(arg, torch.Tensor)
+                    and (arg.dtype != val.dtype or arg.device != val.device)):  # fmt: skip
+                return "dtype", (
+                    f"input {pytree.keystr(path)} is {_dt(arg.dtype)} on {arg.device}; the graph was traced "
+                    f"with {_dt(val.dtype)} on {val.device}"
+                )
+        try:
+            torch._export.utils._check_input_constraints_for_graph(self.placeholders, flat, self.range_constraints)
+        except (RuntimeError, AssertionError, TypeError) as exc:
+            return "shape", str(exc).splitlines()[0]
+        return None
+
+    def differing_dims(self, flat: list[tuple[Any, Any]]) -> set[tuple[str, int]]:
+        """Dims of ``flat`` whose size differs from a size this graph has baked in."""
+        found = set()
+        for (path, arg), holder in zip(flat, self.placeholders, strict=True):
+            val = holder.meta.get("val")
+            if isinstance(val, torch.Tensor) and isinstance(arg, torch.Tensor) and arg.dim() == val.dim():
+                for d, (a, v) in enumerate(zip(arg.shape, val.shape, strict=True)):
+                    if isinstance(v, int) and a != v:
+                        found.add((pytree.keystr(path), d))
+        return found
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def initial_dynamic(inputs: Inputs, model: nn.Module, batch: bool, dims: dict[str, list[int]]) -> DynamicSet:
+    """The dims asked to be dynamic: dim 0 of every tensor with ``batch``, plus named inputs' ``dims``."""
+    args, kwargs = inputs
+    chosen: set[tuple[str, int]] = set()
+    names: dict[str, str] = {}
+    try:  # positional inputs can be named too: map forward()'s parameter names onto input paths
+        params = list(inspect.signature(model.forward).parameters)
+        names = {p: pytree.keystr((pytree.SequenceKey(0), pytree.SequenceKey(i)))
+                 for i, p in enumerate(params[: len(args)])}  # fmt: skip
+    except (TypeError, ValueError):
+        pass
+    names.update({k: pytree.keystr((pytree.SequenceKey(1), pytree.MappingKey(k))) for k in kwargs})
+    for name in dims:
+        if name not in names:
+            raise ConfigError(f"dynamic_dims names {name!r}, which is not an input of this batch",
+                              f"name one of: {', '.join(names) or 'none'}")  # fmt: skip
+    flat, _ = pytree.tree_flatten_with_path((args, kwargs))
+    for path, leaf in flat:
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+            continue
+        key = pytree.keystr(path)
+        if batch:
+            chosen.add((key, 0))
+        for name, wanted in dims.items():
+            if key.startswith(names[name]):
+                chosen |= {(key, d % leaf.dim()) for d in wanted}
+    return frozenset(chosen)
+
+
+def _dynamic_shapes(model: nn.Module, inputs: Inputs, dynamic: DynamicSet) -> Any:
+    """``dynamic_shapes`` for ``torch.export`` (``Dim.AUTO`` on every chosen dim), by forward()'s names."""
+    args, kwargs = inputs
+    by_path: dict[str, set[int]] = {}
+    for key, d in dynamic:
+        by_path.setdefault(key, set()).add(d)
+
+    def spec(path: Any, leaf: Any) -> Any:
+        dims = by_path.get(pytree.keystr(path)) if isinstance(leaf, torch.Tensor) else None
+        return {d: Dim.AUTO for d in sorted(dims)} if dims else None
+
+    specs_args, specs_kwargs = pytree.tree_map_with_path(spec, (args, kwargs))
+    try:
+        return dict(inspect.signature(model.forward).bind(*specs_args, **specs_kwargs).arguments)
+    except (TypeError, ValueError):
+        return (*specs_args, *specs_kwargs.values())
+
+
+@contextlib.contextmanager
+def tracing_context(model: nn.Module) -> Iterator[dict[str, bool]]:
+    """Train mode, grad on, the class's own ``forward``, no KV cache; report gradient checkpointing.
+
+    Yields:
+        ``{"checkpoint": bool}``, set when the forward called ``torch.utils.checkpoint``.
+    """
+    import torch.utils.checkpoint as ckpt
+
+    seen = {"checkpoint": False}
+    real_fn, real_gen = ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator
+
+    class _Spy:
+        @staticmethod
+        def apply(*args: Any) -> Any:
+            seen["checkpoint"] = True
+            return real_fn.apply(*args)
+
+    def spy_gen(*args: Any, **kwargs: Any) -> Any:
+        seen["checkpoint"] = True
+        return real_gen(*args, **kwargs)
+
+    modes = [(m, m.training) for m in model.modules()]
+    patched = model.__dict__.pop("forward", None)  # an integration's patched forward: trace the real one
+    config = getattr(model, "config", None)
+    cache = getattr(config, "use_cache", None)
+    try:
+        model.train()
+        if cache is True:
+            config.use_cache = False
+        ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = _Spy, spy_gen  # type: ignore[misc]
+        with torch.inference_mode(False), torch.enable_grad():
+            yield seen
+    finally:
+        ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = real_fn, real_gen  # type: ignore[misc]
+        if cache is True:
+            config.use_cache = True
+        if patched is not None:
+            model.forward = patched
+        for m, mode in modes:
+            m.training = mode
+    if cache is True:
+        warnings.warn(
+            "amplite traces the model for training with use_cache=False (config.use_cache is True): a KV cache "
+            "is for generation, training keeps none; the model's config is unchanged",
+            stacklevel=4,
+        )
+
+
+def _gradient_checkpointing(model: nn.Module, seen: bool) -> None:
+    if seen or getattr(model, "is_gradient_checkpointing", False):
+        raise ConfigError(
+            "the model uses gradient checkpointing (torch.utils.checkpoint): amplite's traced graph would keep "
+            "every activation instead of recomputing it, silently using the memory checkpointing saves",
+            "turn it off for amplite (model.gradient_checkpointing_disable(), or call the blocks directly), "
+            "or train that model with torch.autocast",
+        )
+
+
+_QUIET = ("torch.export", "torch._export", "torch._dynamo", "torch.fx.experimental.symbolic_shapes",
+          "torch._subclasses")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[io.StringIO]:
+    """torch.export's stderr output and log records are kept for ``--debug``, not printed before our error."""
+    chatter = io.StringIO()
+    loggers = [logging.getLogger(n) for n in _QUIET]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(chatter):
+            yield chatter
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+        if chatter.getvalue():
+            logging.getLogger("amplite").debug("torch.export output:\n%s", chatter.getvalue())
+
+
+def _export(model: nn.Module, inputs: Inputs, shapes: Any) -> torch.export.ExportedProgram:
+    args, kwargs = copy.deepcopy(inputs)  # tracing may mutate stateful inputs (caches); keep the caller's intact
+    try:
+        with _quiet():
+            return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+    except Exception as exc:
+        raise ExportError(
+            f"torch.export could not trace the model in train mode: {summarize_exception(exc)}",
+            "make that line traceable (no data-dependent Python control flow: use torch.cond or "
+            "tensor ops; no unsupported Python objects), or run with --debug for the full trace",
+        ) from exc
+
+
+def trace_variant(
+    model: nn.Module, inputs: Inputs, policy: PrecisionPolicy, level: Level, dynamic: DynamicSet, copies: LowCopies
+) -> Variant:
+    """Export ``model`` in train mode on ``inputs``, run amplite's passes, read the user's tensors.
+
+    Raises:
+        AmpliteError: Inputs that do not fit ``forward``, an untraceable forward, gradient checkpointing.
+    """
+    from amplite.training.net import to_eval_graph
+
+    bind_inputs(model, inputs)
+    with tracing_context(model) as seen:
+        shapes = _dynamic_shapes(model, inputs, dynamic) if dynamic else None
+        program = _export(model, inputs, shapes)
+        _gradient_checkpointing(model, seen["checkpoint"])
+    user_inputs = {s.arg.name for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"}
+    holders = [types.SimpleNamespace(meta={"val": n.meta.get("val")})
+               for n in program.graph.nodes if n.op == "placeholder" and n.name in user_inputs]  # fmt: skip
+    if level is Level.O0:
+        gm, records, plan = program.module(), [], []
+        strip_export_checks(gm)
+    else:
+        done = rewrite(program, inputs, policy, fold_batchnorm=False)
+        gm, records, plan = done.module, done.records, done.plan
+    low = read_user_tensors(gm, model, copies)
+    eval_gm, counters = to_eval_graph(gm)
+    info = {
+        "low_copies": low,
+        "records": records,
+        "plan": plan,
+        "mode_switch": counters,
+        # facts of the FP32 program for reports; the program itself is not kept (its graph holds memory)
+        "graph_before": graph_stats(program.graph, policy.low_dtype),
+        "weight_bytes_before": weight_bytes(program),
+    }
+    return Variant(gm, eval_gm, program.call_spec.in_spec, holders, dict(program.range_constraints), dynamic, info)
