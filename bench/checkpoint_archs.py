@@ -13,6 +13,7 @@ output is loaded back with ``from_pretrained`` and compared with the FP32 source
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -144,7 +145,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             dts = "/".join(fp["dtypes"])
             fp_text = f"loads, {fp['sqnr_db']} dB, {dts}" if fp["loads"] else f"missing {fp['missing']}"
         else:
-            fp_text = r.get("error", "").replace("|", "/")
+            fp_text = "refused: " + r.get("error", "").split(";")[0].replace("|", "/")
         sqnr = r.get("sqnr_db", "–")
         lines.append(f"| {r['arch']} | {r['family']} | {r['precision']} {r['level']} | {r['exit']} | {sqnr} | "
                      f"{r.get('ratio', '–')} | {fp_text} |")  # fmt: skip
@@ -159,7 +160,12 @@ def main(names: list[str]) -> int:
             for precision, level in CONFIGS:
                 rows.append(run_one(name, precision, level, Path(tmp)))
                 print(json.dumps(rows[-1]), flush=True)
-    text = table(rows)
+    import torch as _torch
+    import transformers as _tf
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    text = (f"From the run of {time.strftime('%Y-%m-%d')} at commit `{commit.strip()}` (torch {_torch.__version__}, "
+            f"transformers {_tf.__version__}), CPU.\n\n" + table(rows))
     print(text)
     if not names:
         (ROOT / "bench" / "results-checkpoint-archs.json").write_text(json.dumps(rows, indent=1) + "\n")

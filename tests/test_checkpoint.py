@@ -348,3 +348,27 @@ def test_check_dir_gates_on_the_streamed_conversion(ckpt: Path, tmp_path: Path) 
     assert not list(ckpt.parent.glob(".amplite-check.*"))
     with pytest.raises(AmpliteError, match="--golden do not apply"):
         check(ckpt, golden=tmp_path / "g")
+
+
+def test_verification_reports_progress(ckpt: Path, tmp_path: Path) -> None:
+    from amplite.save import convert_to_files
+
+    seen: list[tuple[str, int, int]] = []
+    convert_to_files(ckpt, output=tmp_path / "o", progress=lambda *a: seen.append(a))
+    verifying = [(d, t) for s, d, t in seen if s == "verifying"]
+    assert len(verifying) > 10 and verifying[-1][0] == verifying[-1][1] > 0
+    assert [d for d, _ in verifying] == sorted(d for d, _ in verifying)
+
+
+def test_a_converted_directory_is_read_by_every_command_that_takes_a_directory(ckpt: Path, tmp_path: Path) -> None:
+    """The safetensors output is itself a checkpoint directory: inspect, check and convert accept it."""
+    from amplite.gate import check
+    from amplite.save import convert_to_files
+
+    convert_to_files(ckpt, output=tmp_path / "bf16", precision="bf16", verify=False)
+    planned = amplite.convert(tmp_path / "bf16", precision="bf16")  # what `amplite inspect DIR` runs
+    assert isinstance(planned, StreamedConversion) and planned.data["plan"]
+    assert check(tmp_path / "bf16", precision="bf16").exit_code == 0
+    again = convert_to_files(tmp_path / "bf16", output=tmp_path / "again", precision="bf16")
+    assert again.exit_code == 0 and again.result.data["weights"]["ratio"] == 1.0  # already bf16: nothing to halve
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["dtype"] == "bfloat16"

@@ -173,3 +173,16 @@ def test_symlinked_config_is_refused(ckpt: Path, tmp_path: Path) -> None:
     shutil.move(ckpt / "config.json", real)
     os.symlink(real, ckpt / "config.json")
     _refused(ckpt, tmp_path / "out", "symlink")
+
+
+def test_count_bound_reads_only_count_keys(ckpt: Path, tmp_path: Path) -> None:
+    """A size that is not a module count (block_size, num_experts_per_tok) is not refused for exceeding the
+    shards' module numbers; an expert count is."""
+    from amplite.checkpoint.model import check_config
+    from amplite.checkpoint.source import open_checkpoint
+
+    _cfg(ckpt, block_size=4096, num_experts_per_tok=1000, max_window_layers=28)
+    check_config(open_checkpoint(ckpt))
+    _cfg(ckpt, num_local_experts=100000)
+    with pytest.raises(AmpliteError, match="num_local_experts is 100000"):
+        check_config(open_checkpoint(ckpt))

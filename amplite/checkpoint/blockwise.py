@@ -123,6 +123,7 @@ def verify_blockwise(
     tolerance: Tolerance,
     *,
     max_memory: float | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Run both programs streaming their weights and compare per block and at the outputs.
 
@@ -132,6 +133,7 @@ def verify_blockwise(
         load_reference, load_converted: Weight name -> tensor, read from disk on demand.
         tolerance: Thresholds for the final outputs.
         max_memory: Refuse (ConfigError) when the weights alive at once would exceed this many bytes.
+        progress: Called as ``("verifying", bytes of weights loaded, total)`` as both programs run.
 
     Returns:
         The report's ``verification`` section plus ``blocks`` (per-block SQNR and max abs error, accumulated:
@@ -147,7 +149,21 @@ def verify_blockwise(
         )
     flat = flat_inputs(reference, inputs)
     with torch.no_grad():
-        ref_run, conv_run = _Streaming(ref_gm, load_reference), _Streaming(conv_gm, load_converted)
+        total = sum(_sizes(reference).values()) + sum(_sizes(converted).values())
+        done = [0]
+
+        def counted(load: Loader) -> Loader:
+            def wrapped(name: str) -> torch.Tensor:
+                t = load(name)
+                done[0] += t.numel() * t.element_size()
+                if progress is not None:
+                    progress("verifying", min(done[0], total), total)
+                return t
+
+            return wrapped
+
+        ref_run = _Streaming(ref_gm, counted(load_reference))
+        conv_run = _Streaming(conv_gm, counted(load_converted))
         ref_out = ref_run.run(*flat)
         conv_out = conv_run.run(*flat)
     metrics = compare(ref_out, conv_out, tolerance)

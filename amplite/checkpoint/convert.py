@@ -132,7 +132,7 @@ class StreamedConversion:
 
     def verify(
         self, converted_dir: str | Path, inputs: Any = None, *, tolerance: Tolerance | None = None,
-        max_memory_gb: float | None = None,
+        max_memory_gb: float | None = None, progress: Progress = _no_progress,
     ) -> dict[str, Any]:
         """Block-wise streaming verification of the written safetensors directory against the source.
 
@@ -141,6 +141,7 @@ class StreamedConversion:
             inputs: Real ``(args, kwargs)`` (default: seeded random ``input_ids`` of shape (1, 8)).
             tolerance: Output thresholds (default: by precision).
             max_memory_gb: Bound on the weights alive at once (``--verify-max-memory``).
+            progress: Called as ``("verifying", bytes loaded, total)``.
 
         Returns:
             The ``verification`` section (also stored in :attr:`report`).
@@ -160,7 +161,7 @@ class StreamedConversion:
             self.pipeline.original, self.program, inputs,
             lambda n: self.tensor(n, dtype=torch.float32), load_converted,
             tolerance or DEFAULT_TOLERANCES[precision],
-            max_memory=max_memory_gb * 2**30 if max_memory_gb is not None else None,
+            max_memory=max_memory_gb * 2**30 if max_memory_gb is not None else None, progress=progress,
         )  # fmt: skip
         self.data["timings"]["verify"] = perf_counter() - start
         self.data["verification"] = section

@@ -97,7 +97,7 @@ def checkpoint_to_files(
         if verify:  # from what was written: the safetensors directory when there is one, else the .pt2
             weights = next((p for f, p in targets if f == "safetensors"), targets[0][1])
             real = example_inputs if example_inputs is not None and not _on_meta(example_inputs) else None
-            conv.verify(weights, real, tolerance=tolerance, max_memory_gb=verify_max_memory)
+            conv.verify(weights, real, tolerance=tolerance, max_memory_gb=verify_max_memory, progress=progress)
     except BaseException:
         for path in written:
             _remove(path)

@@ -30,7 +30,7 @@ from amplite.errors import LoadError
 MAX_FREE_COUNT = 512
 #: Bytes of model-computed buffers (rotary tables, position ids) allowed beyond the checkpoint's own size.
 MAX_BUFFER_BYTES = 64 * 2**20
-_COUNT_KEY = re.compile(r"(layer|expert|block|n_layer)", re.IGNORECASE)
+_COUNT_KEY = re.compile(r"(layers|layer|experts|blocks)$", re.IGNORECASE)  # num_hidden_layers, n_layer, num_experts
 _INDEX = re.compile(r"\.(\d+)(?=\.|$)")
 
 

@@ -86,7 +86,7 @@ def read_header(shard: Path) -> dict[str, Any]:
             if size > min(_MAX_HEADER, shard.stat().st_size - 8):
                 raise ValueError(f"the header claims {size} bytes")
             header = json.loads(fh.read(size))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise LoadError(f"{shard} is not a readable safetensors shard ({exc})",
                         "re-download or regenerate that shard") from None  # fmt: skip
     data_len = shard.stat().st_size - 8 - size
@@ -143,7 +143,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
                         "*.safetensors)")  # fmt: skip
     try:
         config = json.loads(cfg_path.read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise LoadError(f"{cfg_path} is not valid JSON ({exc})", "fix or regenerate config.json") from None
     if not isinstance(config, dict):
         raise LoadError(f"{cfg_path} is not a JSON object", "fix or regenerate config.json")
@@ -151,9 +151,9 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if inside(root, INDEX, "index").exists():
         try:
             weight_map = json.loads((root / INDEX).read_text())["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not an object")
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("weight_map is not an object of tensor name -> shard file name")
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             raise LoadError(f"{root / INDEX} is not a valid index ({exc})", "regenerate the index") from None
         shards = list(dict.fromkeys(weight_map.values()))
     elif inside(root, SINGLE, "shard").exists():
@@ -240,3 +240,12 @@ def iter_shard(shard: Path) -> Iterator[tuple[str, torch.Tensor]]:
     with safe_open(str(shard), framework="pt") as fh:
         for name in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
             yield name, fh.get_tensor(name)
+
+
+def __getattr__(name: str) -> Any:
+    """``build_meta_model`` moved to :mod:`amplite.checkpoint.model` (kept importable from here)."""
+    if name == "build_meta_model":
+        from amplite.checkpoint.model import build_meta_model
+
+        return build_meta_model
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
