@@ -1,0 +1,175 @@
+"""Issue 27, cases 10-14: hostile input files, outputs that overwrite inputs, migrate on hostile sources,
+malformed user data, and what a manifest may do. Every hostile input is built here, small.
+
+The CLI runs in a fresh process under a 3 GiB address-space limit (``RLIMIT_AS``). To keep the file fast on a
+loaded machine, :func:`run_many` starts one interpreter for many CLI calls (each call's stdout, stderr,
+exit code and seconds come back as JSON); a run that can crash the interpreter (migrate) gets its own.
+Every refusal must be: exit 2, exactly one line on stderr, no traceback, no warning, nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+MEMORY_LIMIT = 3 << 30
+
+_DRIVER = r"""
+import contextlib, io, json, sys, time, warnings
+warnings.simplefilter("always")  # a warning is shown every time, so a test sees it in every call
+from amplite.cli import app
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            app(args=argv, prog_name="amplite")
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    results.append({"rc": code, "out": out.getvalue(), "err": err.getvalue(),
+                    "seconds": time.perf_counter() - start})
+print("@@RESULTS@@" + json.dumps(results))
+"""
+
+
+def _limit() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+
+
+def run_many(calls: list[list[object]], cwd: Path, timeout: float = 240) -> list[dict]:
+    """Run several ``amplite`` CLI calls in one fresh, memory-limited interpreter."""
+    argv = json.dumps([[str(a) for a in call] for call in calls])
+    proc = subprocess.run([sys.executable, "-c", _DRIVER, argv], capture_output=True, text=True, env=_env(),
+                          cwd=cwd, timeout=timeout, preexec_fn=_limit)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("@@RESULTS@@", 1)[1])
+
+
+def run_one(args: list[object], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """One ``python -m amplite`` process (for runs that could kill the interpreter)."""
+    return subprocess.run([sys.executable, "-m", "amplite", *map(str, args)], capture_output=True, text=True,
+                          env=_env(), cwd=cwd, timeout=timeout, preexec_fn=_limit)  # fmt: skip
+
+
+def assert_refused(res: dict, *needles: str, max_seconds: float = 20.0) -> None:
+    """Exit 2, one line on stderr (no traceback, no warning before it), in bounded time."""
+    err = res["err"]
+    assert res["rc"] == 2, res
+    assert err.count("\n") == 1 and err.startswith("error:"), err
+    assert "Traceback" not in err and "Warning" not in err and "internal error" not in err, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert res["seconds"] < max_seconds, res
+
+
+class Small(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "m.pt2"
+    torch.manual_seed(0)
+    torch.export.save(torch.export.export(Small().eval(), (torch.randn(2, 4),)), str(path))
+    return path
+
+
+def _npy(descr: str, shape: tuple[int, ...], data: bytes = b"") -> bytes:
+    header = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}"
+    header += " " * (63 - (10 + len(header)) % 64) + "\n"
+    return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + data
+
+
+def _npz(path: Path, members: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    return path
+
+
+def hostile_inputs(d: Path) -> dict[str, Path]:
+    """Case 10 and the input-file part of case 13: small files that hang, allocate GBs or crash parsers."""
+    d.mkdir(exist_ok=True)
+    files = {
+        "void_1e18": _npz(d / "v0.npz", {"arr_0.npy": _npy("|V0", (10**9, 10**9))}),
+        "object": _npz(d / "obj.npz", {"arr_0.npy": _npy("|O", (2,), b"\0" * 16)}),
+        "claims_more": _npz(d / "big.npz", {"arr_0.npy": _npy("<f4", (10**6, 10**3), b"\0" * 16)}),
+        "structured": _npz(d / "rec.npz", {"arr_0.npy": _npy("[('a', '<f4')]", (1,), b"\0" * 4)}),
+        "bad_header": _npz(d / "hdr.npz", {"arr_0.npy": b"\x93NUMPY\x01\x00\x10\x00{'descr': ((((\n"}),
+    }
+    assert files["void_1e18"].stat().st_size < 300
+    torch.save(torch.zeros(4).expand(300_000_000, 4), d / "expand.pt")
+    files["expand"] = d / "expand.pt"
+    assert files["expand"].stat().st_size < 2000
+    torch.save(torch.zeros(20_007).as_strided((20_000, 8), (1, 1)), d / "overlap.pt")  # rows overlap
+    files["overlap"] = d / "overlap.pt"
+    torch.save({3: torch.ones(2, 4)}, d / "intkey.pt")
+    files["int_key"] = d / "intkey.pt"
+    good = d / "good.pt"
+    torch.save(torch.ones(2, 4), good)
+    raw = bytearray(good.read_bytes())  # corrupt a zip field torch's miniz reader checks (a RuntimeError)
+    at = raw.find(b"PK\x03\x04", 1)
+    raw[at + 26 : at + 28] = b"\xff\xff"  # the second local header's name length: miniz's RuntimeError
+    (d / "crc.pt").write_bytes(bytes(raw))
+    files["miniz_crc"] = d / "crc.pt"
+    nested: object = torch.ones(1)
+    for _ in range(100):
+        nested = [nested]
+    torch.save(nested, d / "deep.pt")
+    files["deep"] = d / "deep.pt"
+    return files
+
+
+def test_hostile_input_files_are_refused_in_bounded_time_and_memory(model: Path, tmp_path: Path) -> None:
+    files = hostile_inputs(tmp_path / "in")
+    names = list(files)
+    calls = [["convert", model, "--inputs", files[n], "-o", tmp_path / f"{n}.pt2"] for n in names]
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "a.pt").write_bytes(files["expand"].read_bytes())
+    calls.append(["check", model, "--data", data_dir, "--report", tmp_path / "rep"])
+    calls.append(["convert", model, "--calib", data_dir, "-o", tmp_path / "calib.pt2"])
+    results = run_many(calls, tmp_path)
+    for name, res in zip([*names, "data", "calib"], results, strict=True):
+        assert_refused(res, "inputs file", max_seconds=15)
+        assert "amplite bug" not in res["err"], name
+    assert "'|V0'" in results[0]["err"] and "expanded or overlapping view" in results[names.index("expand")]["err"]
+    assert "a key is a int" in results[names.index("int_key")]["err"]
+    assert not list(tmp_path.glob("*.pt2")) and not (tmp_path / "rep").exists()
+
+
+def test_benign_input_files_still_load(tmp_path: Path) -> None:
+    from amplite.converter.inputs import load_inputs_file
+
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    np.savez(tmp_path / "a.npz", x, np.asfortranarray(x))
+    np.savez_compressed(tmp_path / "c.npz", ids=np.arange(6, dtype=np.int64), mask=np.ones(6, bool))
+    torch.save({"x": torch.arange(10.0)[2:6].reshape(2, 2), "y": torch.ones(4, 3).t()}, tmp_path / "d.pt")
+    args, _ = load_inputs_file(tmp_path / "a.npz")
+    assert torch.equal(args[0], torch.from_numpy(x)) and torch.equal(args[1], torch.from_numpy(x))
+    _, kw = load_inputs_file(tmp_path / "c.npz")
+    assert kw["ids"].dtype == torch.int64 and kw["mask"].dtype == torch.bool and kw["ids"].tolist() == list(range(6))
+    _, kw = load_inputs_file(tmp_path / "d.pt")
+    assert kw["x"].tolist() == [[2.0, 3.0], [4.0, 5.0]] and kw["y"].shape == (3, 4)
