@@ -173,3 +173,60 @@ def test_benign_input_files_still_load(tmp_path: Path) -> None:
     assert kw["ids"].dtype == torch.int64 and kw["mask"].dtype == torch.bool and kw["ids"].tolist() == list(range(6))
     _, kw = load_inputs_file(tmp_path / "d.pt")
     assert kw["x"].tolist() == [[2.0, 3.0], [4.0, 5.0]] and kw["y"].shape == (3, 4)
+
+
+def _digest(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_outputs_never_overwrite_inputs_or_each_other(model: Path, tmp_path: Path) -> None:
+    d = tmp_path / "w"
+    d.mkdir()
+    m = d / "m.pt2"
+    m.write_bytes(model.read_bytes())
+    (d / "m.fp16.O1.pt2").write_bytes(model.read_bytes())  # converting it: its default name is itself
+    (d / "v2.pt2").write_bytes(model.read_bytes())
+    (d / "v2.fp16.O1.pt2").write_bytes(b"unrelated file amplite did not write")
+    os.link(m, d / "hard.pt2")
+    (d / "soft.pt2").symlink_to(m)
+    torch.save(torch.randn(2, 4), d / "x.pt")
+    zoo = d / "zoo"
+    (zoo / "m").mkdir(parents=True)
+    (zoo / "m.pt2").write_bytes(model.read_bytes())
+    (zoo / "m" / "important.txt").write_text("keep me")
+    before = _digest(d)
+    calls = [
+        ["convert", m, "-o", m],
+        ["convert", m, "-o", d / "out.pt2", "--report", m],
+        ["convert", m, "-o", d / "out.pt2", "--report", d / "out.pt2"],
+        ["convert", m, "-o", d / "hard.pt2"],
+        ["convert", m, "-o", d / "soft.pt2"],
+        ["convert", m, "--inputs", d / "x.pt", "-o", d / "o.pt2", "--report", d / "x.pt"],
+        ["convert", d / "m.fp16.O1.pt2"],
+        ["convert", d / "v2.pt2"],
+        ["check", m, "--junit", m],
+        ["check", m, "--report", d / "r", "--junit", d / "r" / "report.json"],
+        ["golden", m, "-o", d],
+        ["batch", zoo, "-o", zoo],
+        ["batch", zoo, "-o", d / "zoo" / "m.pt2"],
+    ]
+    results = run_many(calls, tmp_path)
+    expected = ["is the model", "is the model", "the same path", "is the model", "is the model",
+                "is the --inputs file", "is the model", "amplite did not write", "is the model", "the same path",
+                "holds the model", "not written by amplite", "is the model"]  # fmt: skip
+    for call, res, needle in zip(calls, results, expected, strict=True):
+        assert_refused(res, needle)
+        assert "fix:" in res["err"], call
+    assert _digest(d) == before, "a refused run wrote, changed or deleted a file"
+    assert not (d / "out.pt2").exists() and not list(d.glob("*.report.json"))
+
+
+def test_default_names_are_reused_only_for_amplite_s_own_output(model: Path, tmp_path: Path) -> None:
+    m = tmp_path / "m.pt2"
+    m.write_bytes(model.read_bytes())
+    first, again = run_many([["convert", m, "--no-verify"], ["convert", m, "--no-verify"]], tmp_path)
+    assert first["rc"] == 0 and again["rc"] == 0, (first, again)  # re-running replaces amplite's own output
+    assert (tmp_path / "m.fp16.O1.pt2").is_file() and (tmp_path / "m.fp16.O1.report.json").is_file()
+    (tmp_path / "m.fp16.O1.report.json").unlink()  # now nothing says amplite wrote m.fp16.O1.pt2
+    (res,) = run_many([["convert", m, "--no-verify"]], tmp_path)
+    assert_refused(res, "m.fp16.O1.pt2", "pass -o")
