@@ -230,3 +230,60 @@ def test_default_names_are_reused_only_for_amplite_s_own_output(model: Path, tmp
     (tmp_path / "m.fp16.O1.report.json").unlink()  # now nothing says amplite wrote m.fp16.O1.pt2
     (res,) = run_many([["convert", m, "--no-verify"]], tmp_path)
     assert_refused(res, "m.fp16.O1.pt2", "pass -o")
+
+
+AMP = "import torch\nfrom torch.cuda import amp\n\nwith amp.autocast():  # fwd\n    y = model(x)\n"
+AMP_MIGRATED = 'import torch\n\nwith torch.amp.autocast("cuda"):  # fwd\n    y = model(x)\n'
+DEEP = {  # each crashed (SIGSEGV), hung or raised RecursionError inside libcst
+    "brackets.py": "x = " + "(" * 2000 + "1" + ")" * 2000 + "\n",
+    "lists.py": "x = " + "[" * 2000 + "]" * 2000 + "\n",
+    "unary.py": "x = " + "-" * 20000 + "1\n",
+    "binop.py": "x = " + "1+" * 5000 + "1\n",
+    "attrs.py": "x = a" + ".b" * 1000 + "\n",
+    "ifexp.py": "x = " + "1 if a else " * 400 + "1\n",
+}
+
+
+def test_migrate_single_deep_file_is_refused_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "deep.py"
+    path.write_text(DEEP["brackets.py"])
+    assert path.stat().st_size < 4100
+    start = time.perf_counter()
+    res = run_one(["migrate", path], tmp_path)
+    assert_refused({"rc": res.returncode, "err": res.stderr, "seconds": time.perf_counter() - start},
+                   "deep.py", "too many nested parentheses", max_seconds=60)  # fmt: skip
+    assert path.read_text() == DEEP["brackets.py"] and sorted(p.name for p in tmp_path.iterdir()) == ["deep.py"]
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_migrate_directory_skips_deep_files_and_symlinks_out_and_migrates_the_rest(tmp_path: Path, jobs: str) -> None:
+    tree, outside = tmp_path / "tree", tmp_path / "outside.py"
+    tree.mkdir()
+    for name, text in DEEP.items():
+        (tree / name).write_text(text)
+    (tree / "train.py").write_text(AMP)
+    outside.write_text(AMP)
+    (tree / "link.py").symlink_to(outside)
+    (tree / "ok190.py").write_text("x = " + "(" * 190 + "1" + ")" * 190 + "\n" + AMP)  # deep but allowed
+    res = run_one(["migrate", "-j", jobs, tree], tmp_path, timeout=180)
+    assert res.returncode == 1, res.stdout + res.stderr  # 1: files were skipped; the run itself completed
+    assert "Traceback" not in res.stderr and "internal error" not in res.stdout + res.stderr, res.stderr
+    assert (tree / "train.py").read_text() == AMP_MIGRATED and outside.read_text() == AMP
+    assert (tree / "ok190.py").read_text().endswith(AMP_MIGRATED)
+    for name, text in DEEP.items():
+        assert (tree / name).read_text() == text
+        assert f"skipped {tree / name}: not parsed:" in res.stdout, (name, res.stdout)
+    assert f"skipped {tree / 'link.py'}: not touched: a symlink to" in res.stdout
+    assert res.stdout.rstrip().endswith(f"2 files rewritten, 0 unchanged, {len(DEEP) + 1} skipped"), res.stdout
+
+
+def _crash_on_three(n: int) -> int:
+    if n == 3:
+        os.kill(os.getpid(), 11)  # what libcst's parser did: SIGSEGV
+    return n * 10
+
+
+def test_a_crashing_worker_costs_only_its_own_task() -> None:
+    from amplite.migrate._safety import run_in_pool
+
+    assert run_in_pool(_crash_on_three, [1, 2, 3, 4, 5], 2) == [10, 20, None, 40, 50]
