@@ -279,7 +279,10 @@ def parse_manifest(
     jobs = []
     for i, entry in enumerate(entries):
         line_of = index(i)
-        if not trust_code and isinstance(entry, dict):
+        if not isinstance(entry, dict):
+            raise _fail(where, 0, "model", f"entry #{i + 1} is a {type(entry).__name__}, not a table",
+                        "write each model as a [[model]] table of key = value lines")  # fmt: skip
+        if not trust_code:
             _refuse_code(where, shared, entry, line_of, top)
         jobs.append(
             make_job(

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import ast
 import contextlib
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import TypeVar
@@ -30,6 +31,15 @@ def nesting_problem(source: str | bytes) -> str | None:
     return found[1] if found is not None and found[0] == "deep" else None
 
 
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Compile user sources without printing their SyntaxWarnings (``"\\d"`` escapes...) to the terminal."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        yield
+
+
 def precheck(source: str | bytes) -> tuple[str, str] | None:
     """``("deep", why)`` when ``source`` nests too deeply for libcst, ``("syntax", "line N: msg")`` when
     CPython cannot parse it, else None: only then may libcst see it.
@@ -37,7 +47,8 @@ def precheck(source: str | bytes) -> tuple[str, str] | None:
     CPython's own parser reads it first (``PyCF_ONLY_AST``: parse only, bounded in C, never crashes).
     """
     try:
-        tree = compile(source, "<source>", "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
+        with quiet():
+            tree = compile(source, "<source>", "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
     except (RecursionError, MemoryError):
         return "deep", f"it nests too deeply for CPython's parser (more than {MAX_NESTING} levels are refused)"
     except SyntaxError as exc:

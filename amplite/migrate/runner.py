@@ -25,7 +25,7 @@ import libcst as cst
 
 from amplite.migrate._cst import matches_prefix
 from amplite.migrate._pipeline import DType, mentions_deprecated, migrate_module
-from amplite.migrate._safety import nesting_problem, precheck, run_in_pool
+from amplite.migrate._safety import nesting_problem, precheck, quiet, run_in_pool
 from amplite.migrate._scan import AMP_PREFIXES, find_deprecated
 
 Mode = Literal["write", "diff", "check"]
@@ -100,7 +100,8 @@ class MigrateReport:
 
 def _compiles(text: str) -> bool:
     try:
-        compile(text, "<migrated>", "exec", dont_inherit=True)
+        with quiet():
+            compile(text, "<migrated>", "exec", dont_inherit=True)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return False
     return True
@@ -127,7 +128,8 @@ def _atomic_write(path: Path, data: bytes) -> None:
 def _syntax_error(source: bytes, exc: cst.ParserSyntaxError) -> str:
     """Where and why ``source`` does not parse, preferring CPython's (more precise) message."""
     try:
-        compile(source, "<source>", "exec", dont_inherit=True)
+        with quiet():
+            compile(source, "<source>", "exec", dont_inherit=True)
     except SyntaxError as err:
         return f"line {err.lineno}: {err.msg}"
     except (ValueError, RecursionError, MemoryError):
@@ -256,7 +258,8 @@ def reexported_names(files: Sequence[Path]) -> dict[Path, dict[str, str]]:
             source = path.read_bytes()
             if nesting_problem(source) is not None:
                 continue
-            tree = ast.parse(source)
+            with quiet():
+                tree = ast.parse(source)
         except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
             continue
         aliases: dict[str, str] = {}
