@@ -326,7 +326,9 @@ def test_batch_cli_refuses_code_in_a_manifest_and_malformed_user_data(model: Pat
         shards.append(tmp_path / f"s{i}")
     calls = [["batch", code, "-o", tmp_path / "out"], ["batch", ints, "-o", tmp_path / "out"]]
     calls += [["batch", "merge", s, "-o", tmp_path / "merged"] for s in shards]
+    calls.append(["batch", "merge", shards[0], "-o", shards[0]])  # the merged summary onto the shard's own
     results = run_many(calls, tmp_path)
+    assert_refused(results.pop(), "is the summary of shard")
     assert_refused(results[0], "--trust-code", "import_modules")
     assert_refused(results[1], "not a table")
     for res in results[2:]:

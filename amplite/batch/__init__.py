@@ -169,6 +169,16 @@ def merge_shards(shard_dirs: Sequence[str | Path], out_dir: str | Path) -> Batch
     Raises:
         MergeError (exit 2): Missing, duplicated or inconsistent shards.
     """
+    from amplite.errors import ConfigError
+    from amplite.paths import guard_outputs
+
+    names = ("summary.json", "summary.md")
+    reads = [(f"the summary of shard {str(d)!r}", Path(d) / n) for d in shard_dirs for n in names]
+    try:
+        guard_outputs(reads, [("-o's summary.json (-o)", Path(out_dir) / "summary.json"),
+                              ("-o's summary.md (-o)", Path(out_dir) / "summary.md")])  # fmt: skip
+    except ConfigError as exc:
+        raise MergeError(exc.problem, "pass a new -o directory for the merged summary") from None
     doc, _, _ = summ.merge_summaries(shard_dirs, out_dir)
     results = [JobResult.from_row(r) for r in doc["models"]]
     return BatchResult(results, Path(out_dir), float(doc.get("seconds") or 0.0), bool(doc.get("interrupted")))
