@@ -228,8 +228,13 @@ def test_default_names_are_reused_only_for_amplite_s_own_output(model: Path, tmp
     assert first["rc"] == 0 and again["rc"] == 0, (first, again)  # re-running replaces amplite's own output
     assert (tmp_path / "m.fp16.O1.pt2").is_file() and (tmp_path / "m.fp16.O1.report.json").is_file()
     (tmp_path / "m.fp16.O1.report.json").unlink()  # now nothing says amplite wrote m.fp16.O1.pt2
-    (res,) = run_many([["convert", m, "--no-verify"]], tmp_path)
-    assert_refused(res, "m.fp16.O1.pt2", "pass -o")
+    from amplite.errors import ConfigError
+    from amplite.save import convert_to_files
+
+    before = (tmp_path / "m.fp16.O1.pt2").read_bytes()
+    with pytest.raises(ConfigError, match=r"default output .*m\.fp16\.O1\.pt2' already exists .* pass -o"):
+        convert_to_files(m, verify=False)  # refused before any work: in-process is enough
+    assert (tmp_path / "m.fp16.O1.pt2").read_bytes() == before and not (tmp_path / "m.fp16.O1.report.json").exists()
 
 
 AMP = "import torch\nfrom torch.cuda import amp\n\nwith amp.autocast():  # fwd\n    y = model(x)\n"
@@ -280,7 +285,7 @@ def test_migrate_directory_skips_deep_files_and_symlinks_out_and_migrates_the_re
 
 def _crash_on_three(n: int) -> int:
     if n == 3:
-        os.kill(os.getpid(), 11)  # what libcst's parser did: SIGSEGV
+        os.kill(os.getpid(), 9)  # the worker dies as under libcst's SIGSEGV (SIGKILL: no faulthandler dump)
     return n * 10
 
 
