@@ -19,6 +19,7 @@ from torch.export import ExportedProgram
 from amplite.checkpoint.source import is_checkpoint_dir
 from amplite.converter import emit
 from amplite.errors import ConfigError, EmitError, ExportError, InputSpecError
+from amplite.paths import guard_outputs
 from amplite.report.document import Report
 from amplite.verify import data as data_mod
 from amplite.verify import golden as golden_mod
@@ -73,13 +74,16 @@ def make_golden(
     random_batches: int = 0,
     input_specs: Sequence[str] = (),
     max_batches: int = 64,
+    inputs_file: str | Path | None = None,
     **load_opts: Any,
 ) -> Path:
     """``amplite golden``: save inputs and FP32 reference outputs under ``output`` (see ``golden``).
 
     Raises:
-        AmpliteError: Bad model, inputs or directory (the directory exists without ``update``).
+        AmpliteError: Bad model, inputs or directory (the directory exists without ``update``, or it is
+            or holds one of the inputs: it is replaced as a whole).
     """
+    guard_outputs(_read_paths(model, inputs_file, data), [], [("-o", output)])
     ref = _reference(model, example_inputs, load_opts)
     gm = ref.original.module()
     batches = data_mod.select_batches(ref.inputs, data, data_loader, random_batches, input_specs, max_batches)
@@ -122,6 +126,7 @@ def check(
     name: str | None = None,
     train_steps: int = 0,
     lr: float = 1e-3,
+    inputs_file: str | Path | None = None,
     **convert_opts: Any,
 ) -> CheckResult:
     """Convert ``model`` (or load ``converted``), verify it on data and judge it.
@@ -146,12 +151,22 @@ def check(
         name: Model name for JUnit/annotations (default: the file stem or class name).
         train_steps: Instead of verifying outputs, train an FP32 and an amplite copy this many steps and gate
             on ``train_loss_gap`` (:mod:`amplite.training.gate`). lr: Their AdamW learning rate.
+        inputs_file: The file ``example_inputs`` were read from, if any (no output may overwrite it).
         **convert_opts: ``amplite.convert`` options (precision, level, keep_fp32, ...).
 
     Raises:
         AmpliteError: Bad model, inputs, data, golden directory, baseline or options (exit 2).
     """
     _check_options(convert_opts)
+    reads = _read_paths(model, inputs_file, data, convert_opts.get("calibration"))
+    reads += [("the --converted model", converted if isinstance(converted, (str, Path)) else None),
+              ("the --baseline report", baseline if isinstance(baseline, (str, Path)) else None)]  # fmt: skip
+    if not update_golden:
+        reads.append(("the --golden directory", golden))
+    outs = [(f"--report's {n}", Path(report_dir) / n) for n in ("report.json", "report.md", "report.html")
+            if report_dir is not None]  # fmt: skip
+    guard_outputs(reads, [*outs, ("--junit", junit)], [("--golden (with --update-golden)", golden)]
+                  if update_golden else [])  # fmt: skip
     out_dir = _prepare_outputs(report_dir, junit)
     if isinstance(model, (str, Path)) and is_checkpoint_dir(model):
         unsupported = {"--converted": converted, "--golden": golden, "--baseline": baseline, "--data": data,
@@ -403,6 +418,14 @@ def _prepare_outputs(report_dir: str | Path | None, junit: str | Path | None) ->
         if d is None or j.parent.resolve() != d.resolve() or d.is_dir():
             emit.check_writable(j)
     return d
+
+
+def _read_paths(model: Any, inputs_file: Any, data: Any, calibration: Any = None) -> list[tuple[str, Any]]:
+    """What a gate command reads from disk, labelled for :func:`amplite.paths.guard_outputs`."""
+    path = lambda v: v if isinstance(v, (str, Path)) else None  # noqa: E731
+    calib = path(calibration) if calibration is not None and Path(str(calibration)).exists() else None
+    return [("the model", path(model)), ("the --inputs file", inputs_file), ("the --data directory", path(data)),
+            ("the --calib directory", calib)]  # fmt: skip
 
 
 def _model_name(model: Any, report: dict[str, Any]) -> str:

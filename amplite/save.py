@@ -7,6 +7,7 @@ minute of tracing), and every file is written atomically. Layer: like ``amplite.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from amplite.api import ConversionResult, convert
 from amplite.checkpoint import StreamedConversion, checkpoint_to_files, is_checkpoint_dir
 from amplite.converter import emit
 from amplite.errors import ConfigError, EmitError
+from amplite.paths import derived_output, guard_outputs, same_path
 from amplite.policy import resolve_level
 from amplite.verify.compare import parse_tolerance
 
@@ -49,6 +51,18 @@ def default_output(model: str | Path, precision: str, level: str | None) -> Path
     return model.with_name(f"{model.name.split('.')[0]}.{precision}.{resolve_level(level).value}.pt2")
 
 
+def written_by_amplite(model: str | Path, report_path: Path, output: Path | None = None) -> bool:
+    """Whether ``report_path`` is the report amplite wrote when converting ``model`` (to ``output``): only
+    then may a derived (default) name replace an existing file."""
+    try:
+        data = json.loads(report_path.read_text(encoding="utf-8"))
+        if not same_path(data["source"]["path"], model):
+            return False
+        return output is None or any(same_path(o["path"], output) for o in data["outputs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def convert_to_files(
     model: str | Path,
     example_inputs: Any = None,
@@ -62,6 +76,7 @@ def convert_to_files(
     tolerance: list[str] | None = None,
     verify_max_memory: float | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    inputs_file: str | Path | None = None,
     **conversion: Any,
 ) -> SavedConversion:
     """Convert ``model`` and write the converted model(s) and report.json.
@@ -79,13 +94,17 @@ def convert_to_files(
             search.
         verify_max_memory: Checkpoint directories: bound (GB) on the weights block-wise verification holds.
         progress: Checkpoint directories: called as ``(step, bytes done, bytes total)`` on long steps.
+        inputs_file: The file ``example_inputs`` were read from, if any (no output may overwrite it).
         **conversion: Every other :func:`amplite.convert` keyword.
 
     Raises:
-        AmpliteError: Bad options or an unwritable destination (raised before converting).
+        AmpliteError: Bad options or an unwritable destination (raised before converting); an output that
+            is an input or another output, or a default name that would replace a file amplite did not write.
     """
     precision = conversion.get("precision", "fp16")
     if is_checkpoint_dir(model):
+        outs = [("-o", output), ("--report", report)]
+        guard_outputs(_inputs(model, inputs_file, conversion.get("calibration")), outs, [("-o", output)])
         tol = parse_tolerance(tolerance, precision) if tolerance else None
         conv, written, report_path = checkpoint_to_files(
             model, example_inputs, output=output, formats=formats, report=report, tolerance=tol,
@@ -95,6 +114,9 @@ def convert_to_files(
     dest = Path(output) if output is not None else default_output(model, precision, conversion.get("level"))
     emit.check_writable(dest)
     targets = emit.plan_outputs(dest, formats)
+    report_path = Path(report) if report is not None else dest.with_name(dest.stem + ".report.json")
+    _guard(model, inputs_file, conversion.get("calibration"), targets, report_path, external_data,
+           derived=output is None, derived_report=report is None)  # fmt: skip
     if (opset is not None or external_data or onnx_layernorm != "off") and "onnx" not in dict(targets):
         raise ConfigError("--opset, --external-data and --onnx-layernorm apply to ONNX output",
                           "add --format onnx (or -o X.onnx)")  # fmt: skip
@@ -105,7 +127,6 @@ def convert_to_files(
             raise ConfigError(f"unknown --onnx-layernorm {onnx_layernorm!r}", f"use one of: {', '.join(MODES)}")
     for _fmt, path in targets:
         emit.check_writable(path)
-    report_path = Path(report) if report is not None else dest.with_name(dest.stem + ".report.json")
     emit.check_writable(report_path)
     if tolerance:
         conversion["tolerance"] = parse_tolerance(tolerance, precision)
@@ -124,3 +145,26 @@ def convert_to_files(
                 done.with_name(done.name + ".data").unlink(missing_ok=True)
         raise
     return SavedConversion(result, [p for _, p in targets], report_path)
+
+
+def _inputs(model: Any, inputs_file: Any, calibration: Any) -> list[tuple[str, Any]]:
+    calib = calibration if isinstance(calibration, (str, Path)) and Path(calibration).exists() else None
+    path = model if isinstance(model, (str, Path)) else None
+    return [("the model", path), ("the --inputs file", inputs_file), ("the --calib directory", calib)]
+
+
+def _guard(model: Any, inputs_file: Any, calibration: Any, targets: list[tuple[str, Path]], report_path: Path,
+           external_data: bool, *, derived: bool, derived_report: bool) -> None:
+    """No output overwrites an input or another output; default names never replace what amplite did not
+    write (``amplite.paths``)."""
+    label = "the default output (-o)" if derived else "-o"
+    outs: list[tuple[str, Any]] = [(f"{label} for {fmt}" if len(targets) > 1 else label, p) for fmt, p in targets]
+    outs += [("the ONNX external data (-o)", p.with_name(p.name + ".data")) for fmt, p in targets
+             if fmt == "onnx" and external_data]  # fmt: skip
+    outs.append(("the default report (--report)" if derived_report else "--report", report_path))
+    guard_outputs(_inputs(model, inputs_file, calibration), outs)
+    if derived:
+        for _fmt, p in targets:
+            derived_output(p, lambda q: written_by_amplite(model, report_path, q))
+    if derived_report:
+        derived_output(report_path, lambda q: written_by_amplite(model, q))

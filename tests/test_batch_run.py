@@ -100,7 +100,7 @@ def _rows(out: Path) -> dict[str, dict]:
 
 def test_twelve_models_three_broken_then_resume(zoo: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    result = run_batch(_twelve(zoo), out, jobs=2, progress=False)
+    result = run_batch(_twelve(zoo), out, jobs=2, progress=False, trust_code=True)
     rows = _rows(out)
     assert result.exit_code == 1 and len(rows) == 12
     assert result.counts == {"ok": 9, "error": 2, "timeout": 1}, {n: r["error"] for n, r in rows.items()}
@@ -132,7 +132,7 @@ def test_twelve_models_three_broken_then_resume(zoo: Path, tmp_path: Path) -> No
     assert not (out / ".staging").exists()
 
     mtime = (out / "cnn" / "model.pt2").stat().st_mtime_ns
-    again = run_batch(_twelve(zoo), out, jobs=2, resume=True, progress=False)
+    again = run_batch(_twelve(zoo), out, jobs=2, resume=True, progress=False, trust_code=True)
     rerun = sorted(r.name for r in again.results if not r.row["resumed"])
     assert rerun == ["corrupt", "export-fails", "hangs"] and again.exit_code == 1
     assert again.counts == result.counts
@@ -151,7 +151,7 @@ def test_crash_oom_missing_and_verification_failure_are_reported(zoo: Path, tmp_
             ]
         )
     )
-    result = run_batch(manifest, tmp_path / "out", jobs=2, progress=False)
+    result = run_batch(manifest, tmp_path / "out", jobs=2, progress=False, trust_code=True)
     rows = _rows(tmp_path / "out")
     assert result.exit_code == 1
     assert {n: r["status"] for n, r in rows.items()} == {
@@ -222,7 +222,7 @@ _SCRIPT = """
 import sys
 from amplite.batch import run_batch
 try:
-    run_batch(sys.argv[1], sys.argv[2], jobs=2, progress="plain")
+    run_batch(sys.argv[1], sys.argv[2], jobs=2, progress="plain", trust_code=True)
 except KeyboardInterrupt:
     sys.exit(130)
 """  # no `if __name__ == "__main__"` guard on purpose: workers must not re-import the caller's script
@@ -276,7 +276,8 @@ def test_sigterm_stops_cleanly_with_a_complete_summary(zoo: Path, tmp_path: Path
     out = tmp_path / "out"
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "amplite", "batch", str(manifest), "-o", str(out), "--jobs", "2", "--no-progress"]
+    cmd = [sys.executable, "-m", "amplite", "batch", str(manifest), "-o", str(out), "--jobs", "2", "--no-progress",
+           "--trust-code"]  # the manifest names model factories
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root, env=env)
     watchdog = threading.Timer(90, proc.kill)  # without a plain line to wait for, do not hang the suite
     watchdog.start()

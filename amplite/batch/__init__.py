@@ -89,16 +89,22 @@ def defaults_from_options(
 
 
 def load_jobs(
-    source: str | Path, defaults: Mapping[str, Any] | None = None, shard: str | tuple[int, int] | None = None
+    source: str | Path,
+    defaults: Mapping[str, Any] | None = None,
+    shard: str | tuple[int, int] | None = None,
+    *,
+    trust_code: bool = False,
 ) -> list[Job]:
     """The jobs of a manifest (``.toml``), a directory of ``.pt2`` files or a glob, for one shard.
+
+    ``trust_code`` allows a manifest's ``model_factory``, ``import_modules`` and ``calib_loader`` (code).
 
     Raises:
         ManifestError: Bad manifest, nothing matched, or a bad shard spec.
     """
     picked = parse_shard(shard) if isinstance(shard, str) else shard
     toml = str(source).endswith(".toml")
-    jobs = parse_manifest(source, defaults) if toml else jobs_from_paths(source, defaults)
+    jobs = parse_manifest(source, defaults, trust_code=trust_code) if toml else jobs_from_paths(source, defaults)
     return select_shard(jobs, picked)
 
 
@@ -114,6 +120,7 @@ def run_batch(
     shard: str | None = None,
     progress: bool | str | Progress | None = True,
     executor: Executor | None = None,
+    trust_code: bool = False,
 ) -> BatchResult:
     """What ``amplite batch`` runs: load the source, pick the shard, convert, write the summaries.
 
@@ -129,6 +136,7 @@ def run_batch(
         shard: ``"i/n"``: run only shard i of n (0-based), for CI matrices, SLURM arrays, indexed Jobs.
         progress: See :func:`iter_convert_many`.
         executor: See :func:`iter_convert_many`.
+        trust_code: Allow a manifest to name code (``model_factory``, ``import_modules``, ``calib_loader``).
 
     Raises:
         ManifestError / ConfigError (exit 2): bad manifest, source or option. KeyboardInterrupt: Ctrl-C.
@@ -139,7 +147,7 @@ def run_batch(
     if timeout is not None and timeout <= 0:
         raise ManifestError(f"--timeout {timeout:g} must be positive", "give seconds, e.g. --timeout 600")
     picked = parse_shard(shard) if shard else None
-    selected = load_jobs(source, defaults, picked)
+    selected = load_jobs(source, defaults, picked, trust_code=trust_code)
     meta = {"source": str(source), "shard": f"{picked[0]}/{picked[1]}" if picked else None}
     with sigterm_stops_batch():
         return convert_many(
@@ -161,6 +169,16 @@ def merge_shards(shard_dirs: Sequence[str | Path], out_dir: str | Path) -> Batch
     Raises:
         MergeError (exit 2): Missing, duplicated or inconsistent shards.
     """
+    from amplite.errors import ConfigError
+    from amplite.paths import guard_outputs
+
+    names = ("summary.json", "summary.md")
+    reads = [(f"the summary of shard {str(d)!r}", Path(d) / n) for d in shard_dirs for n in names]
+    try:
+        guard_outputs(reads, [("-o's summary.json (-o)", Path(out_dir) / "summary.json"),
+                              ("-o's summary.md (-o)", Path(out_dir) / "summary.md")])  # fmt: skip
+    except ConfigError as exc:
+        raise MergeError(exc.problem, "pass a new -o directory for the merged summary") from None
     doc, _, _ = summ.merge_summaries(shard_dirs, out_dir)
     results = [JobResult.from_row(r) for r in doc["models"]]
     return BatchResult(results, Path(out_dir), float(doc.get("seconds") or 0.0), bool(doc.get("interrupted")))

@@ -94,44 +94,56 @@ class Job:
         return make_job(data, base or Path.cwd(), lambda key: line, where="job")
 
 
-def _line_finder(text: str, model_index: int | None) -> Any:
-    """A function key -> line number of ``key`` in ``[defaults]`` (index None) or the n-th ``[[model]]``.
+def _line_index(text: str) -> Any:
+    """``finder(model_index)``: a function key -> line number of ``key`` in ``[defaults]`` (index None) or the
+    n-th ``[[model]]``. The text is split and its section headers found once (linear in the manifest's size,
+    whatever the number of entries).
 
     A dotted key (``tolerance.min_cosine``) is looked up in the entry's sub-table (``[model.tolerance]``)
     when it has one, else on the line of its inline table.
     """
     lines = text.splitlines()
-    sections: list[tuple[str, int]] = []  # (header, 1-based line)
+    sections: list[tuple[str, int]] = []  # (header, 1-based line), in file order
     for i, raw in enumerate(lines, 1):
         m = re.match(r"^\s*\[\[?\s*([\w.\"' -]+?)\s*\]\]?", raw)
         if m and not re.match(r"^\s*[\w\"'.-]+\s*=", raw):
             sections.append((re.sub(r"[\"'\s]", "", m.group(1)), i))
-    wanted = "defaults" if model_index is None else "model"
-    starts = [ln for name, ln in sections if name == wanted]
-    pick = 0 if model_index is None else model_index
-    if pick >= len(starts):
-        return lambda key: 0
-    start = starts[pick]
-    later = [ln for _, ln in sections if ln > start]
-    end = later[0] if later else len(lines) + 1
-    # The entry's sub-tables ([model.tolerance]) run until the next section that is not one of them.
-    subs = [(name, ln) for name, ln in sections if ln > start]
-    entry_end = next((ln for name, ln in subs if not name.startswith(wanted + ".")), len(lines) + 1)
+    starts: dict[str, list[int]] = {}  # header -> indexes into sections
+    for k, (name, _) in enumerate(sections):
+        starts.setdefault(name, []).append(k)
 
     def search(key: str, lo: int, hi: int) -> int | None:
         pat = re.compile(r"(^|[\s{,.])[\"']?" + re.escape(key) + r"[\"']?\s*=")
         return next((ln for ln in range(lo, hi) if pat.search(lines[ln - 1].split("#", 1)[0])), None)
 
-    def find(key: str) -> int:
-        head, _, sub = key.partition(".")
-        if sub:
-            table = next((ln for name, ln in subs if name == f"{wanted}.{head}" and ln < entry_end), None)
-            if table is not None:
-                stop = next((ln for _, ln in sections if ln > table), len(lines) + 1)
-                return search(sub, table + 1, stop) or table
-        return search(head, start + 1, end) or start
+    def finder(model_index: int | None) -> Any:
+        wanted = "defaults" if model_index is None else "model"
+        pick = 0 if model_index is None else model_index
+        mine = starts.get(wanted, [])
+        if pick >= len(mine):
+            return lambda key: 0
+        k = mine[pick]
+        start = sections[k][1]
+        end = sections[k + 1][1] if k + 1 < len(sections) else len(lines) + 1
+        # The entry's sub-tables ([model.tolerance]) run until the next section that is not one of them.
+        last = k + 1
+        while last < len(sections) and sections[last][0].startswith(wanted + "."):
+            last += 1
+        subs = sections[k + 1 : last]
+        entry_end = sections[last][1] if last < len(sections) else len(lines) + 1
 
-    return find
+        def find(key: str) -> int:
+            head, _, sub = key.partition(".")
+            if sub:
+                table = next((ln for name, ln in subs if name == f"{wanted}.{head}" and ln < entry_end), None)
+                if table is not None:
+                    stop = next((ln for _, ln in sections if ln > table), len(lines) + 1)
+                    return search(sub, table + 1, stop) or table
+            return search(head, start + 1, end) or start
+
+        return find
+
+    return finder
 
 
 def _fail(where: str, line: int, key: str | None, problem: str, fix: str) -> ManifestError:
@@ -206,15 +218,25 @@ def safe_name(path: Path) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", stem).lstrip(".") or "model"
 
 
-def parse_manifest(path: str | Path, defaults: Mapping[str, Any] | None = None) -> list[Job]:
+#: Manifest keys that name Python code amplite imports and runs (from the working directory too): a manifest
+#: may set them only when the batch is started with ``--trust-code`` (``trust_code=True``).
+CODE_KEYS = ("model_factory", "import_modules", "calib_loader")
+
+
+def parse_manifest(
+    path: str | Path, defaults: Mapping[str, Any] | None = None, *, trust_code: bool = False
+) -> list[Job]:
     """Read a TOML manifest into jobs.
 
     Args:
         path: The manifest file.
         defaults: Settings under the manifest's ``[defaults]`` (e.g. CLI options); the manifest wins.
+        trust_code: Allow the manifest's own :data:`CODE_KEYS` (code it names is imported and run). The
+            same keys given in ``defaults`` (CLI options: the user's own choice) need no opt-in.
 
     Raises:
-        ManifestError: Unreadable TOML, unknown keys (naming key and line), bad values, duplicate names.
+        ManifestError: Unreadable TOML, unknown keys (naming key and line), bad values, duplicate names,
+            a code key without ``trust_code``, or unpickling without the CLI's ``--trust-pickle``.
     """
     p = Path(path)
     if not p.is_file():
@@ -225,7 +247,8 @@ def parse_manifest(path: str | Path, defaults: Mapping[str, Any] | None = None) 
     except tomllib.TOMLDecodeError as exc:
         raise ManifestError(f"{p}: invalid TOML: {exc}", "fix the syntax at that line") from None
     where = str(p)
-    top = _line_finder(text, None)
+    index = _line_index(text)
+    top = index(None)
     for key in doc:
         if key not in ("defaults", "model"):
             line = next(
@@ -255,7 +278,12 @@ def parse_manifest(path: str | Path, defaults: Mapping[str, Any] | None = None) 
     base = p.resolve().parent
     jobs = []
     for i, entry in enumerate(entries):
-        line_of = _line_finder(text, i)
+        line_of = index(i)
+        if not isinstance(entry, dict):
+            raise _fail(where, 0, "model", f"entry #{i + 1} is a {type(entry).__name__}, not a table",
+                        "write each model as a [[model]] table of key = value lines")  # fmt: skip
+        if not trust_code:
+            _refuse_code(where, shared, entry, line_of, top)
         jobs.append(
             make_job(
                 {**(defaults or {}), **shared, **entry}, base, _combined(line_of, top, entry), where=where
@@ -271,6 +299,16 @@ def parse_manifest(path: str | Path, defaults: Mapping[str, Any] | None = None) 
                 "pass --trust-pickle to `amplite batch` as well, only if you trust the models",
             )
     return jobs
+
+
+def _refuse_code(where: str, shared: Mapping[str, Any], entry: Mapping[str, Any], line_of: Any, top: Any) -> None:
+    for key in CODE_KEYS:
+        if key in entry or key in shared:
+            line = line_of(key) if key in entry else top(key)
+            raise _fail(where, line, key, f"names Python code ({(entry if key in entry else shared)[key]!r}) that "
+                        "amplite would import and run, from the working directory too",
+                        "pass --trust-code to `amplite batch` (trust_code=True) only if you trust the manifest "
+                        "and the code it names")  # fmt: skip
 
 
 def _combined(entry_line: Any, defaults_line: Any, entry: Mapping[str, Any]) -> Any:

@@ -22,11 +22,13 @@ from typing import Any
 from amplite.batch import summary as summ
 from amplite.batch.isolation import STAGING, cancel_run, forget_run, record_failure, run_isolated
 from amplite.batch.keys import job_key
-from amplite.batch.manifest import Job, check_unique
+from amplite.batch.manifest import Job, ManifestError, check_unique
 from amplite.batch.progress import Progress, make_progress
 from amplite.batch.signals import BatchTerminated
 from amplite.batch.summary import BatchResult, JobResult
-from amplite.errors import EmitError
+from amplite.batch.worker import RESULT
+from amplite.errors import ConfigError, EmitError
+from amplite.paths import guard_outputs
 
 #: Seconds a model may take when neither the manifest nor the caller sets a timeout.
 DEFAULT_TIMEOUT = 3600.0
@@ -157,6 +159,7 @@ def iter_convert_many(
     """
     job_list = _as_jobs(jobs)
     out = Path(out_dir)
+    guard_batch_outputs(job_list, out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -229,6 +232,28 @@ def iter_convert_many(
         }
         summ.write_summary(out, final, meta)
         _remove_empty(out / STAGING)
+
+
+def guard_batch_outputs(jobs: Sequence[Job], out: Path) -> None:
+    """Before anything runs: each model's output directory ``out/<name>/`` is replaced as a whole, so it
+    may not be or hold any job's input, and an existing one must be amplite's (it holds ``result.json``).
+
+    Raises:
+        ManifestError: Naming the directory and the input, or the foreign directory.
+    """
+    reads = [(f"{label} of {j.name!r}", p) for j in jobs
+             for label, p in (("the model", j.path), ("the inputs file", j.inputs_file), ("the calib dir", j.calib))
+             if p]  # fmt: skip
+    dirs = [(f"the output directory of {j.name!r} (--out)", out / j.name) for j in jobs]
+    summaries = [("the batch summary (--out)", out / n) for n in ("summary.json", "summary.md")]
+    try:
+        guard_outputs(reads, summaries, [("--out", out)] if out.is_file() else dirs)
+    except ConfigError as exc:
+        raise ManifestError(exc.problem, exc.fix) from None
+    for label, d in dirs:
+        if (d.exists() or d.is_symlink()) and not (d.is_dir() and not d.is_symlink() and (d / RESULT).is_file()):
+            raise ManifestError(f"{label} {str(d)!r} exists and was not written by amplite (no {RESULT}); "
+                                "it would be replaced", "pass another --out, or move that directory away")  # fmt: skip
 
 
 def _drain(events: SimpleQueue, prog: Progress) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -175,7 +176,10 @@ def read_result(model_dir: Path) -> dict[str, Any] | None:
         row = json.loads((model_dir / "result.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return row if isinstance(row, dict) and "status" in row else None
+    if not isinstance(row, dict) or "status" not in row:
+        return None
+    files = row.get("files", [])
+    return row if isinstance(files, list) and all(isinstance(f, str) for f in files) else None
 
 
 def read_summary(path: Path) -> dict[str, Any]:
@@ -192,11 +196,25 @@ def read_summary(path: Path) -> dict[str, Any]:
             f"cannot read batch summary {str(p)!r}: {exc}",
             "pass the output directories of finished `amplite batch` runs",
         ) from None
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or _summary_shape(doc):
+        why = f" ({_summary_shape(doc)})" if isinstance(doc, dict) and doc.get("schema") == SCHEMA else ""
         raise MergeError(
-            f"{str(p)!r} is not an amplite batch summary", "pass `amplite batch` output directories"
+            f"{str(p)!r} is not an amplite batch summary{why}", "pass `amplite batch` output directories"
         )
     return doc
+
+
+def _summary_shape(doc: dict[str, Any]) -> str:
+    """What is wrong with the fields :func:`merge_summaries` reads ('' when nothing)."""
+    models, shard = doc.get("models"), doc.get("shard")
+    if not isinstance(models, list) or not all(isinstance(r, dict) and isinstance(r.get("name"), str)
+                                                and isinstance(r.get("output_dir", ""), str) for r in models):
+        return "'models' is not a list of rows with a string 'name'"
+    if shard is not None and not (isinstance(shard, str) and re.fullmatch(r"\d{1,9}/\d{1,9}", shard)):
+        return "'shard' is not 'i/n'"
+    if not isinstance(doc.get("seconds") or 0, (int, float)):
+        return "'seconds' is not a number"
+    return ""
 
 
 def merge_summaries(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,13 +49,25 @@ def _logging(debug: bool) -> Iterator[None]:
         amp_log.removeHandler(handler)
 
 
+def _show(caught: list[warnings.WarningMessage]) -> None:
+    for w in caught:
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+
 def _run(debug: bool, body: Callable[[], int]) -> None:
-    """Run a command body; turn errors into one line and an exit code."""
+    """Run a command body; turn errors into one line and an exit code.
+
+    Warnings raised meanwhile (torch's, a pickle protocol's, a user file's SyntaxWarning) are held back and
+    shown only when the command succeeds (or with ``--debug``): a refusal is exactly one line.
+    """
+    caught: list[warnings.WarningMessage] = []
     try:
-        with _logging(debug):
+        with _logging(debug), warnings.catch_warnings(record=True) as caught:
             code = body()
+        _show(caught)
     except AmpliteError as exc:
         if debug:
+            _show(caught)
             traceback.print_exc()
         label = "internal error" if exc.exit_code == 3 else "error"
         err.print(f"[bold red]{label}:[/] {escape(exc.one_line())}", soft_wrap=True)
@@ -64,6 +77,7 @@ def _run(debug: bool, body: Callable[[], int]) -> None:
         raise typer.Exit(130) from None
     except Exception as exc:
         if debug:
+            _show(caught)
             traceback.print_exc()
         err.print(
             f"[bold red]internal error:[/] {escape(type(exc).__name__)}: "

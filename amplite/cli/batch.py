@@ -45,6 +45,11 @@ def batch(
     force_low: LowOpt = [],  # noqa: B006
     model_factory: FactoryOpt = None,
     trust_pickle: TrustOpt = False,
+    trust_code: Annotated[
+        bool,
+        typer.Option("--trust-code", help="Let the manifest name code to run: model_factory, import_modules, "
+                     "calib_loader."),
+    ] = False,
     dynamic_batch: DynOpt = False,
     low_precision_io: IoOpt = False,
     fuse_contractions: FuseOpt = None,
@@ -72,7 +77,7 @@ def batch(
             )  # fmt: skip
             try:  # SIGTERM (preemption, CI timeouts) stops the batch as Ctrl-C does, summary written
                 result = run_batch(sources[0], out_dir, defaults=defaults, jobs=jobs, timeout=timeout,
-                                   fail_fast=fail_fast, resume=resume, shard=shard,
+                                   fail_fast=fail_fast, resume=resume, shard=shard, trust_code=trust_code,
                                    progress="plain" if no_progress else True)  # fmt: skip
             except BatchTerminated as stop:
                 err.print(escape(f"stopped by {stop.signal_name} — summary: {out_dir / 'summary.md'}"))

@@ -58,7 +58,7 @@ def convert(
                 model, _inputs(input, inputs), output=output, formats=format, report=report,
                 external_data=external_data, opset=opset, onnx_layernorm=onnx_layernorm, tolerance=tolerance,
                 verify=not no_verify, max_trials=max_trials, verify_max_memory=verify_max_memory,
-                progress=progress, **conversion,
+                progress=progress, inputs_file=inputs, **conversion,
             )  # fmt: skip
         print_summary(saved.result.report.data, saved.written, saved.report_path)
         return saved.exit_code

@@ -70,7 +70,7 @@ def check(
             baseline=baseline, baseline_margin_db=baseline_margin, tolerance=tolerance or None, data=data,
             data_loader=data_loader, random_batches=random_batches, input_specs=input, max_batches=max_batches,
             layerwise=not no_layerwise, grad=grad, loss=loss, report_dir=report, junit=junit, name=name,
-            train_steps=train_steps, lr=lr, **conversion,
+            train_steps=train_steps, lr=lr, inputs_file=inputs, **conversion,
         )  # fmt: skip
         publish_github_summary(res.report.data)
         print_check(res)
@@ -102,7 +102,8 @@ def golden(
 
         path = make_golden(
             model, _inputs(input, inputs), output=output, update=update_golden, data=data, data_loader=data_loader,
-            random_batches=random_batches, input_specs=input, max_batches=max_batches, **conversion,
+            random_batches=random_batches, input_specs=input, max_batches=max_batches, inputs_file=inputs,
+            **conversion,
         )  # fmt: skip
         out.print(escape(f"wrote golden references to {path}"))
         return 0

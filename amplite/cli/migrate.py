@@ -37,6 +37,10 @@ def migrate(
             raise ConfigError(f"unknown --dtype {dtype!r}", "use bf16 or fp16")
         report = migrate_paths(paths, mode="diff" if diff else "check" if check else "write",
                                add_autocast=add_autocast, dtype=dtype, jobs=jobs)  # fmt: skip
+        if len(report.files) == 1 and report.files[0].refused:  # one hostile file: a one-line refusal
+            only = report.files[0]
+            raise ConfigError(f"{str(only.path)!r}: {only.error}", "nothing was changed; simplify the file, or "
+                              "migrate the file it links to by its own path")  # fmt: skip
         print(format_report(report).rstrip("\n"))
         return report.exit_code
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import inspect
 import re
-import zipfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from amplite.converter.input_files import read_input_file
 from amplite.errors import InputSpecError
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -96,28 +95,7 @@ def load_inputs_file(path: str | Path) -> Inputs:
     p = Path(path)
     if not p.is_file():
         raise InputSpecError(f"inputs file {str(p)!r} does not exist", "pass an existing file to --inputs")
-    with p.open("rb") as f:
-        head = f.read(8)
-    if head.startswith(b"PK"):  # torch.save and .npz files are zips: no zip bombs or duplicate entries
-        from amplite.converter.archive import check_zip
-
-        npz = p.suffix == ".npz" or _is_npz(p)
-        check_zip(p, rooted=not npz, fix="re-save the inputs (torch.save, numpy.savez or safetensors)")
-    try:
-        if p.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            data: Any = load_file(str(p))
-        elif p.suffix == ".npz" or (head.startswith(b"PK") and _is_npz(p)):
-            with np.load(p, allow_pickle=False) as npz:
-                data = {k: torch.from_numpy(npz[k].copy()) for k in npz.files}
-        else:
-            data = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise InputSpecError(
-            f"cannot read inputs file {str(p)!r}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
-            "save inputs with torch.save (tensors, tuples, dicts), numpy.savez or safetensors",
-        ) from exc
+    data = read_input_file(p)  # every check on untrusted input files: amplite.converter.input_files
     if isinstance(data, torch.Tensor):
         return (data,), {}
     if isinstance(data, (tuple, list)):
@@ -130,14 +108,6 @@ def load_inputs_file(path: str | Path) -> Inputs:
         f"inputs file {str(p)!r} holds a {type(data).__name__}, not tensors",
         "save a tensor, a tuple/list of tensors or a dict of name -> tensor",
     )
-
-
-def _is_npz(p: Path) -> bool:
-    try:
-        with zipfile.ZipFile(p) as z:
-            return all(n.endswith(".npy") for n in z.namelist())
-    except zipfile.BadZipFile:
-        return False
 
 
 def bind_inputs(model: torch.nn.Module, inputs: Inputs) -> Inputs:

@@ -17,7 +17,6 @@ import re
 import stat
 import tempfile
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -26,6 +25,7 @@ import libcst as cst
 
 from amplite.migrate._cst import matches_prefix
 from amplite.migrate._pipeline import DType, mentions_deprecated, migrate_module
+from amplite.migrate._safety import nesting_problem, precheck, quiet, run_in_pool
 from amplite.migrate._scan import AMP_PREFIXES, find_deprecated
 
 Mode = Literal["write", "diff", "check"]
@@ -48,7 +48,11 @@ def migrate_source(code: str, *, add_autocast: bool = False, dtype: DType = "bf1
 
     Raises:
         libcst.ParserSyntaxError: If ``code`` does not parse.
+        ValueError: If it nests too deeply to parse safely (more than ``_safety.MAX_NESTING`` levels).
     """
+    problem = nesting_problem(code)
+    if problem is not None:
+        raise ValueError(f"not migrated: {problem}")
     module, warnings = migrate_module(cst.parse_module(code), add_autocast=add_autocast, dtype=dtype)
     return module.code, warnings
 
@@ -65,6 +69,8 @@ class FileResult:
         warnings: What the codemods left for a human, as ``"line N: ..."``.
         deprecated: With ``check``: every use of a deprecated AMP API in the file as it is, as
             ``(line, code, api)``, found by a scan independent of what the codemods can rewrite.
+        refused: The file was not touched because reading or writing it is unsafe (nesting too deep for
+            the parser, a symlink out of the tree, the parser crashed); ``error`` says why.
     """
 
     path: Path
@@ -73,6 +79,7 @@ class FileResult:
     error: str | None = None
     warnings: list[str] = field(default_factory=list)
     deprecated: list[tuple[int, str, str]] = field(default_factory=list)
+    refused: bool = False
 
 
 @dataclass
@@ -93,8 +100,9 @@ class MigrateReport:
 
 def _compiles(text: str) -> bool:
     try:
-        compile(text, "<migrated>", "exec", dont_inherit=True)
-    except (SyntaxError, ValueError):
+        with quiet():
+            compile(text, "<migrated>", "exec", dont_inherit=True)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         return False
     return True
 
@@ -120,10 +128,11 @@ def _atomic_write(path: Path, data: bytes) -> None:
 def _syntax_error(source: bytes, exc: cst.ParserSyntaxError) -> str:
     """Where and why ``source`` does not parse, preferring CPython's (more precise) message."""
     try:
-        compile(source, "<source>", "exec", dont_inherit=True)
+        with quiet():
+            compile(source, "<source>", "exec", dont_inherit=True)
     except SyntaxError as err:
         return f"line {err.lineno}: {err.msg}"
-    except ValueError:
+    except (ValueError, RecursionError, MemoryError):
         pass
     return f"line {exc.editor_line}: {_PARSER_PREFIX.sub('', exc.message)}"
 
@@ -137,6 +146,12 @@ def _migrate_file(task: tuple[str, Mode, bool, DType, dict[str, str]]) -> FileRe
         source = path.read_bytes()
     except OSError as exc:
         result.error = f"cannot read: {exc.strerror or exc}"
+        return result
+    found = precheck(source)  # CPython's bounded parser first: libcst crashes on deep nesting
+    if found is not None:
+        kind, why = found
+        result.refused = kind == "deep"
+        result.error = f"not parsed: {why}" if result.refused else f"cannot parse: {why}"
         return result
     try:
         module = cst.parse_module(source)
@@ -192,8 +207,11 @@ def collect_files(paths: Sequence[str | Path]) -> tuple[list[Path], list[FileRes
     Hidden directories, ``__pycache__``, ``node_modules``, ``site-packages`` and virtual environments are
     not walked. A file given explicitly is taken whatever its suffix.
 
+    A file found by walking a directory that is a symlink to a file outside that directory is refused
+    (writing would go through the link to a file outside the tree); a file given explicitly is yours.
+
     Returns:
-        The files, in order, and an error result for each path that does not exist.
+        The files, in order, and an error result for each path that does not exist or is refused.
     """
     found: list[Path] = []
     missing: list[FileResult] = []
@@ -201,7 +219,14 @@ def collect_files(paths: Sequence[str | Path]) -> tuple[list[Path], list[FileRes
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            candidates = list(_walk(path))
+            candidates, root = [], path.resolve()
+            for candidate in _walk(path):
+                target = candidate.resolve()
+                if candidate.is_symlink() and root not in target.parents:
+                    missing.append(FileResult(candidate, error=f"not touched: a symlink to {str(target)!r}, "
+                                              "outside the directory given", refused=True))  # fmt: skip
+                else:
+                    candidates.append(candidate)
         elif path.is_file():
             candidates = [path]
         else:
@@ -230,8 +255,12 @@ def reexported_names(files: Sequence[Path]) -> dict[Path, dict[str, str]]:
     imported: dict[str, dict[str, str]] = {}  # module's last name -> {name: where}
     for path in files:
         try:
-            tree = ast.parse(path.read_bytes())
-        except (OSError, SyntaxError, ValueError):
+            source = path.read_bytes()
+            if nesting_problem(source) is not None:
+                continue
+            with quiet():
+                tree = ast.parse(source)
+        except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
             continue
         aliases: dict[str, str] = {}
         for node in ast.walk(tree):
@@ -289,8 +318,9 @@ def migrate_paths(
     tasks = [(str(f), mode, add_autocast, dtype, keep[f]) for f in files]
     workers = (os.cpu_count() or 1) if jobs <= 0 else jobs
     if workers > 1 and len(tasks) > 1:
-        with ProcessPoolExecutor(max_workers=min(workers, len(tasks))) as pool:
-            results = list(pool.map(_migrate_file, tasks))
+        crashed = "not touched: the parser crashed on it"
+        results = [r if r is not None else FileResult(Path(t[0]), error=crashed, refused=True)
+                   for t, r in zip(tasks, run_in_pool(_migrate_file, tasks, min(workers, len(tasks))), strict=True)]
     else:
         results = [_migrate_file(task) for task in tasks]
     return MigrateReport(mode=mode, files=missing + results)

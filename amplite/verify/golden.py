@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -169,10 +170,20 @@ def _swap_into_place(tmp: Path, d: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+_REGEN = "regenerate the golden directory (--update-golden)"
+
+
 def _load_tree(d: Path, entry: dict[str, Any]) -> Any:
     from safetensors.torch import load_file
 
-    path = d / entry["file"]
+    name = entry["file"]
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors", name):
+        raise GoldenError(f"golden entry names the file {str(name)[:80]!r}: only plain file names inside the golden "
+                          "directory are read (no '..', absolute paths or folders)", _REGEN)  # fmt: skip
+    path = d / name
+    if path.is_symlink() or (path.exists() and path.resolve().parent != d.resolve()):
+        raise GoldenError(f"golden file {str(path)!r} is a symlink; golden files are read only from inside the "
+                          "golden directory", _REGEN)  # fmt: skip
     if not path.is_file():
         raise GoldenError(f"golden file {str(path)!r} is missing", "regenerate the golden directory (--update-golden)")
     if file_sha256(path) != entry["sha256"]:
@@ -243,9 +254,14 @@ def load_baseline(baseline: str | Path | dict[str, Any] | None) -> dict[str, Any
     Raises:
         ConfigError: Missing file, invalid JSON, or not an amplite report with verification.
     """
-    if baseline is None or isinstance(baseline, dict):
-        return baseline
     fix = "pass a report.json written by `amplite check` (or `convert`) with verification"
+    if baseline is None:
+        return None
+    if isinstance(baseline, dict):
+        problem = _baseline_shape(baseline)
+        if problem:
+            raise ConfigError(f"the baseline report is not an amplite report: {problem}", fix)
+        return baseline
     try:
         data = json.loads(Path(baseline).read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -254,7 +270,23 @@ def load_baseline(baseline: str | Path | dict[str, Any] | None) -> dict[str, Any
         raise ConfigError(f"--baseline {str(baseline)!r} is not valid JSON ({exc})", fix) from None
     if not isinstance(data, dict) or data.get("schema") != "amplite.report" or "verification" not in data:
         raise ConfigError(f"--baseline {str(baseline)!r} is not an amplite report with verification", fix)
+    problem = _baseline_shape(data)
+    if problem:
+        raise ConfigError(f"--baseline {str(baseline)!r} is not an amplite report: {problem}", fix)
     return data
+
+
+def _baseline_shape(data: dict[str, Any]) -> str | None:
+    """What is wrong with the parts of a baseline report :func:`compare_baseline` reads, else None."""
+    source, verification = data.get("source", {}), data.get("verification", {})
+    if not isinstance(source, dict) or not isinstance(source.get("graph_fingerprint", ""), (str, type(None))):
+        return "'source' is not an object with a string 'graph_fingerprint'"
+    if not isinstance(verification, dict) or not isinstance(verification.get("outputs", []), list):
+        return "'verification' is not an object with an 'outputs' list"
+    for i, o in enumerate(verification.get("outputs", [])):
+        if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+            return f"verification output #{i} is not an object with a string 'name'"
+    return None
 
 
 def check_baseline_matches(report: dict[str, Any], baseline: dict[str, Any], where: str = "--baseline") -> None:
