@@ -103,8 +103,9 @@ def convert_to_files(
     """
     precision = conversion.get("precision", "fp16")
     if is_checkpoint_dir(model):
-        outs = [("-o", output), ("--report", report)]
-        guard_outputs(_inputs(model, inputs_file, conversion.get("calibration")), outs, [("-o", output)])
+        # -o is a directory here (replaced as a whole): a directory output, not a file one as well.
+        guard_outputs(_inputs(model, inputs_file, conversion.get("calibration")), [("--report", report)],
+                      [("-o", output)])  # fmt: skip
         tol = parse_tolerance(tolerance, precision) if tolerance else None
         conv, written, report_path = checkpoint_to_files(
             model, example_inputs, output=output, formats=formats, report=report, tolerance=tol,

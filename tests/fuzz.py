@@ -295,7 +295,7 @@ class Checkpoint(Target):
 
         ckpt = open_checkpoint(path)
         model, _ = build_meta_model(ckpt)
-        map_keys(ckpt, model)
+        map_keys(ckpt, model.lm)
 
 
 TARGETS: dict[str, Target] = {t.name: t for t in (Pt2(), Inputs(), Safetensors(), Checkpoint())}

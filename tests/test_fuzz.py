@@ -17,7 +17,7 @@ import pytest
 from tests import fuzz
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = {"pt2": 120}
+CASES = {"pt2": 120, "inputs": 60, "safetensors": 60, "checkpoint": 30}
 
 
 @pytest.mark.parametrize("target", sorted(CASES))
@@ -29,6 +29,13 @@ def test_short_fuzz_run_finds_nothing(target: str) -> None:
     assert res.returncode == 0 and summary["findings"] == 0, res.stdout[-3000:]
     refused = summary["verdicts"].get(f"{target}:refused", 0)
     assert refused > CASES[target] // 2  # the mutations reach the checks (a fuzzer that mutates nothing fails)
+
+
+@pytest.mark.parametrize("target", sorted(fuzz.TARGETS))
+def test_every_seed_is_accepted(target: str, tmp_path: Path) -> None:
+    """Mutations start from a valid file: a seed the reader refuses would make every verdict meaningless."""
+    t = fuzz.TARGETS[target]
+    t.read(t.seed(tmp_path))
 
 
 def test_a_crash_is_a_finding(tmp_path: Path) -> None:
