@@ -19,7 +19,7 @@ import typer
 from rich.markup import escape
 
 from amplite.cli.output import err
-from amplite.errors import AmpliteError
+from amplite.errors import AmpliteError, path_error
 
 app = typer.Typer(
     add_completion=False,
@@ -79,6 +79,10 @@ def _run(debug: bool, body: Callable[[], int]) -> None:
         if debug:
             _show(caught)
             traceback.print_exc()
+        refused = path_error(exc)  # the OS refused a named path (too long, no permission, disk full)
+        if refused is not None:
+            err.print(f"[bold red]error:[/] {escape(refused.one_line())}", soft_wrap=True)
+            raise typer.Exit(2) from None
         err.print(
             f"[bold red]internal error:[/] {escape(type(exc).__name__)}: "
             f"{escape(str(exc).splitlines()[0]) if str(exc) else ''}"
