@@ -127,3 +127,40 @@ def test_checkpoint_index_naming_an_impossible_shard_is_refused(tmp_path: Path) 
     (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(LoadError, match="cannot be a file here"):
         open_checkpoint(ckpt)
+
+
+def test_inputs_zip_of_an_unsupported_version_is_refused(tmp_path: Path) -> None:
+    """zipfile raises NotImplementedError for a 'version needed to extract' it lacks (fuzzer, inputs target)."""
+    import io
+    import struct
+    import zipfile
+
+    from amplite.converter.input_files import read_input_file
+    from amplite.errors import AmpliteError
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("x.npy", b"\x93NUMPY")
+    data = bytearray(buf.getvalue())
+    at = data.index(b"PK\x01\x02")
+    data[at + 6 : at + 8] = struct.pack("<H", 133)  # version 13.3
+    path = tmp_path / "inputs.pt"
+    path.write_bytes(bytes(data))
+    with pytest.raises(AmpliteError, match="zip file version 13.3"):
+        read_input_file(path)
+
+
+def test_torch_error_logs_stay_quiet_before_the_one_line_error(capfd: pytest.CaptureFixture[str]) -> None:
+    """torch logs a failing meta kernel at ERROR, traceback included, before it raises (fuzzer, pt2 target)."""
+    import logging
+
+    from amplite.cli.app import _logging
+
+    inner = logging.getLogger("torch._subclasses.fake_tensor")
+    with _logging(debug=False):
+        assert not inner.isEnabledFor(logging.CRITICAL)
+        inner.error("failed while attempting to run meta for aten.ge")
+    assert "failed while attempting" not in capfd.readouterr().err
+    with _logging(debug=True):  # --debug shows it
+        assert inner.isEnabledFor(logging.WARNING)
+    assert inner.isEnabledFor(logging.WARNING)  # torch's own level is back afterwards

@@ -31,7 +31,7 @@ app = typer.Typer(
 
 @contextmanager
 def _logging(debug: bool) -> Iterator[None]:
-    """Quiet torch's internal warnings unless --debug; with --debug, show amplite's debug log."""
+    """Quiet torch's internal log (warnings and errors) unless --debug; with --debug, show amplite's debug log."""
     torch_log, amp_log = logging.getLogger("torch"), logging.getLogger("amplite")
     saved = torch_log.level, amp_log.level
     handler = logging.StreamHandler(sys.stderr)
@@ -40,7 +40,9 @@ def _logging(debug: bool) -> Iterator[None]:
         amp_log.setLevel(logging.DEBUG)
         amp_log.addHandler(handler)
     else:
-        torch_log.setLevel(logging.ERROR)
+        # Not even ERROR: torch logs a failing meta kernel or symbolic-shape check (with its traceback) before it
+        # raises, and amplite turns the exception into the one line that names the problem and the fix.
+        torch_log.setLevel(logging.CRITICAL + 1)
     try:
         yield
     finally:
