@@ -130,6 +130,49 @@ class StreamedConversion:
         return out
 
 
+    def save(
+        self, path: str | Path, *, format: str | None = None, verify: bool = True, inputs: Any = None,
+        progress: Progress = _no_progress,
+    ) -> Path:
+        """Write the conversion as :meth:`ConversionResult.save` does for a module, then verify what was written.
+
+        Args:
+            path: A ``.pt2`` file, or a directory for the safetensors layout of the source (``from_pretrained``).
+            format: ``pt2`` or ``safetensors`` (default: ``pt2`` for a ``.pt2`` suffix, else ``safetensors``).
+            verify: Verify the written weights block by block against the source (:meth:`verify`); the
+                verdict is :attr:`passed` and the report's ``verification``.
+            inputs: Real ``(args, kwargs)`` for verification (default: seeded random ``input_ids``).
+            progress: Called as ``(step, bytes done, bytes total)``.
+
+        Raises:
+            ConfigError: An unknown ``format``.
+        """
+        fmt = format or ("pt2" if str(path).endswith(".pt2") else "safetensors")
+        if fmt not in ("pt2", "safetensors"):
+            raise ConfigError(f"format {fmt!r} is not one a checkpoint directory converts to",
+                              "use format='pt2' (a .pt2 path) or 'safetensors' (a directory)")  # fmt: skip
+        start = perf_counter()
+        out = self.save_pt2(path, progress) if fmt == "pt2" else self.save_safetensors(path, progress)
+        self.data.setdefault("timings", {})[f"save_{fmt}"] = round(perf_counter() - start, 4)
+        entry = {"format": fmt, "path": str(out)}
+        self.data["outputs"] = [*(e for e in self.data.get("outputs", []) if e.get("path") != str(out)), entry]
+        if verify:
+            self.verify(out, inputs, progress=progress)
+        return out
+
+    def module(self) -> Any:
+        """Not available in memory: a streamed conversion never holds the weights (that is its point).
+
+        Raises:
+            ConfigError: Always, naming what to do instead.
+        """
+        raise ConfigError(
+            "a converted checkpoint directory is streamed: its weights are never all in memory, so it has no "
+            "module() to call",
+            "save it first (result.save('out.pt2') then torch.export.load('out.pt2').module(), or "
+            "result.save('out_dir') then AutoModelForCausalLM.from_pretrained('out_dir'))",
+        )
+
     def verify(
         self, converted_dir: str | Path, inputs: Any = None, *, tolerance: Tolerance | None = None,
         max_memory_gb: float | None = None, progress: Progress = _no_progress,
