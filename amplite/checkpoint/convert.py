@@ -294,8 +294,10 @@ def convert_checkpoint(
     use_rules = range_rules if range_rules is not None else lvl in (Level.O1, Level.O2)
     flagged = weight_rules(ckpt, keys, progress, RangeRules()) if use_rules and precision == "fp16" else {}
     timings["weight_statistics"] = perf_counter() - start
-    keep = [*keep_fp32, *(f"module:{m}" for m in flagged)]
-    policy = PrecisionPolicy(precision, lvl, make_overrides(keep, force_low), low_precision_io)
+    # fp16 weight rules; patterns see the user's module names (model.layers.0...), not the wrapper's lm.
+    pins = make_overrides([f"module:{m.removeprefix(PREFIX)}" for m in flagged], source="checkpoint")
+    policy = PrecisionPolicy(precision, lvl, (*make_overrides(keep_fp32, force_low), *pins), low_precision_io,
+                             module_prefix=PREFIX)  # fmt: skip
     out = run_pipeline(model, inputs, policy, fold_batchnorm=False)
     timings.update(out.timings)
     _check_constants(out.converted, keys, buffers)
