@@ -114,6 +114,45 @@ class StreamedConversion:
         sources = {n: (lambda n=n: self.tensor(n)) for n in names}
         return write_pt2(self.program, Path(dest), sources, step, self.aliases(names))
 
+    def save(self, path: str | Path, *, format: str | None = None, progress: Progress = _no_progress) -> Path:
+        """Write the converted checkpoint as the CLI does: ``X.pt2`` is a ``.pt2``, any other path a
+        safetensors directory (``format``: ``safetensors``, ``pt2`` or both, comma-separated), behind the
+        same output guard. Nothing partial is left on failure.
+
+        Returns:
+            The first output written.
+
+        Raises:
+            ConfigError: A bad format or an existing output directory / unwritable path.
+        """
+        from amplite.checkpoint.files import _remove, check_outputs, plan_checkpoint_outputs, write_outputs
+
+        level = str(self.data.get("config", {}).get("level", "O2"))
+        precision = str(self.data.get("config", {}).get("precision", "fp16"))
+        targets = plan_checkpoint_outputs(self.checkpoint.path, path, format, precision, level)
+        check_outputs(targets)
+        written: list[Path] = []
+        try:
+            write_outputs(self, targets, progress, written)
+        except BaseException:
+            for p in written:
+                _remove(p)
+            raise
+        self.data["outputs"] = [{"format": f, "path": str(p)} for f, p in targets]
+        return written[0]
+
+    def module(self) -> Any:
+        """Not available: a streamed checkpoint's weights are never materialised in memory.
+
+        Raises:
+            ConfigError: Always, naming what to use instead.
+        """
+        raise ConfigError(
+            "a converted checkpoint directory has no in-memory module (its weights stay in the shards)",
+            "result.save(DIR) then transformers' AutoModelForCausalLM.from_pretrained(DIR), or "
+            "result.save('model.pt2') then amplite.load('model.pt2').module()",
+        )
+
     def aliases(self, names: list[str]) -> dict[str, str]:
         """Program weight -> an earlier one with the same values and dtype (tied weights: stored once)."""
         first: dict[tuple[str, torch.dtype | None], str] = {}
