@@ -383,7 +383,7 @@ def test_api_result_saves_like_the_cli_and_says_what_module_to_use(ckpt: Path, t
     assert out == tmp_path / "llama.bf16" and (out / "config.json").is_file()
     shard = next(out.glob("*.safetensors"))
     with safe_open(str(shard), "pt") as f:
-        assert {f.get_tensor(k).dtype for k in f if k.endswith("proj.weight")} == {torch.bfloat16}
+        assert {f.get_tensor(k).dtype for k in f.keys() if k.endswith("proj.weight")} == {torch.bfloat16}  # noqa: SIM118
     loaded = transformers.LlamaForCausalLM.from_pretrained(out)
     assert next(loaded.model.layers[0].mlp.parameters()).dtype == torch.bfloat16
     with pytest.raises(AmpliteError, match="exists"):  # the CLI's output guard: nothing overwritten
