@@ -50,8 +50,8 @@ def test_save_writes_verifies_and_records_both_formats(ckpt: Path, tmp_path: Pat
 
 def test_module_names_the_way_to_a_module_and_bad_formats_are_refused(ckpt: Path, tmp_path: Path) -> None:
     result = amplite.convert(ckpt, precision="fp16", level="O1")
-    with pytest.raises(ConfigError, match=r"streamed.*fix: save it first"):
+    with pytest.raises(ConfigError, match=r"no in-memory module.*fix: result\.save\(DIR\).*torch\.export\.load"):
         result.module()
-    with pytest.raises(ConfigError, match="format 'onnx'"):
+    with pytest.raises(ConfigError, match="onnx"):
         result.save(tmp_path / "m.onnx", format="onnx")
     assert not (tmp_path / "m.onnx").exists()

@@ -114,6 +114,60 @@ class StreamedConversion:
         sources = {n: (lambda n=n: self.tensor(n)) for n in names}
         return write_pt2(self.program, Path(dest), sources, step, self.aliases(names))
 
+    def save(
+        self, path: str | Path, *, format: str | None = None, verify: bool = True, inputs: Any = None,
+        progress: Progress = _no_progress,
+    ) -> Path:
+        """Write the converted checkpoint as the CLI does: ``X.pt2`` is a ``.pt2``, any other path a
+        safetensors directory (``format``: ``safetensors``, ``pt2`` or both, comma-separated), behind the
+        same output guard. Nothing partial is left on failure. Then, unless ``verify=False``, what was written
+        is verified block by block against the source (:meth:`verify`; the verdict is :attr:`passed`).
+
+        Args:
+            path: Output path (``X.pt2`` or a directory).
+            format: ``safetensors``, ``pt2`` or both (default: from ``path``).
+            verify: Verify the written weights (from the safetensors directory when one was written).
+            inputs: Real ``(args, kwargs)`` for verification (default: seeded random ``input_ids``).
+            progress: Called as ``(step, bytes done, bytes total)``.
+
+        Returns:
+            The first output written.
+
+        Raises:
+            ConfigError: A bad format or an existing output directory / unwritable path.
+        """
+        from amplite.checkpoint.files import _remove, check_outputs, plan_checkpoint_outputs, write_outputs
+
+        level = str(self.data.get("config", {}).get("level", "O2"))
+        precision = str(self.data.get("config", {}).get("precision", "fp16"))
+        targets = plan_checkpoint_outputs(self.checkpoint.path, path, format, precision, level)
+        check_outputs(targets)
+        written: list[Path] = []
+        try:
+            write_outputs(self, targets, progress, written)
+        except BaseException:
+            for p in written:
+                _remove(p)
+            raise
+        fresh = [{"format": f, "path": str(p)} for f, p in targets]
+        kept = [e for e in self.data.get("outputs", []) if e.get("path") not in {x["path"] for x in fresh}]
+        self.data["outputs"] = [*kept, *fresh]  # earlier saves stay listed, as for a module's result
+        if verify:
+            self.verify(next((p for f, p in targets if f == "safetensors"), targets[0][1]), inputs, progress=progress)
+        return written[0]
+
+    def module(self) -> Any:
+        """Not available: a streamed checkpoint's weights are never materialised in memory.
+
+        Raises:
+            ConfigError: Always, naming what to use instead.
+        """
+        raise ConfigError(
+            "a converted checkpoint directory has no in-memory module (its weights stay in the shards)",
+            "result.save(DIR) then transformers' AutoModelForCausalLM.from_pretrained(DIR), or "
+            "result.save('model.pt2') then torch.export.load('model.pt2').module()",
+        )
+
     def aliases(self, names: list[str]) -> dict[str, str]:
         """Program weight -> an earlier one with the same values and dtype (tied weights: stored once)."""
         first: dict[tuple[str, torch.dtype | None], str] = {}
@@ -129,49 +183,6 @@ class StreamedConversion:
                 first[key] = name
         return out
 
-
-    def save(
-        self, path: str | Path, *, format: str | None = None, verify: bool = True, inputs: Any = None,
-        progress: Progress = _no_progress,
-    ) -> Path:
-        """Write the conversion as :meth:`ConversionResult.save` does for a module, then verify what was written.
-
-        Args:
-            path: A ``.pt2`` file, or a directory for the safetensors layout of the source (``from_pretrained``).
-            format: ``pt2`` or ``safetensors`` (default: ``pt2`` for a ``.pt2`` suffix, else ``safetensors``).
-            verify: Verify the written weights block by block against the source (:meth:`verify`); the
-                verdict is :attr:`passed` and the report's ``verification``.
-            inputs: Real ``(args, kwargs)`` for verification (default: seeded random ``input_ids``).
-            progress: Called as ``(step, bytes done, bytes total)``.
-
-        Raises:
-            ConfigError: An unknown ``format``.
-        """
-        fmt = format or ("pt2" if str(path).endswith(".pt2") else "safetensors")
-        if fmt not in ("pt2", "safetensors"):
-            raise ConfigError(f"format {fmt!r} is not one a checkpoint directory converts to",
-                              "use format='pt2' (a .pt2 path) or 'safetensors' (a directory)")  # fmt: skip
-        start = perf_counter()
-        out = self.save_pt2(path, progress) if fmt == "pt2" else self.save_safetensors(path, progress)
-        self.data.setdefault("timings", {})[f"save_{fmt}"] = round(perf_counter() - start, 4)
-        entry = {"format": fmt, "path": str(out)}
-        self.data["outputs"] = [*(e for e in self.data.get("outputs", []) if e.get("path") != str(out)), entry]
-        if verify:
-            self.verify(out, inputs, progress=progress)
-        return out
-
-    def module(self) -> Any:
-        """Not available in memory: a streamed conversion never holds the weights (that is its point).
-
-        Raises:
-            ConfigError: Always, naming what to do instead.
-        """
-        raise ConfigError(
-            "a converted checkpoint directory is streamed: its weights are never all in memory, so it has no "
-            "module() to call",
-            "save it first (result.save('out.pt2') then torch.export.load('out.pt2').module(), or "
-            "result.save('out_dir') then AutoModelForCausalLM.from_pretrained('out_dir'))",
-        )
 
     def verify(
         self, converted_dir: str | Path, inputs: Any = None, *, tolerance: Tolerance | None = None,
