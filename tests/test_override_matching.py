@@ -74,7 +74,8 @@ def test_training_pin_is_not_the_users_and_a_user_typo_is_refused() -> None:
 def test_checkpoint_patterns_use_the_models_own_module_names(tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=32)  # fmt: skip
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
     res = amplite.convert(tmp_path / "llama", precision="bf16", level="O2", keep_fp32=["module:model.layers.0.*"])
