@@ -15,6 +15,10 @@ from amplite.converter.graph_stats import node_compute_dtype
 from amplite.passes.graph_utils import cast_dtype
 from fixtures.write_fixtures import write
 
+# TODO(issue 30): set AMPLITE_VALIDATE_REPORTS=1 here for the whole suite once the checkpoint path's
+# verification section matches the schema (it lacks "inputs"/"tolerance"); tests/test_report_schema.py
+# sets it for its own tests meanwhile.
+
 
 @pytest.fixture(scope="session")
 def model_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[callable]:
