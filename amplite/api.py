@@ -121,7 +121,8 @@ def convert(
     Returns:
         The converted program, its report and the inputs used. The user's model is not modified. For a
         transformers checkpoint directory (``config.json`` + safetensors shards) the conversion is planned
-        from metadata and returned as ``amplite.checkpoint.StreamedConversion``: its ``save_safetensors``,
+        from metadata and returned as ``amplite.checkpoint.StreamedConversion``: ``.report``, ``.save(path)``
+        (the CLI's writer and output guard), ``save_safetensors``,
         ``save_pt2`` and ``verify`` stream the weights (see docs/big-models.md).
 
     Raises:

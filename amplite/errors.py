@@ -62,3 +62,41 @@ class InternalError(AmpliteError):
             fix or "this is an amplite bug, not a problem with your model: please report it with the output of "
             "--debug; meanwhile --keep-fp32 on that node or a lower --level avoids it",
         )
+
+
+class PathError(AmpliteError):
+    """The operating system refused a path the user (or a file) named: too long, no permission, no space."""
+
+
+#: errno -> the fix for an OS refusal of a named path; any other OSError stays an internal error.
+_PATH_FIXES = {
+    "ENAMETOOLONG": "use a shorter path (each name at most 255 bytes)",
+    "EACCES": "check the permissions of that path",
+    "EPERM": "check the permissions of that path",
+    "EROFS": "write to a writable file system",
+    "ENOSPC": "free disk space or write elsewhere",
+    "EDQUOT": "free disk space or write elsewhere",
+    "ENOENT": "check that the path exists",
+    "ENOTDIR": "check the path: a part of it is a file, not a directory",
+    "EISDIR": "name a file, not a directory",
+    "ELOOP": "the path has a symlink loop: name the file itself",
+    "EILSEQ": "use a path of valid characters",
+}
+
+
+def path_error(exc: BaseException) -> PathError | None:
+    """The exit-2 error for an OS refusal of a named path (``exc`` or what it was raised from), else None."""
+    import errno
+
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.filename is not None:
+            fix = _PATH_FIXES.get(errno.errorcode.get(e.errno or 0, ""))
+            if fix is not None:
+                name = str(e.filename)
+                shown = name if len(name) <= 120 else f"{name[:60]}…{name[-40:]} ({len(name)} characters)"
+                return PathError(f"cannot use {shown!r}: {e.strerror}", fix)
+        e = e.__cause__ or e.__context__
+    return None

@@ -21,6 +21,7 @@ Overrides do not apply at O0, which converts nothing.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from fnmatch import fnmatchcase
@@ -76,6 +77,9 @@ class Override:
 
     action: Literal["keep_fp32", "force_low"]
     pattern: str
+    #: Who wrote the rule: ``user`` (``--keep-fp32``/``--force-low``), or the part of amplite that pins it
+    #: (``training``, ``checkpoint``, ``budget``). Only a user's rule must match a node (a typo is refused).
+    source: str = "user"
 
     @property
     def kind(self) -> str:
@@ -115,6 +119,9 @@ class PrecisionPolicy:
     level: Level = Level.O1
     overrides: tuple[Override, ...] = field(default_factory=tuple)
     low_precision_io: bool = False
+    #: Stripped from module paths before patterns see them: a wrapper amplite adds around the user's model
+    #: (the checkpoint path's ``lm.``) is not part of the names the user writes.
+    module_prefix: str = ""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -135,7 +142,7 @@ class PrecisionPolicy:
         """
         if self.level is Level.O0:
             return Decision("fp32", "level:O0")
-        hit = self._override(op, module, node)
+        hit = self._override(op, self.user_module(module), node)
         if hit is not None:
             verb = "keep" if hit.action == "keep_fp32" else "low"
             return Decision("fp32" if hit.action == "keep_fp32" else "low", f"user:{verb} {hit.pattern}")
@@ -165,6 +172,21 @@ class PrecisionPolicy:
     def is_discrete_decision(op: str) -> bool:
         """Whether ``op`` (a table key) turns values into indices or an order (``topk``, ``argmax``, ...)."""
         return op in _DISCRETE
+
+    def unmatched(self, sites: Iterable[tuple[str, str, str]]) -> list[Override]:
+        """The user's overrides that match none of ``sites`` (``(op, module, node)`` of every node a pass decides)."""
+        left = [o for o in self.overrides if o.source == "user"]
+        for op, module, node in sites:
+            if not left:
+                break
+            left = [o for o in left if not o.matches(op, self.user_module(module), node)]
+        return left
+
+    def user_module(self, module: str) -> str:
+        """``module`` as the user names it (without :attr:`module_prefix`)."""
+        if self.module_prefix and (module + ".").startswith(self.module_prefix):
+            return module[len(self.module_prefix) :]
+        return module
 
     def _override(self, op: str, module: str, node: str) -> Override | None:
         hits = [o for o in self.overrides if o.matches(op, module, node)]
@@ -201,10 +223,11 @@ def resolve_level(level: str | Level | None) -> Level:
 
 
 def make_overrides(
-    keep_fp32: tuple[str, ...] | list[str] = (), force_low: tuple[str, ...] | list[str] = ()
+    keep_fp32: tuple[str, ...] | list[str] = (), force_low: tuple[str, ...] | list[str] = (), source: str = "user"
 ) -> tuple[Override, ...]:
-    """Build override rules from the ``--keep-fp32`` / ``--force-low`` pattern lists."""
-    rules = [Override("keep_fp32", p) for p in keep_fp32] + [Override("force_low", p) for p in force_low]
+    """Build override rules from the ``--keep-fp32`` / ``--force-low`` pattern lists (``source``: who wrote them)."""
+    rules = [Override("keep_fp32", p, source) for p in keep_fp32]
+    rules += [Override("force_low", p, source) for p in force_low]
     for rule in rules:
         if not rule.glob:
             raise ConfigError(f"empty override pattern {rule.pattern!r}", "write e.g. module:encoder.*")

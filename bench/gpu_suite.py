@@ -11,6 +11,8 @@ Phases (each bounded by the time budget; what does not fit is listed as skipped,
    random weights) at batch 1 and 32: FP32 with TF32 off and on, ``torch.autocast`` fp16/bf16, amplite
    O1/O2 fp16/bf16 with and without contraction fusion.
 4. ONNX Runtime's CUDA provider on amplite's fp16 and bf16 ONNX files, when that provider is present.
+4b. Compiled rows (issue 31): FP32, autocast bf16, amplite O2 bf16 and all-bf16 under ``torch.compile``, CUDA
+   graphs off (default mode) and on (``mode="reduce-overhead"``); the CUDA-graph rows say n/a on CPU.
 5. The training step: not measured (amplite has no training API yet; the row says so).
 
 Needs a CUDA build of torch (amplite supports torch 2.11-2.13) and ``transformers`` (the bench extra);
@@ -129,8 +131,8 @@ def onnx_rows(dry: bool, device: torch.device, budget: Budget, tmp: Path) -> lis
     import amplite
 
     rows = []
-    for spec in gpu_models.specs(dry)[:1 if dry else None]:
-        for p in gpu_models.PRECISIONS[:1 if dry else None]:
+    for spec in gpu_models.specs(dry)[: 1 if dry else None]:
+        for p in gpu_models.PRECISIONS[: 1 if dry else None]:
             row: dict[str, Any] = {"model": spec.name, "precision": p, "provider": provider, "batch": 1}
             if budget.left() < 30 and not dry:
                 rows.append(row | {"error": "skipped (time budget)"})
@@ -149,12 +151,68 @@ def onnx_rows(dry: bool, device: torch.device, budget: Budget, tmp: Path) -> lis
     return rows
 
 
+def compiled_rows(dry: bool, device: torch.device, budget: Budget, warmup: int, iters: int) -> list[dict[str, Any]]:
+    """Issue 31 on the device: FP32, autocast bf16, amplite O2 bf16 and all-bf16 under ``torch.compile``, with
+    CUDA graphs off (default mode) and on (``mode="reduce-overhead"``); CUDA-graph rows say n/a without CUDA."""
+    import copy
+
+    import amplite
+
+    rows: list[dict[str, Any]] = []
+    for spec in gpu_models.specs(dry)[: 1 if dry else 2]:
+        try:
+            model, example = spec.build()
+            model = model.to(device)
+            inputs = gpu_models.rebatch(example, 1, device)
+            res = amplite.convert(model, inputs, precision="bf16", level="O2", verify=False)
+
+            def autocast(*a: Any, m: Any = model, **k: Any) -> Any:
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    return m(*a, **k)
+
+            low = copy.deepcopy(model).to(torch.bfloat16)
+            low_in = torch.utils._pytree.tree_map(
+                lambda t: t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, inputs
+            )
+            cases = {"fp32": (model, inputs), "autocast bf16": (autocast, inputs),
+                     "amplite O2 bf16": (res.module(), inputs), "all bf16": (low, low_in)}  # fmt: skip
+        except Exception as e:
+            rows.append({"model": spec.name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            continue
+        for variant, (fn, inp) in cases.items():
+            for mode, graphs in (("default", "off"), ("reduce-overhead", "on")):
+                row: dict[str, Any] = {"model": spec.name, "variant": variant, "cuda_graphs": graphs, "batch": 1}
+                if graphs == "on" and device.type != "cuda":
+                    rows.append(row | {"error": "n/a: CUDA graphs need a CUDA device"})
+                    continue
+                if budget.left() < 20 and not dry:
+                    rows.append(row | {"error": "skipped (time budget)"})
+                    continue
+                try:
+                    compiled = torch.compile(fn, mode=mode)
+                    row["ms"] = timeit(lambda c=compiled, i=inp: gpu_models.call(c, i), device, warmup, iters)
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+                rows.append(row)
+    return rows
+
+
+def compiled_markdown(rows: list[dict[str, Any]]) -> str:
+    """The ``## Compiled (torch.compile)`` section of RESULTS-gpu.md."""
+    lines = ["", "## Compiled (torch.compile, issue 31)", "", "| model | variant | CUDA graphs | ms (median) |",
+             "|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        value = f"{r['ms']:.3f}" if "ms" in r else r.get("error", "")
+        lines.append(f"| {r['model']} | {r.get('variant', '-')} | {r.get('cuda_graphs', '-')} | {value} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: checks that every phase runs")
     ap.add_argument("--out", type=Path, default=ROOT / "bench", help="directory for the .md and .json")
     ap.add_argument("--budget-s", type=float, default=285.0, help="stop starting new work after this long")
-    ap.add_argument("--skip", default="", help="comma-separated phases to skip: pytest,micro,e2e,onnx")
+    ap.add_argument("--skip", default="", help="comma-separated phases to skip: pytest,micro,e2e,onnx,compiled")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not args.dry_run:
@@ -199,11 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         data["onnx"] = [] if "onnx" in skip else onnx_rows(dry, device, budget, Path(tmp))
     phase["onnx"] = time.monotonic() - t0 - sum(phase.values())
+    data["compiled"] = [] if "compiled" in skip else compiled_rows(dry, device, budget, warmup, iters)
+    phase["compiled"] = time.monotonic() - t0 - sum(phase.values())
     data["training"] = {"error": "n/a: amplite has no training-step API yet"}
     data["targets"] = targets(data)
     data["meta"]["seconds"] = time.monotonic() - t0
     stem = "RESULTS-gpu.dry-run" if dry else "RESULTS-gpu"
-    (out / f"{stem}.md").write_text(render(data))
+    (out / f"{stem}.md").write_text(render(data) + compiled_markdown(data["compiled"]))
     (out / f"{stem.replace('RESULTS', 'results')}.json").write_text(json.dumps(data, indent=1, default=str))
     times = ", ".join(f"{k} {v:.0f} s" for k, v in phase.items())
     print(f"gpu_suite: {data['meta']['seconds']:.0f} s ({times}); wrote {out / (stem + '.md')}")

@@ -372,3 +372,25 @@ def test_a_converted_directory_is_read_by_every_command_that_takes_a_directory(c
     again = convert_to_files(tmp_path / "bf16", output=tmp_path / "again", precision="bf16")
     assert again.exit_code == 0 and again.result.data["weights"]["ratio"] == 1.0  # already bf16: nothing to halve
     assert json.loads((tmp_path / "again" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_api_result_saves_like_the_cli_and_says_what_module_to_use(ckpt: Path, tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    result = amplite.convert(ckpt, precision="bf16", level="O2")
+    assert result.report.data is result.data and result.report.data["config"]["precision"] == "bf16"
+    out = result.save(tmp_path / "llama.bf16")
+    assert out == tmp_path / "llama.bf16" and (out / "config.json").is_file()
+    shard = next(out.glob("*.safetensors"))
+    with safe_open(str(shard), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys() if k.endswith("proj.weight")} == {torch.bfloat16}  # noqa: SIM118
+    loaded = transformers.LlamaForCausalLM.from_pretrained(out)
+    assert next(loaded.model.layers[0].mlp.parameters()).dtype == torch.bfloat16
+    with pytest.raises(AmpliteError, match="exists"):  # the CLI's output guard: nothing overwritten
+        result.save(out)
+    pt2 = result.save(tmp_path / "llama.pt2")
+    program = torch.export.load(str(pt2))
+    embed = next(v for k, v in program.state_dict.items() if k.endswith("embed_tokens.weight"))
+    assert embed.dtype == torch.bfloat16
+    with pytest.raises(AmpliteError, match="from_pretrained"):
+        result.module()

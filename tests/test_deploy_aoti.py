@@ -1,9 +1,15 @@
 """Issue 31: the converted program compiled for deployment — torch.compile and AOTInductor (``--format aoti``).
 
 The package users deploy is the one verified: written, loaded back with ``aoti_load_package``, run on the
-verification inputs against FP32. Each AOTInductor compile takes tens of seconds on two cores, so the
-tests compile three programs in all: a fixture through the CLI (dynamic batch, checked in a fresh process on
-another batch size), one with ``amplite::contract`` (decomposed for the package), and a transformers GPT-2.
+verification inputs against FP32. An AOTInductor compile takes seconds to tens of seconds on two cores, so
+every artifact is built once per module (module-scoped fixtures) and shared by the tests that read it:
+
+- ``mlp_cli``: the MLP fixture through the CLI, ``--format pt2,aoti --dynamic-batch``;
+- ``builds``: the causal fixture and a one-layer transformers GPT-2, each converted bf16 O2 with
+  ``amplite::contract`` fusion and without, saved as ``.pt2`` and as a package, and ``torch.compile``-d.
+
+One fresh process then loads every package and every ``.pt2`` and compares them (the MLP on another batch
+size, through its dynamic dimension). The planted-wrong-package test compiles one more (tiny) package.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -24,6 +31,7 @@ from fixtures.zoo import make
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore")
+VARIANTS = ("fused", "unfused")
 
 
 @pytest.fixture(scope="module")
@@ -34,39 +42,142 @@ def mlp_pt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _fresh(code: str, cwd: Path) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    return res.stdout
+@pytest.fixture(scope="module")
+def mlp_cli(mlp_pt2: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """``convert --format pt2,aoti --dynamic-batch`` on the MLP: (CLI result, output directory)."""
+    from typer.testing import CliRunner
+
+    from amplite.cli import app
+
+    out = tmp_path_factory.mktemp("mlp_cli")
+    args = ["convert", str(mlp_pt2), "--precision", "bf16", "--level", "O2", "--format", "pt2,aoti",
+            "--dynamic-batch", "-o", str(out / "mlp.bf16.pt2")]  # fmt: skip
+    return CliRunner().invoke(app, args, catch_exceptions=False), out
 
 
-def test_cli_writes_a_verified_package_that_runs_in_a_fresh_process(mlp_pt2: Path, tmp_path: Path, cli) -> None:
-    out = tmp_path / "mlp.bf16.pt2"
-    res = cli("convert", mlp_pt2, "--precision", "bf16", "--level", "O2", "--format", "pt2,aoti",
-              "--dynamic-batch", "-o", out)  # fmt: skip
+def _gpt2() -> tuple[torch.nn.Module, Any]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    return model, ((), {"input_ids": torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1)),
+                        "use_cache": False})  # fmt: skip
+
+
+def _logits(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    return out["logits"] if isinstance(out, dict) else out[0]
+
+
+def _build(name: str, tmp: Path) -> dict[str, Any]:
+    """One model converted fused and unfused: results, ``.pt2`` and package paths, torch.compile outputs."""
+    model, inputs = make(name) if name == "causal" else _gpt2()
+    args, kwargs = inputs
+    out: dict[str, Any] = {"name": name, "dir": tmp, "inputs": inputs}
+    for variant in VARIANTS:
+        res = amplite.convert(model, inputs, precision="bf16", level="O2", fuse_contractions=variant == "fused")
+        pt2 = res.save(tmp / f"{variant}.pt2")
+        pkg = res.save(tmp / f"{variant}.aoti.pt2", format="aoti")
+        compiled = None
+        if variant == "fused":  # torch.compile of the custom op's graph (the unfused one is plain ATen)
+            with torch.no_grad():
+                compiled = _logits(torch.compile(res.module())(*args, **kwargs))
+        out[variant] = {"result": res, "pt2": pt2, "pkg": pkg, "compiled": compiled}
+    torch.save(inputs, tmp / "inputs.pt")
+    return out
+
+
+@pytest.fixture(scope="module")
+def causal_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _build("causal", tmp_path_factory.mktemp("causal"))
+
+
+@pytest.fixture(scope="module")
+def gpt2_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _build("gpt2", tmp_path_factory.mktemp("gpt2"))
+
+
+@pytest.fixture(params=["causal", "gpt2"])
+def builds(request: pytest.FixtureRequest) -> dict[str, Any]:
+    return request.getfixturevalue(f"{request.param}_builds")
+
+
+def test_cli_writes_a_verified_package(mlp_cli: tuple[Any, Path]) -> None:
+    res, out = mlp_cli
     assert res.exit_code == 0, res.stderr
-    package = tmp_path / "mlp.bf16.aoti.pt2"
-    assert out.exists() and package.exists()
-    report = json.loads((tmp_path / "mlp.bf16.report.json").read_text())
+    assert (out / "mlp.bf16.pt2").exists() and (out / "mlp.bf16.aoti.pt2").exists()
+    report = json.loads((out / "mlp.bf16.report.json").read_text())
     aoti = report["verification_aoti"]
     assert aoti["passed"] is True and aoti["outputs"][0]["sqnr_db"] > 30
     assert {o["format"] for o in report["outputs"]} == {"pt2", "aoti"}
     schema = json.loads((Path(amplite.__file__).parent / "schemas" / "report.schema.json").read_text())
     jsonschema.Draft202012Validator(schema).validate(report)
-    # The package on another batch size, in a fresh process, against the .pt2 amplite wrote.
-    code = (
-        "import torch\n"
-        "from torch._inductor import aoti_load_package\n"
-        f"pkg = aoti_load_package({str(package)!r})\n"
-        f"ep = torch.export.load({str(out)!r})\n"
-        "x = torch.randn(7, 32, generator=torch.Generator().manual_seed(3))\n"
-        "a, b = pkg(x), ep.module()(x)\n"
-        "print(a.dtype, tuple(a.shape), float((a.float() - b.float()).abs().max()))\n"
-    )
-    line = _fresh(code, tmp_path).strip()
-    assert line.startswith("torch.float32 (7,"), line
-    assert float(line.rsplit(" ", 1)[1]) < 1e-2  # compiled vs eager bf16: same plan, kernel-order rounding only
+
+
+def test_packages_are_verified_fused_and_unfused(builds: dict[str, Any]) -> None:
+    """Both plans package; the fused one had its ``amplite::contract`` nodes decomposed for the package."""
+    for variant in VARIANTS:
+        res = builds[variant]["result"]
+        contracts = sum(1 for n in res.program.graph.nodes if "contract" in str(n.target))
+        assert (contracts > 0) == (variant == "fused"), (builds["name"], variant, contracts)
+        entry = next(o for o in res.report.data["outputs"] if o["format"] == "aoti")
+        assert entry["decomposed_contractions"] == contracts
+        check = res.report.data["verification_aoti"]
+        assert check["passed"] is True, check
+        assert min(o["sqnr_db"] for o in check["outputs"]) > 20
+
+
+def test_torch_compile_matches_the_pt2(builds: dict[str, Any]) -> None:
+    args, kwargs = builds["inputs"]
+    with torch.no_grad():
+        eager = _logits(builds["fused"]["result"].module()(*args, **kwargs))
+    compiled = builds["fused"]["compiled"]
+    assert compiled.dtype == eager.dtype and compiled.shape == eager.shape
+    assert torch.allclose(compiled.float(), eager.float(), atol=5e-2, rtol=5e-2), builds["name"]
+
+
+FRESH = """
+import json, sys, torch
+import amplite  # registers amplite::contract: the fused .pt2 loads only after it
+import transformers.modeling_outputs  # registers GPT-2's output class with pytree (package and .pt2)
+from torch._inductor import aoti_load_package
+
+def logits(o):
+    return o if isinstance(o, torch.Tensor) else (o["logits"] if isinstance(o, dict) else o[0])
+
+out = {}
+for pkg, pt2, inputs in json.loads(sys.argv[1]):
+    if inputs == "mlp":  # another batch size than the example's: the package's dynamic dimension
+        args, kwargs = (torch.randn(7, 32, generator=torch.Generator().manual_seed(3)),), {}
+    else:
+        args, kwargs = torch.load(inputs, weights_only=False)
+    with torch.no_grad():
+        a = logits(aoti_load_package(pkg)(*args, **kwargs))
+        b = logits(torch.export.load(pt2).module()(*args, **kwargs))
+    out[pkg] = [str(a.dtype), str(b.dtype), list(a.shape), list(b.shape), float((a.float() - b.float()).abs().max())]
+print(json.dumps(out))
+"""
+
+
+def test_packages_match_the_pt2_in_a_fresh_process(
+    mlp_cli: tuple[Any, Path], causal_builds: dict[str, Any], gpt2_builds: dict[str, Any]
+) -> None:
+    """Every package and every ``.pt2`` loaded in a process that built none of them; same outputs."""
+    jobs = [[str(mlp_cli[1] / "mlp.bf16.aoti.pt2"), str(mlp_cli[1] / "mlp.bf16.pt2"), "mlp"]]
+    for built in (causal_builds, gpt2_builds):
+        jobs += [[str(built[v]["pkg"]), str(built[v]["pt2"]), str(built["dir"] / "inputs.pt")] for v in VARIANTS]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", FRESH, json.dumps(jobs)], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(got) == {j[0] for j in jobs}
+    for pkg, (dt_a, dt_b, shape_a, shape_b, diff) in got.items():
+        assert dt_a == dt_b and shape_a == shape_b, pkg
+        assert diff < 5e-2, (pkg, diff)  # compiled vs eager bf16: the same plan, kernel-order rounding only
+    assert got[jobs[0][0]][2][0] == 7  # the MLP package took batch 7 (exported with 4)
 
 
 def test_planted_wrong_package_fails_verification(mlp_pt2: Path, tmp_path: Path, cli, monkeypatch) -> None:
@@ -98,40 +209,3 @@ def test_no_cxx_compiler_is_a_one_line_error_before_work(mlp_pt2: Path, tmp_path
     res = cli("convert", mlp_pt2, "--format", "aoti", "-o", tmp_path / "x.pt2")
     assert res.exit_code == 2 and res.stderr.count("\n") == 1 and "C++ compiler" in res.stderr, res.stderr
     assert not list(tmp_path.iterdir())
-
-
-def test_fused_contraction_is_decomposed_and_matches(tmp_path: Path) -> None:
-    model, inputs = make("causal")
-    result = amplite.convert(model, inputs, precision="bf16", level="O2", fuse_contractions=True)
-    assert any("contract" in str(n.target) for n in result.program.graph.nodes)
-    path = result.save(tmp_path / "causal.pt2", format="aoti")
-    entry = next(o for o in result.report.data["outputs"] if o["format"] == "aoti")
-    assert entry["decomposed_contractions"] >= 1
-    assert result.report.data["verification_aoti"]["passed"] is True
-    from amplite.deploy.aoti import load_aoti
-
-    args, kwargs = inputs
-    got, want = load_aoti(path)(*args, **kwargs), result.module()(*args, **kwargs)
-    assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
-
-
-def test_transformers_gpt2_packages_and_compiles(tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    ids = torch.randint(0, 64, (2, 8))
-    result = amplite.convert(model, ((), {"input_ids": ids, "use_cache": False}), precision="bf16", level="O2")
-    path = result.save(tmp_path / "gpt2.pt2", format="aoti")
-    assert result.report.data["verification_aoti"]["passed"] is True
-    from amplite.deploy.aoti import load_aoti
-
-    eager = result.module()(input_ids=ids, use_cache=False)
-    packaged = load_aoti(path)(input_ids=ids, use_cache=False)
-    eager_logits = eager["logits"] if isinstance(eager, dict) else eager[0]
-    packaged_logits = packaged["logits"] if isinstance(packaged, dict) else packaged[0]
-    assert torch.allclose(packaged_logits.float(), eager_logits.float(), atol=5e-2, rtol=5e-2)
-    compiled = torch.compile(result.module())  # the Python-service path: torch.compile of the converted module
-    logits = compiled(input_ids=ids, use_cache=False)
-    logits = logits["logits"] if isinstance(logits, dict) else logits[0]
-    assert torch.allclose(logits.float(), eager_logits.float(), atol=5e-2, rtol=5e-2)

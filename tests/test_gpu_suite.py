@@ -30,6 +30,12 @@ def test_gpu_suite_dry_run(tmp_path):
     assert fused and all(n["contract_nodes"] == 3 for n in fused)  # dynamic batch did not block fusion
     assert any(t["target"].startswith("tiny-block b1") for t in data["targets"])
     assert data["onnx"] and data["training"]["error"].startswith("n/a")
+    # Compiled rows (issue 31): every variant timed with CUDA graphs off; on CPU the CUDA-graph rows say n/a.
+    compiled = {(r["variant"], r["cuda_graphs"]): r for r in data["compiled"]}
+    for v in ("fp32", "autocast bf16", "amplite O2 bf16", "all bf16"):
+        assert compiled[(v, "off")]["ms"] > 0, compiled[(v, "off")]
+        assert compiled[(v, "on")]["error"].startswith("n/a")
+    assert "## Compiled (torch.compile" in md
     for section in ("## Targets", "## pytest -m gpu", "## Contraction microbenchmark", "## End-to-end latency",
                     "## ONNX Runtime", "## Training step"):  # fmt: skip
         assert section in md

@@ -23,6 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 256
 #: Thresholds these tests hold the converted Llama to (teacher-forced greedy agreement with FP32).
 BF16_AGREEMENT, FP16_AGREEMENT = 0.95, 0.99
+#: Teacher-forced agreement steps per prompt in the fixtures (generation itself is 32 tokens; the FP32
+#: reference decode is the slow part of verification, so the agreement is measured on 4 x 16 positions).
+AGREEMENT_STEPS = 16
 
 
 def _llama() -> torch.nn.Module:
@@ -50,12 +53,12 @@ def llama() -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def bf16(llama: torch.nn.Module) -> llm.LLMResult:
-    return llm.convert_llm(llama, precision="bf16", level="O2", steps=32)
+    return llm.convert_llm(llama, precision="bf16", level="O2", steps=AGREEMENT_STEPS)
 
 
 @pytest.fixture(scope="module")
 def fp16(llama: torch.nn.Module) -> llm.LLMResult:
-    return llm.convert_llm(llama, precision="fp16", level="O1", steps=32)
+    return llm.convert_llm(llama, precision="fp16", level="O1", steps=AGREEMENT_STEPS)
 
 
 def _hf_greedy(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, n: int) -> torch.Tensor:
@@ -75,8 +78,8 @@ def test_fp32_step_generates_what_transformers_generates(llama: torch.nn.Module)
     ids, mask = _prompts()
     with amplite_attention(llama):
         step = LMStep(llama)
-        ours = greedy(Runner(step, step.shape, torch.float32), ids, 12, mask)[:, ids.shape[1] :]
-    assert torch.equal(ours, _hf_greedy(llama, ids, mask, 12))
+        ours = greedy(Runner(step, step.shape, torch.float32), ids, 6, mask)[:, ids.shape[1] :]
+    assert torch.equal(ours, _hf_greedy(llama, ids, mask, 6))
 
 
 @pytest.mark.parametrize("which, threshold, dtype", [("bf16", BF16_AGREEMENT, torch.bfloat16),
@@ -87,7 +90,7 @@ def test_converted_llama_generates_32_tokens_with_a_low_precision_cache(
     res: llm.LLMResult = request.getfixturevalue(which)
     section = res.report.data["llm"]
     assert res.passed is True and section["passed"] is True
-    assert section["token_agreement"] >= threshold and section["prompts"] * section["steps"] == 4 * 32
+    assert section["token_agreement"] >= threshold and section["prompts"] * section["steps"] == 4 * AGREEMENT_STEPS
     assert section["prompt_lengths"] == [8, 8, 5, 5] and 0 <= section["ppl_delta"] < 0.01
     assert {c["criterion"].split(">")[0].split("<")[0] for c in section["checks"]} == {"token_agreement", "ppl_delta"}
     # the cache crosses the program in the low dtype, in and out

@@ -121,7 +121,7 @@ def _db(value: Any) -> str:
 def _classify(exc: BaseException) -> tuple[str, str]:
     """(status, one-line error) for an exception raised by a conversion."""
     from amplite.converter.tracing import summarize_exception
-    from amplite.errors import AmpliteError
+    from amplite.errors import AmpliteError, path_error
 
     chain, seen = [], set()
     e: BaseException | None = exc
@@ -138,6 +138,9 @@ def _classify(exc: BaseException) -> tuple[str, str]:
             )
     if isinstance(exc, AmpliteError):
         return "error", exc.one_line()
+    refused = path_error(exc)
+    if refused is not None:
+        return "error", refused.one_line()
     return "error", (
         f"internal error: {summarize_exception(exc)} — fix: reproduce with `amplite convert --debug`"
         " and report it"

@@ -114,6 +114,60 @@ class StreamedConversion:
         sources = {n: (lambda n=n: self.tensor(n)) for n in names}
         return write_pt2(self.program, Path(dest), sources, step, self.aliases(names))
 
+    def save(
+        self, path: str | Path, *, format: str | None = None, verify: bool = True, inputs: Any = None,
+        progress: Progress = _no_progress,
+    ) -> Path:
+        """Write the converted checkpoint as the CLI does: ``X.pt2`` is a ``.pt2``, any other path a
+        safetensors directory (``format``: ``safetensors``, ``pt2`` or both, comma-separated), behind the
+        same output guard. Nothing partial is left on failure. Then, unless ``verify=False``, what was written
+        is verified block by block against the source (:meth:`verify`; the verdict is :attr:`passed`).
+
+        Args:
+            path: Output path (``X.pt2`` or a directory).
+            format: ``safetensors``, ``pt2`` or both (default: from ``path``).
+            verify: Verify the written weights (from the safetensors directory when one was written).
+            inputs: Real ``(args, kwargs)`` for verification (default: seeded random ``input_ids``).
+            progress: Called as ``(step, bytes done, bytes total)``.
+
+        Returns:
+            The first output written.
+
+        Raises:
+            ConfigError: A bad format or an existing output directory / unwritable path.
+        """
+        from amplite.checkpoint.files import _remove, check_outputs, plan_checkpoint_outputs, write_outputs
+
+        level = str(self.data.get("config", {}).get("level", "O2"))
+        precision = str(self.data.get("config", {}).get("precision", "fp16"))
+        targets = plan_checkpoint_outputs(self.checkpoint.path, path, format, precision, level)
+        check_outputs(targets)
+        written: list[Path] = []
+        try:
+            write_outputs(self, targets, progress, written)
+        except BaseException:
+            for p in written:
+                _remove(p)
+            raise
+        fresh = [{"format": f, "path": str(p)} for f, p in targets]
+        kept = [e for e in self.data.get("outputs", []) if e.get("path") not in {x["path"] for x in fresh}]
+        self.data["outputs"] = [*kept, *fresh]  # earlier saves stay listed, as for a module's result
+        if verify:
+            self.verify(next((p for f, p in targets if f == "safetensors"), targets[0][1]), inputs, progress=progress)
+        return written[0]
+
+    def module(self) -> Any:
+        """Not available: a streamed checkpoint's weights are never materialised in memory.
+
+        Raises:
+            ConfigError: Always, naming what to use instead.
+        """
+        raise ConfigError(
+            "a converted checkpoint directory has no in-memory module (its weights stay in the shards)",
+            "result.save(DIR) then transformers' AutoModelForCausalLM.from_pretrained(DIR), or "
+            "result.save('model.pt2') then torch.export.load('model.pt2').module()",
+        )
+
     def aliases(self, names: list[str]) -> dict[str, str]:
         """Program weight -> an earlier one with the same values and dtype (tied weights: stored once)."""
         first: dict[tuple[str, torch.dtype | None], str] = {}
@@ -251,8 +305,10 @@ def convert_checkpoint(
     use_rules = range_rules if range_rules is not None else lvl in (Level.O1, Level.O2)
     flagged = weight_rules(ckpt, keys, progress, RangeRules()) if use_rules and precision == "fp16" else {}
     timings["weight_statistics"] = perf_counter() - start
-    keep = [*keep_fp32, *(f"module:{m}" for m in flagged)]
-    policy = PrecisionPolicy(precision, lvl, make_overrides(keep, force_low), low_precision_io)
+    # fp16 weight rules; patterns see the user's module names (model.layers.0...), not the wrapper's lm.
+    pins = make_overrides([f"module:{m.removeprefix(PREFIX)}" for m in flagged], source="checkpoint")
+    policy = PrecisionPolicy(precision, lvl, (*make_overrides(keep_fp32, force_low), *pins), low_precision_io,
+                             module_prefix=PREFIX)  # fmt: skip
     out = run_pipeline(model, inputs, policy, fold_batchnorm=False)
     timings.update(out.timings)
     _check_constants(out.converted, keys, buffers)

@@ -76,11 +76,7 @@ def checkpoint_to_files(
     precision = conversion.get("precision", "fp16")
     level = checkpoint_level(conversion.get("level")).value
     targets = plan_checkpoint_outputs(src, output, formats, precision, level)
-    for fmt, path in targets:
-        if fmt == "pt2":
-            emit.check_writable(path)
-        elif path.exists() and (not path.is_dir() or any(path.iterdir())):
-            raise ConfigError(f"{path} exists", "choose a new output directory or remove it")
+    check_outputs(targets)
     first = targets[0][1]
     name = first.stem if first.suffix == ".pt2" else first.name
     report_path = Path(report) if report is not None else first.with_name(name + ".report.json")
@@ -92,8 +88,7 @@ def checkpoint_to_files(
     written: list[Path] = []
     previous = _sigterm_raises()
     try:
-        for fmt, path in targets:
-            written.append(conv.save_pt2(path, progress) if fmt == "pt2" else conv.save_safetensors(path, progress))
+        write_outputs(conv, targets, progress, written)
         if verify:  # from what was written: the safetensors directory when there is one, else the .pt2
             weights = next((p for f, p in targets if f == "safetensors"), targets[0][1])
             real = example_inputs if example_inputs is not None and not _on_meta(example_inputs) else None
@@ -116,6 +111,24 @@ def _size(path: Path) -> int:
     if path.is_dir():
         return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     return path.stat().st_size if path.exists() else 0
+
+
+def check_outputs(targets: list[tuple[str, Path]]) -> None:
+    """The output guard: a ``.pt2`` must be writable, a safetensors directory new or empty."""
+    for fmt, path in targets:
+        if fmt == "pt2":
+            emit.check_writable(path)
+        elif path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise ConfigError(f"{path} exists", "choose a new output directory or remove it")
+
+
+def write_outputs(conv: StreamedConversion, targets: list[tuple[str, Path]], progress: Progress = _no_progress,
+                  written: list[Path] | None = None) -> list[Path]:  # fmt: skip
+    """Write each planned output (``written`` collects them as they finish, for cleanup by the caller)."""
+    out = [] if written is None else written
+    for fmt, path in targets:
+        out.append(conv.save_pt2(path, progress) if fmt == "pt2" else conv.save_safetensors(path, progress))
+    return out
 
 
 def check_verify_memory(conv: StreamedConversion, max_memory_gb: float) -> None:

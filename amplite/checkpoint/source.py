@@ -120,7 +120,12 @@ def inside(root: Path, name: object, what: str) -> Path:
         raise LoadError(f"{root}: {what} {name!r} is not a file name inside the checkpoint directory",
                         "keep every shard in the checkpoint directory itself (no paths, no '..')")  # fmt: skip
     path = root / name
-    if path.is_symlink():
+    try:
+        link = path.is_symlink()
+    except OSError as exc:  # a name the file system refuses (too long, invalid bytes): not a file of this directory
+        fix = "keep every shard in the checkpoint directory under its own short file name"
+        raise LoadError(f"{root}: {what} {name[:80]!r} cannot be a file here ({exc.strerror})", fix) from None
+    if link:
         raise LoadError(f"{path} is a symlink; amplite reads only files inside the checkpoint directory",
                         "copy the file into the directory instead of linking it")  # fmt: skip
     return path

@@ -19,7 +19,7 @@ import typer
 from rich.markup import escape
 
 from amplite.cli.output import err
-from amplite.errors import AmpliteError
+from amplite.errors import AmpliteError, path_error
 
 app = typer.Typer(
     add_completion=False,
@@ -31,7 +31,7 @@ app = typer.Typer(
 
 @contextmanager
 def _logging(debug: bool) -> Iterator[None]:
-    """Quiet torch's internal warnings unless --debug; with --debug, show amplite's debug log."""
+    """Quiet torch's internal log (warnings and errors) unless --debug; with --debug, show amplite's debug log."""
     torch_log, amp_log = logging.getLogger("torch"), logging.getLogger("amplite")
     saved = torch_log.level, amp_log.level
     handler = logging.StreamHandler(sys.stderr)
@@ -40,7 +40,9 @@ def _logging(debug: bool) -> Iterator[None]:
         amp_log.setLevel(logging.DEBUG)
         amp_log.addHandler(handler)
     else:
-        torch_log.setLevel(logging.ERROR)
+        # Not even ERROR: torch logs a failing meta kernel or symbolic-shape check (with its traceback) before it
+        # raises, and amplite turns the exception into the one line that names the problem and the fix.
+        torch_log.setLevel(logging.CRITICAL + 1)
     try:
         yield
     finally:
@@ -79,6 +81,10 @@ def _run(debug: bool, body: Callable[[], int]) -> None:
         if debug:
             _show(caught)
             traceback.print_exc()
+        refused = path_error(exc)  # the OS refused a named path (too long, no permission, disk full)
+        if refused is not None:
+            err.print(f"[bold red]error:[/] {escape(refused.one_line())}", soft_wrap=True)
+            raise typer.Exit(2) from None
         err.print(
             f"[bold red]internal error:[/] {escape(type(exc).__name__)}: "
             f"{escape(str(exc).splitlines()[0]) if str(exc) else ''}"

@@ -9,6 +9,8 @@ expressions are parsed by :mod:`amplite.converter.sym_expr`, and ``guards_code``
 
 from __future__ import annotations
 
+import json
+import keyword
 import re
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,9 @@ _FQN_KEYS = {
 }  # fmt: skip
 _VALUE_MAPS = {"tensor_values", "sym_int_values", "sym_bool_values", "sym_float_values", "custom_obj_values"}
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\u2028\u2029]")
+_QUOTES = re.compile(r"['\"\\]")
+
+
 def _refuse(path: Path, problem: str) -> LoadError:
     return LoadError(f"{str(path)!r}: {problem}", "re-save the model with torch.export.save (and copy the file again)")
 
@@ -68,5 +73,69 @@ def _check_string(path: Path, record: str, key: str, value: str) -> None:
         raise _refuse(path, f"{bad} is not an identifier (it would be written into generated code)")
     if key in _FQN_KEYS and not FQN.match(value):
         raise _refuse(path, f"{bad} is not a dotted attribute name")
-    if key in ("as_string", "as_strings") and re.search(r"['\"\\]", value):
+    if key in ("as_string", "as_strings") and _QUOTES.search(value):
         raise _refuse(path, f"{bad} contains quotes or backslashes (torch writes it into generated guards)")
+    if key == "forward_arg_names" and not (IDENT.match(value) and not keyword.iskeyword(value)):
+        raise _refuse(path, f"{bad} is not a parameter name (FX writes it into the generated forward)")
+    if key in ("in_spec", "out_spec"):
+        _check_treespec(path, record, key, value)
+
+
+def _check_treespec(path: Path, record: str, key: str, value: str) -> None:
+    """A pytree spec as torch writes it: ``[protocol, node]``, every context a JSON value of plain strings.
+
+    FX writes the keys of the keyword-argument dict into the generated ``forward`` (``{'key': name}``), so
+    they must be identifiers, as Python keyword arguments are; no string of any context may hold a quote or
+    a backslash, so that no future code generation can be led out of a string literal either.
+    """
+    bad = f"{record}: {key}"
+    try:
+        spec = json.loads(value)
+    except (ValueError, RecursionError):
+        raise _refuse(path, f"{bad} is not a pytree spec (not JSON)") from None
+    if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[1], dict)):
+        raise _refuse(path, f"{bad} is not a pytree spec ([protocol, node])")
+    stack: list[tuple[Any, int]] = [(spec[1], 0)]
+    while stack:
+        node, depth = stack.pop()
+        if not isinstance(node, dict) or depth > 64:
+            raise _refuse(path, f"{bad} has a node that is not a spec, or is nested too deeply")
+        kind, context, children = node.get("type"), node.get("context"), node.get("children_spec") or []
+        if kind is not None and not (isinstance(kind, str) and FQN.match(kind)):
+            raise _refuse(path, f"{bad} names the type {str(kind)[:60]!r}, which is not a dotted name")
+        if context is not None and not isinstance(context, str):
+            raise _refuse(path, f"{bad} has a context that is not a JSON string")
+        try:
+            parsed = json.loads(context) if context is not None else None
+        except (ValueError, RecursionError):
+            raise _refuse(path, f"{bad} has a context that is not JSON") from None
+        for text in _strings(parsed):
+            if _QUOTES.search(text) or _CONTROL.search(text) or "\n" in text:
+                raise _refuse(path, f"{bad}: the key {text[:60]!r} holds quotes, backslashes or control characters")
+        if not isinstance(children, list):
+            raise _refuse(path, f"{bad} has children that are not a list")
+        stack.extend((child, depth + 1) for child in children)
+    root = spec[1]
+    kids = root.get("children_spec") or []
+    args_kwargs = root.get("type") == "builtins.tuple" and len(kids) == 2 and kids[1].get("type") == "builtins.dict"
+    if key == "in_spec" and args_kwargs:
+        names = json.loads(kids[1].get("context") or "[]")
+        for name in names if isinstance(names, list) else [names]:
+            if not (isinstance(name, str) and IDENT.match(name) and not keyword.iskeyword(name)):
+                raise _refuse(path, f"{bad}: keyword argument {str(name)[:60]!r} is not an identifier")
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string in a parsed JSON value (keys and values), depth-first."""
+    out: list[str] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+    return out

@@ -49,6 +49,7 @@ from amplite.converter.archive import (
 from amplite.converter.op_allowlist import check_program_ops, refusal, registered_ops
 from amplite.converter.pt2_checks import (
     build_expressions,
+    check_call_graph,
     check_example_inputs,
     check_expansion,
     check_payload_metadata,
@@ -104,6 +105,7 @@ def _load(arch: Archive, trust_pickle: bool, custom: frozenset[str]) -> Exported
         raise LoadError(f"{str(path)!r}: the example inputs are not (args, kwargs)", "re-save the model")
     check_example_inputs(path, sample)
     program = _deserialize(arch, state_dict, constants, sample)
+    check_call_graph(path, program)
     why = check_program_ops(program, custom)
     if why is not None:
         raise LoadError(f"{str(path)!r}: {why}", "convert only programs written by torch.export.save")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.export import ExportedProgram
 
 from amplite.converter.sym_expr import SymExprError, parse_sym_expr
 from amplite.errors import LoadError
@@ -126,3 +127,35 @@ def build_expressions(path: Path, serialized: Any) -> None:
                 stack.append(value.value)
             else:
                 stack.extend(getattr(value, f.name) for f in dataclasses.fields(value))
+
+
+def check_call_graph(path: Path, program: ExportedProgram) -> None:
+    """The program's calling convention is what ``torch.export`` writes, before FX generates ``forward`` from it.
+
+    ``program.module()`` writes the signature's argument names and the keyword names of its input spec into
+    Python source that it compiles and runs; a wrong type or name there fails (or worse) inside torch. The
+    strings were checked on the JSON (``program_strings``); this checks the deserialized structure.
+
+    Raises:
+        LoadError: A call graph without the root entry, or a root signature of the wrong kind.
+    """
+    import keyword
+
+    from torch.utils._pytree import TreeSpec
+
+    graph = program.module_call_graph
+    if not isinstance(graph, list) or not graph or getattr(graph[0], "fqn", None) != "":
+        raise LoadError(f"{str(path)!r}: the module call graph has no root entry (fqn '')", _FIX)
+    for entry in graph:
+        if not isinstance(getattr(entry, "fqn", None), str):
+            raise LoadError(f"{str(path)!r}: a module call graph entry has a name that is not a string", _FIX)
+    sig = graph[0].signature
+    if sig is None or not isinstance(sig.in_spec, TreeSpec) or not isinstance(sig.out_spec, TreeSpec):
+        raise LoadError(f"{str(path)!r}: the root signature has no input and output specs", _FIX)
+    names = sig.forward_arg_names
+    if names is not None and not (
+        isinstance(names, list)
+        and all(isinstance(n, str) and n.isidentifier() and not keyword.iskeyword(n) for n in names)
+        and len(set(names)) == len(names)
+    ):
+        raise LoadError(f"{str(path)!r}: the root signature's argument names are not distinct identifiers", _FIX)

@@ -21,6 +21,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from amplite import op_tables
+from amplite.errors import ConfigError
 from amplite.passes.base import PassResult
 from amplite.passes.graph_utils import cast_dtype, dtypes_of, fake_value, is_float_tensor, module_path
 from amplite.policy import DISCRETE_DECISION, Decision, Level, PrecisionPolicy
@@ -43,6 +44,26 @@ def _widest(dtypes: list[torch.dtype]) -> torch.dtype:
     for dt in dtypes[1:]:
         out = torch.promote_types(out, dt)
     return out
+
+
+def _refuse_unmatched(policy: PrecisionPolicy, sites: list[tuple[str, str, str]]) -> None:
+    """An override that matches no node is a typo the plan would silently ignore: refuse it, with names."""
+    missing = policy.unmatched(sites)
+    if not missing:
+        return
+    rule = missing[0]
+    flag = "--keep-fp32" if rule.action == "keep_fp32" else "--force-low"
+    names = {policy.user_module(m) for _, m, _ in sites}
+    modules = sorted({m for m in names if m and not m.startswith("_")}, key=lambda m: (m.count("."), m))[:4]
+    ops = sorted({o.split(".")[0] for o, _, _ in sites})[:6]
+    shown = f"modules {', '.join(modules)}; " if modules else ""
+    raise ConfigError(
+        f"{flag} {rule.pattern!r} matches no node of this model"
+        + (f" (nor do {len(missing) - 1} more patterns)" if len(missing) > 1 else ""),
+        f"name what the model has ({shown}ops {', '.join(ops)}), e.g. "
+        + (f"module:{modules[0]}.*" if modules else f"op:{ops[0]}" if ops else "op:linear")
+        + "; `amplite inspect MODEL` lists every node",
+    )
 
 
 class AnnotatePrecision:
@@ -81,15 +102,19 @@ class AnnotatePrecision:
     def _decisions(self, gm: torch.fx.GraphModule) -> dict[torch.fx.Node, Decision]:
         """Policy decisions for every float-touching node, before dtype propagation."""
         decisions: dict[torch.fx.Node, Decision] = {}
+        sites: list[tuple[str, str, str]] = []
         for node in gm.graph.nodes:
             if node.op != "call_function" or cast_dtype(node) is not None or node.target is operator.getitem:
                 continue
             op = op_tables.op_name(node.target) or getattr(node.target, "__name__", str(node.target))
+            sites.append((op, module_path(node), node.name))
             decision = self.policy.decide(op, module_path(node), node.name)
             flagged = node.meta.get("amplite_range")  # set by range_guard; user overrides still win
             if flagged and decision.mode != "fp32" and not decision.reason.startswith("user:"):
                 decision = Decision("fp32", flagged)
             decisions[node] = decision
+        if self.policy.level is not Level.O0:
+            _refuse_unmatched(self.policy, sites)
         self._small_pows(decisions)
         if self.policy.level in (Level.O1, Level.O2):
             for node, dec in list(decisions.items()):

@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 from amplite.converter.graph_stats import graph_stats
 from amplite.converter.inputs import normalize_inputs
 from amplite.converter.loading import load_any
+from amplite.converter.tracing import summarize_exception
 from amplite.errors import ConfigError, InputSpecError
 from amplite.policy import LEVEL_ENV, resolve_level
 from amplite.report.document import build_report
@@ -168,7 +169,13 @@ def train_check(
     for step in range(steps):
         (args, kwargs), target = pairs[step % len(pairs)]
         torch.manual_seed(seed + step)
-        loss, loss_name = loss_of(ref(*args, **kwargs), target, seed + step)
+        try:  # the FP32 model is the user's own: what fails there is the batch's (or the model's) fault
+            loss, loss_name = loss_of(ref(*args, **kwargs), target, seed + step)
+        except Exception as exc:
+            raise InputSpecError(
+                f"batch {step % len(pairs)} (step {step}) does not fit the model: {summarize_exception(exc)}",
+                "give batches with the dtypes and ranks forward() expects (sizes may change between batches)",
+            ) from exc
         loss.backward()
         fp32_curve.append(loss.item())
         if not math.isfinite(fp32_curve[-1]):

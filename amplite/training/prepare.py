@@ -26,7 +26,7 @@ from amplite.training.variants import initial_dynamic, trace_variant
 
 #: Training keeps BatchNorm in FP32 at every level: its running statistics are the user's FP32 buffers,
 #: updated in place by the op, and a cast would send the update to a temporary copy.
-BATCHNORM_FP32 = Override("keep_fp32", "op:batch_norm*")
+BATCHNORM_FP32 = Override("keep_fp32", "op:batch_norm*", source="training")
 
 
 def prepare_training(

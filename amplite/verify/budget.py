@@ -75,8 +75,9 @@ def fallback_search(
         if key in cache:
             return cache[key]
         t0 = perf_counter()
-        keep = [*options.get("keep_fp32", []), *(f"node:{name}" for name in names)]
-        policy = PrecisionPolicy(options["precision"], options["level"], make_overrides(keep, options["force_low"]),
+        pins = make_overrides([f"node:{name}" for name in names], source="budget")
+        user = make_overrides(options.get("keep_fp32", []), options["force_low"])
+        policy = PrecisionPolicy(options["precision"], options["level"], (*user, *pins),
                                  options["low_precision_io"])  # fmt: skip
         module = rewrite(
             result.original, result.inputs, policy, fuse_contractions=options["fuse_contractions"],
