@@ -21,6 +21,7 @@ from amplite.converter import emit
 from amplite.errors import ConfigError, EmitError, ExportError, InputSpecError
 from amplite.paths import guard_outputs
 from amplite.report.document import Report
+from amplite.report.schema import write_report
 from amplite.verify import data as data_mod
 from amplite.verify import golden as golden_mod
 from amplite.verify.compare import DEFAULT_TOLERANCES, OutputMetrics, Tolerance, compare_batches, parse_tolerance
@@ -399,7 +400,7 @@ def write_reports(data: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
         raise EmitError(f"cannot create report directory {str(d)!r}: {exc.strerror or type(exc).__name__}",
                         "choose a writable --report directory") from None  # fmt: skip
     return {
-        "json": emit.write_text(d / "report.json", Report(data).to_json()),
+        "json": write_report(d / "report.json", data),
         "md": emit.write_text(d / "report.md", render_markdown(data)),
         "html": emit.write_text(d / "report.html", render_html(data)),
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,10 @@ from amplite.cli import app
 from amplite.converter.graph_stats import node_compute_dtype
 from amplite.passes.graph_utils import cast_dtype
 from fixtures.write_fixtures import write
+
+# Every report any test makes a command write is validated against the published schema as it is written
+# (amplite/report/schema.py): a report that does not match is an InternalError, so the whole suite checks it.
+os.environ.setdefault("AMPLITE_VALIDATE_REPORTS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -75,6 +75,8 @@ def _inputs(job: dict[str, Any]) -> Any:
 
 
 def _success_row(job: dict[str, Any], result: Any) -> dict[str, Any]:
+    from amplite.verify.numbers import decode_float, encode_float
+
     data = result.report.data
     original = result.original
     params = sum(
@@ -83,7 +85,8 @@ def _success_row(job: dict[str, Any], result: Any) -> dict[str, Any]:
         if n in original.state_dict
     )
     outputs = data.get("verification", {}).get("outputs", [])
-    sqnrs = [float(o["sqnr_db"]) for o in outputs if o["dtype"].startswith(("float", "bfloat"))]
+    floats = [decode_float(o["sqnr_db"]) for o in outputs if o["dtype"].startswith(("float", "bfloat"))]
+    sqnrs = [v for v in floats if v is not None]
     worst = min(sqnrs) if sqnrs else None
     status = {True: "ok", False: "verify_failed"}.get(result.passed, "unverified")  # None: verify off
     row = failure_row(job, status, None)
@@ -92,7 +95,7 @@ def _success_row(job: dict[str, Any], result: Any) -> dict[str, Any]:
         low_precision_share=round(float(data["graph"]["after"]["low_precision_flop_share"]), 4),
         casts=int(data["graph"]["after"]["casts"]),
         size_ratio=float(data["weights"]["ratio"]),
-        worst_sqnr_db=("inf" if worst == float("inf") else round(worst, 2)) if worst is not None else None,
+        worst_sqnr_db=encode_float(round(worst, 2)) if worst is not None else None,
         verified=result.passed,
     )
     if result.passed is False:

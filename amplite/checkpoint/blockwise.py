@@ -178,6 +178,7 @@ def verify_blockwise(
     return {
         "passed": all(m.passed for m in metrics),
         "inputs": "the example inputs",
+        "tolerance": {**vars(tolerance), "criteria": list(tolerance.criteria)},
         "outputs": [m.to_dict() for m in metrics],
         "blocks": blocks,
         "peak_weight_bytes": peak,

@@ -31,7 +31,7 @@ from amplite.converter.pipeline import PipelineOutput, run_pipeline
 from amplite.errors import ConfigError
 from amplite.passes.range_guard import RangeRules, weight_reason
 from amplite.policy import LEVEL_ENV, Level, PrecisionPolicy, make_overrides, resolve_level
-from amplite.report.document import Report
+from amplite.report.document import Report, pass_records, report_header
 from amplite.verify.compare import DEFAULT_TOLERANCES, Tolerance
 
 Progress = Callable[[str, int, int], None]  # (step, bytes done, bytes total)
@@ -317,11 +317,15 @@ def convert_checkpoint(
     dtypes.update(storage_dtypes(ckpt, keys, dtypes))
     conv = StreamedConversion(ckpt, out, dtypes, buffers, keys)
     after = sum(math.prod(i.shape) * dtypes[n].itemsize for n, i in ckpt.tensors.items())
+    applied = bool(flagged or use_rules)
     conv.data = {
+        **report_header(),
         "source": {"path": str(ckpt.path), "format": "checkpoint", "shards": len(ckpt.shards)},
         "config": {"precision": precision, "level": lvl.value, "keep_fp32": list(keep_fp32),
                    "force_low": list(force_low), "low_precision_io": low_precision_io,
-                   "range_rules": "weights only (streamed statistics)" if flagged or use_rules else None},
+                   "range_rules": vars(RangeRules()) if applied else None,
+                   **({"range_rules_scope": "weights only (streamed statistics)"} if applied else {})},
+        "passes": pass_records(out.records),
         "weight_rules": [{"module": m, "reason": r} for m, r in flagged.items()],
         "graph": {"before": graph_stats(out.original.graph, policy.low_dtype),
                   "after": graph_stats(out.converted.graph, policy.low_dtype)},

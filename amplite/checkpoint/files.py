@@ -6,7 +6,6 @@ Outputs (``formats``): ``safetensors`` (a directory in the checkpoint's layout, 
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 from pathlib import Path
@@ -23,6 +22,7 @@ from amplite.checkpoint.convert import (
 )
 from amplite.converter import emit
 from amplite.errors import ConfigError
+from amplite.report.schema import write_report
 
 FORMATS = ("safetensors", "pt2")
 #: amplite.convert keywords that mean nothing for a streamed checkpoint (with their defaults).
@@ -99,11 +99,18 @@ def checkpoint_to_files(
         raise
     finally:
         _restore_sigterm(previous)
-    conv.data["outputs"] = [{"format": f, "path": str(p)} for f, p in targets]
+    conv.data["outputs"] = [{"format": f, "path": str(p), "bytes": _size(p)} for f, p in targets]
     conv.data["streaming"] = {"peak_rss_bytes": peak_rss_bytes(), "largest_shard_bytes":
                                 conv.checkpoint.largest_shard_bytes, "shards": len(conv.checkpoint.shards)}  # fmt: skip
-    emit.write_text(report_path, json.dumps(conv.data, indent=2, default=str) + "\n")
+    write_report(report_path, conv.data)
     return conv, written, report_path
+
+
+def _size(path: Path) -> int:
+    """Bytes of a written output: the file, or every file of a directory."""
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return path.stat().st_size if path.exists() else 0
 
 
 def check_outputs(targets: list[tuple[str, Path]]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import platform
 from datetime import datetime, timezone
 from pathlib import Path
@@ -10,8 +9,8 @@ from typing import Any
 
 import torch
 
-from amplite.converter.emit import write_text
 from amplite.passes.base import PassRecord
+from amplite.report.schema import report_json, write_report
 from amplite.verify.compare import OutputMetrics, Tolerance
 from amplite.version import __version__
 
@@ -48,12 +47,35 @@ class Report:
         return 0
 
     def to_json(self) -> str:
-        """The report as indented JSON."""
-        return json.dumps(self.data, indent=2, sort_keys=False, default=str) + "\n"
+        """The report as indented JSON (non-finite floats as ``"inf"``/``"-inf"``/``"nan"``)."""
+        return report_json(self.data)
 
     def save(self, path: str | Path) -> Path:
-        """Write the JSON report atomically."""
-        return write_text(path, self.to_json())
+        """Write the JSON report atomically (:func:`amplite.report.schema.write_report`)."""
+        return write_report(path, self.data)
+
+
+def report_header() -> dict[str, Any]:
+    """The keys every report starts with: schema name and version, creation time, versions."""
+    return {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "versions": {
+            "amplite": __version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+    }
+
+
+def pass_records(records: list[PassRecord]) -> list[dict[str, Any]]:
+    """The ``passes`` section: one entry per pass record."""
+    return [
+        {"name": r.name, "modified": r.modified, "counters": r.counters, "seconds": round(r.seconds, 4)}
+        | ({"details": r.details} if r.details else {})
+        for r in records
+    ]
 
 
 def build_report(
@@ -73,21 +95,10 @@ def build_report(
     """Assemble the report document."""
     before, after = weights
     data: dict[str, Any] = {
-        "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "versions": {
-            "amplite": __version__,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
+        **report_header(),
         "source": source,
         "config": config,
-        "passes": [
-            {"name": r.name, "modified": r.modified, "counters": r.counters, "seconds": round(r.seconds, 4)}
-            | ({"details": r.details} if r.details else {})
-            for r in records
-        ],
+        "passes": pass_records(records),
         "graph": {"before": stats_before, "after": stats_after},
         "weights": {
             "bytes_before": before,

@@ -9,16 +9,17 @@ facts. Charts are plotly figures; every text from the model is HTML-escaped.
 
 from __future__ import annotations
 
-import math
 from html import escape
 from typing import Any
 
 from amplite.errors import ConfigError
-from amplite.report.markdown import fmt
+from amplite.report.format import CAP_DB, fmt
+from amplite.report.format import db as _db
+from amplite.report.format import html_table as _table
+from amplite.report.training import training_figure, training_html
 from amplite.verify.compare import parse_criterion
 
 _MARGIN = {"l": 50, "r": 20, "t": 50, "b": 40}
-_CAP_DB = 160.0  # exact values (infinite SQNR) are drawn at this height
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2rem auto;max-width:1200px;color:#222}
 h1{font-size:1.5rem} h2{font-size:1.15rem;margin-top:2rem;border-bottom:1px solid #ddd}
@@ -33,23 +34,6 @@ _OUTPUT_HEAD = ["output", "NaN/Inf", "SQNR dB", "cosine", "max abs", "p99 abs", 
                 "min atol / rtol", "result"]  # fmt: skip
 _TOP_HEAD = ["#", "node", "op", "module", "source", "dtype", "isolated SQNR", "accumulated SQNR",
              "introduces NaN/Inf", "FP32 max |x|"]  # fmt: skip
-
-
-def _db(v: Any) -> float | None:
-    if isinstance(v, str):
-        v = float(v)
-    if v is None or math.isnan(v):
-        return None
-    return max(min(v, _CAP_DB), -20.0)
-
-
-def _table(headers: list[str], rows: list[list[Any]], raw: set[int] = frozenset()) -> str:
-    head = "".join(f"<th>{escape(h)}</th>" for h in headers)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{c if i in raw else escape(str(c))}</td>" for i, c in enumerate(r)) + "</tr>"
-        for r in rows
-    )
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def _figures(data: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -127,10 +111,10 @@ def _budget_figure(budget: dict[str, Any]) -> Any:
 
     steps, thresholds = budget["steps"], _sqnr_lines(budget.get("tolerance", {}))
     # exact ("inf") is drawn 10 dB above everything else, so the scale stays readable near the tolerance;
-    # non-finite outputs ("nan/inf") at the floor, marked with an x
-    values = [None if s["worst_sqnr_db"] == "nan/inf" else _db(s["worst_sqnr_db"]) for s in steps]
-    finite = [v for v in values if v is not None and v < _CAP_DB] + [t for t, _ in thresholds]
-    top = min(_CAP_DB, max(finite, default=0.0) + 10)
+    # non-finite outputs ("nan") at the floor, marked with an x
+    values = [_db(s["worst_sqnr_db"]) for s in steps]
+    finite = [v for v in values if v is not None and v < CAP_DB] + [t for t, _ in thresholds]
+    top = min(CAP_DB, max(finite, default=0.0) + 10)
     y = [-20.0 if v is None else min(v, top) for v in values]
     hover = [
         f"trial {s['trial']}: {escape(s['kind'])}<br>{s['moved']} node(s) moved to FP32<br>"
@@ -138,7 +122,7 @@ def _budget_figure(budget: dict[str, Any]) -> Any:
         for s in steps
     ]
     marker = {"size": 11, "color": ["#087f23" if s["passed"] else "#c62828" for s in steps],
-              "symbol": ["x" if s["worst_sqnr_db"] == "nan/inf" else "circle" for s in steps]}  # fmt: skip
+              "symbol": ["x" if v is None else "circle" for v in values]}  # fmt: skip
     fig = go.Figure(go.Scatter(x=[s["trial"] for s in steps], y=y, mode="lines+markers", name="worst output",
                                text=hover, hoverinfo="text", line={"color": "#bbb"}, marker=marker))  # fmt: skip
     for db, label in thresholds:
@@ -259,8 +243,6 @@ def render_html(data: dict[str, Any]) -> str:
                   f"{o['elements']} elements)</p>" for o in ver["outputs"]
                   if o.get("compared", 0) < o.get("elements", 0)]  # fmt: skip
     if data.get("training"):
-        from amplite.report.training import training_figure, training_html
-
         chart = training_figure(data["training"]).to_html(full_html=False, include_plotlyjs=False, div_id="training")
         parts.append(training_html(data["training"], chart))
     if data.get("budget"):

@@ -2,27 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-
-def fmt(v: Any, digits: int = 4) -> str:
-    """A metric for a table: ``inf``/``-inf``/``nan`` strings pass through, None is a dash."""
-    if v is None:
-        return "–"
-    if isinstance(v, str):
-        return v
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        if not math.isfinite(v):
-            return str(v)
-        return f"{v:.{digits}g}"
-    return str(v)
-
-
-def _cell(text: Any) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+from amplite.report.format import cell as _cell
+from amplite.report.format import fmt
+from amplite.report.training import training_markdown
 
 
 def estimate_line(est: dict[str, Any]) -> str:
@@ -133,8 +117,6 @@ def render_markdown(data: dict[str, Any], top_n: int = 5) -> str:
             f"{grads['parameters']} parameters compared, {len(grads.get('missing_gradients') or [])} missing."
         )
     if data.get("training"):
-        from amplite.report.training import training_markdown
-
         lines += training_markdown(data["training"])
     gold = data.get("golden")
     if gold:

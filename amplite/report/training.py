@@ -10,7 +10,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from amplite.report.markdown import fmt
+from amplite.report.format import fmt, html_table
 
 _TOP = 8
 
@@ -66,7 +66,6 @@ def training_figure(t: dict[str, Any]) -> Any:
 
 def training_html(t: dict[str, Any], chart: str) -> str:
     """The HTML section; ``chart`` is the rendered :func:`training_figure`."""
-    from amplite.report.html import _table
 
     verdict = '<span class="pass">pass</span>' if t["passed"] else '<span class="fail">FAIL</span>'
     parts = [
@@ -76,12 +75,12 @@ def training_html(t: dict[str, Any], chart: str) -> str:
         f"(train_loss_gap&lt;={t['tolerance']['train_loss_gap']:g}): {verdict}; "
         f"{len(t['skipped_steps'])} skipped steps.</p>",
         chart,
-        _table(["step", "FP32 loss", "amplite loss", "gap"],
+        html_table(["step", "FP32 loss", "amplite loss", "gap"],
                [[e["step"], fmt(e["fp32"]), fmt(e["amplite"]), fmt(e["gap"])] for e in t["logged"]]),
     ]  # fmt: skip
     worst = [u for u in t["gradient_underflow"] if u["max_share"] > 0][:_TOP]
     if worst:
         parts.append("<p>Gradient elements that underflow (non-zero in FP32, zero in amplite):</p>")
-        parts.append(_table(["parameter", "mean share", "max share"],
+        parts.append(html_table(["parameter", "mean share", "max share"],
                             [[u["parameter"], fmt(u["mean_share"], 3), fmt(u["max_share"], 3)] for u in worst]))
     return "\n".join(parts)

@@ -36,6 +36,7 @@ from amplite.errors import ConfigError, InputSpecError
 from amplite.policy import LEVEL_ENV, resolve_level
 from amplite.report.document import build_report
 from amplite.training.prepare import prepare_training
+from amplite.verify.numbers import decode_float, encode_float
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 DEFAULT_GAP = 0.02
@@ -212,9 +213,9 @@ def train_check(
         f = sum(fp32_curve[begin:end]) / (end - begin)
         gap = abs(a - f) / max(abs(f), 1e-12) if math.isfinite(a) else math.inf
         worst = max(worst, gap)
-        logged.append({"step": end, "fp32": f, "amplite": _num(a), "gap": _num(gap)})
+        logged.append({"step": end, "fp32": f, "amplite": encode_float(a), "gap": encode_float(gap)})
     reasons = []
-    bad = [e["step"] for e in logged if e["gap"] is None or e["gap"] > gap_limit]
+    bad = [e["step"] for e in logged if not decode_float(e["gap"]) <= gap_limit]  # NaN/inf count as beyond
     if bad:
         reasons.append(
             f"train_loss_gap: {len(bad)} of {len(logged)} logged steps beyond {gap_limit} (first at step {bad[0]}, "
@@ -241,10 +242,10 @@ def train_check(
         "low_copies": net.info["low_copies"],
         "tolerance": {"train_loss_gap": gap_limit},
         "log_every": log_every,
-        "max_gap": _num(worst) if math.isfinite(worst) else "inf",
+        "max_gap": encode_float(worst),
         "passed": not reasons,
         "fp32_losses": fp32_curve,
-        "amplite_losses": [_num(v) for v in amp_curve],
+        "amplite_losses": [encode_float(v) for v in amp_curve],
         "logged": logged,
         "skipped_steps": skipped,
         "loss_scale_history": list(opt.scaler.history) if opt.scaler else [],
@@ -295,10 +296,6 @@ def _document(loaded, net, precision, level, explicit, keep_fp32, force_low, cau
         timings={},
         warnings=[str(w.message) for w in caught],
     ).data
-
-
-def _num(v: float) -> float | None:
-    return v if math.isfinite(v) else None
 
 
 def _fmt_gap(v: float) -> str:

@@ -27,6 +27,7 @@ from amplite.passes.range_guard import RangeRules
 from amplite.policy import PRECISIONS, PrecisionPolicy, make_overrides
 from amplite.verify.compare import compare, run_model
 from amplite.verify.layerwise import analyze
+from amplite.verify.numbers import decode_float
 
 
 @dataclass
@@ -164,16 +165,16 @@ def _candidates(result: Any, run_inputs: Any, low: torch.dtype) -> list[tuple[st
     ranked = []
     for e in lw.top(len(lw.nodes)):
         if e.node in planned_low and not e.exact:
-            ranked.append((e.node, "nan/inf" if e.introduces_nonfinite else e.isolated["sqnr_db"]))
+            ranked.append((e.node, "nan" if e.introduces_nonfinite else e.isolated["sqnr_db"]))
     return ranked
 
 
 def _worst(outputs: list[dict[str, Any]]) -> float | str:
-    values = [o["sqnr_db"] for o in outputs]
-    numeric = [v for v in values if isinstance(v, (int, float))]
+    """The worst output SQNR as report.json holds it: "nan" when an output became non-finite, "inf" exact."""
     if any(o.get("out_nonfinite") for o in outputs):
-        return "nan/inf"
-    return min(numeric) if numeric else "inf"
+        return "nan"
+    finite = [v for o in outputs if (v := decode_float(o["sqnr_db"])) is not None and math.isfinite(v)]
+    return min(finite) if finite else "inf"
 
 
 def _describe(result: Any, name: str, sqnr: float | str) -> dict[str, Any]:

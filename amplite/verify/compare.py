@@ -36,6 +36,7 @@ from amplite.verify.criteria import (
     parse_criterion,
     parse_tolerance,
 )
+from amplite.verify.numbers import encode_float
 
 # The criteria and tolerances live in ``criteria``; they stay importable from here.
 __all__ = [
@@ -98,11 +99,8 @@ class OutputMetrics:
         return pytree.tree_map(json_float, asdict(self))
 
 
-def json_float(v: Any) -> Any:
-    """A float as JSON allows it: non-finite values become "inf", "-inf" or "nan"."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-    return v
+#: A float as report.json holds it (non-finite: "inf", "-inf", "nan"); see :mod:`amplite.verify.numbers`.
+json_float = encode_float
 
 
 def output_names(tree: Any) -> list[str]:

@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 
 from amplite.errors import AmpliteError, ConfigError, EmitError
 from amplite.verify.compare import output_names
+from amplite.verify.numbers import decode_float
 
 SCHEMA = "amplite.golden"
 SCHEMA_VERSION = 1
@@ -307,12 +308,7 @@ def check_baseline_matches(report: dict[str, Any], baseline: dict[str, Any], whe
                           f"this model's {', '.join(names)}", fix)  # fmt: skip
 
 
-def _num(v: Any) -> float | None:
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return float(v)
-    if isinstance(v, str) and v in ("inf", "-inf", "nan"):
-        return float(v)
-    return None
+_num = decode_float  # report numbers are read in one way (amplite.verify.numbers)
 
 
 def compare_baseline(
