@@ -67,7 +67,7 @@ def check_writable(path: str | Path) -> Path:
     p = Path(path)
     parent = p.parent if str(p.parent) else Path(".")
     if p.is_dir():
-        raise EmitError(f"output path {str(p)!r} is a directory", "give a file name, e.g. -o model.fp16.pt2")
+        raise EmitError(f"output path {str(p)!r} is a directory", f"give a file path, e.g. {str(p / 'NAME')!r}")
     if not parent.is_dir():
         raise EmitError(f"output directory {str(parent)!r} does not exist", "create it or choose another -o")
     if not os.access(parent, os.W_OK | os.X_OK):
