@@ -68,7 +68,8 @@ class PathError(AmpliteError):
     """The operating system refused a path the user (or a file) named: too long, no permission, no space."""
 
 
-#: errno -> the fix for an OS refusal of a named path; any other OSError stays an internal error.
+#: errno -> the fix for an OS refusal of a named path; any other OSError stays an internal error (a missing
+#: file is not here: user paths are checked for existence before work, so ENOENT later is amplite's own).
 _PATH_FIXES = {
     "ENAMETOOLONG": "use a shorter path (each name at most 255 bytes)",
     "EACCES": "check the permissions of that path",
@@ -76,7 +77,6 @@ _PATH_FIXES = {
     "EROFS": "write to a writable file system",
     "ENOSPC": "free disk space or write elsewhere",
     "EDQUOT": "free disk space or write elsewhere",
-    "ENOENT": "check that the path exists",
     "ENOTDIR": "check the path: a part of it is a file, not a directory",
     "EISDIR": "name a file, not a directory",
     "ELOOP": "the path has a symlink loop: name the file itself",

@@ -27,6 +27,11 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\u2028\u2029]")
 _QUOTES = re.compile(r"['\"\\]")
 
 
+def is_parameter_name(value: object) -> bool:
+    """Whether ``value`` can stand as a Python parameter or keyword-argument name (FX writes it into code)."""
+    return isinstance(value, str) and IDENT.match(value) is not None and not keyword.iskeyword(value)
+
+
 def _refuse(path: Path, problem: str) -> LoadError:
     return LoadError(f"{str(path)!r}: {problem}", "re-save the model with torch.export.save (and copy the file again)")
 
@@ -75,7 +80,7 @@ def _check_string(path: Path, record: str, key: str, value: str) -> None:
         raise _refuse(path, f"{bad} is not a dotted attribute name")
     if key in ("as_string", "as_strings") and _QUOTES.search(value):
         raise _refuse(path, f"{bad} contains quotes or backslashes (torch writes it into generated guards)")
-    if key == "forward_arg_names" and not (IDENT.match(value) and not keyword.iskeyword(value)):
+    if key == "forward_arg_names" and not is_parameter_name(value):
         raise _refuse(path, f"{bad} is not a parameter name (FX writes it into the generated forward)")
     if key in ("in_spec", "out_spec"):
         _check_treespec(path, record, key, value)
@@ -95,6 +100,7 @@ def _check_treespec(path: Path, record: str, key: str, value: str) -> None:
         raise _refuse(path, f"{bad} is not a pytree spec (not JSON)") from None
     if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[1], dict)):
         raise _refuse(path, f"{bad} is not a pytree spec ([protocol, node])")
+    contexts: dict[int, Any] = {}  # id(node) -> its parsed context
     stack: list[tuple[Any, int]] = [(spec[1], 0)]
     while stack:
         node, depth = stack.pop()
@@ -109,6 +115,7 @@ def _check_treespec(path: Path, record: str, key: str, value: str) -> None:
             parsed = json.loads(context) if context is not None else None
         except (ValueError, RecursionError):
             raise _refuse(path, f"{bad} has a context that is not JSON") from None
+        contexts[id(node)] = parsed
         for text in _strings(parsed):
             if _QUOTES.search(text) or _CONTROL.search(text) or "\n" in text:
                 raise _refuse(path, f"{bad}: the key {text[:60]!r} holds quotes, backslashes or control characters")
@@ -119,9 +126,9 @@ def _check_treespec(path: Path, record: str, key: str, value: str) -> None:
     kids = root.get("children_spec") or []
     args_kwargs = root.get("type") == "builtins.tuple" and len(kids) == 2 and kids[1].get("type") == "builtins.dict"
     if key == "in_spec" and args_kwargs:
-        names = json.loads(kids[1].get("context") or "[]")
+        names = contexts[id(kids[1])] or []
         for name in names if isinstance(names, list) else [names]:
-            if not (isinstance(name, str) and IDENT.match(name) and not keyword.iskeyword(name)):
+            if not is_parameter_name(name):
                 raise _refuse(path, f"{bad}: keyword argument {str(name)[:60]!r} is not an identifier")
 
 

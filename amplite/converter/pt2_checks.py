@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
+from amplite.converter.program_strings import is_parameter_name
 from amplite.converter.sym_expr import SymExprError, parse_sym_expr
 from amplite.errors import LoadError
 
@@ -139,8 +140,6 @@ def check_call_graph(path: Path, program: ExportedProgram) -> None:
     Raises:
         LoadError: A call graph without the root entry, or a root signature of the wrong kind.
     """
-    import keyword
-
     from torch.utils._pytree import TreeSpec
 
     graph = program.module_call_graph
@@ -155,7 +154,7 @@ def check_call_graph(path: Path, program: ExportedProgram) -> None:
     names = sig.forward_arg_names
     if names is not None and not (
         isinstance(names, list)
-        and all(isinstance(n, str) and n.isidentifier() and not keyword.iskeyword(n) for n in names)
+        and all(is_parameter_name(n) for n in names)
         and len(set(names)) == len(names)
     ):
         raise LoadError(f"{str(path)!r}: the root signature's argument names are not distinct identifiers", _FIX)

@@ -107,8 +107,9 @@ class AnnotatePrecision:
             if node.op != "call_function" or cast_dtype(node) is not None or node.target is operator.getitem:
                 continue
             op = op_tables.op_name(node.target) or getattr(node.target, "__name__", str(node.target))
-            sites.append((op, module_path(node), node.name))
-            decision = self.policy.decide(op, module_path(node), node.name)
+            site = (op, module_path(node), node.name)
+            sites.append(site)
+            decision = self.policy.decide(*site)
             flagged = node.meta.get("amplite_range")  # set by range_guard; user overrides still win
             if flagged and decision.mode != "fp32" and not decision.reason.startswith("user:"):
                 decision = Decision("fp32", flagged)
