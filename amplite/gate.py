@@ -348,8 +348,11 @@ def _check_checkpoint(
 ) -> CheckResult:
     """``check DIR`` for a transformers checkpoint directory: streamed conversion and block-wise verification."""
     from amplite.checkpoint.check import check_checkpoint
+    from amplite.llm.checkpoint import generation_check
 
-    conv, reasons = check_checkpoint(model, example, tolerance=tolerance, **opts)
+    # token_agreement / ppl_delta criteria: the written directory is also checked on generation
+    generation = generation_check(model, tolerance, opts.get("precision", "fp16"))
+    conv, reasons = check_checkpoint(model, example, tolerance=tolerance, check_more=generation, **opts)
     report = copy.deepcopy(conv.data)
     code = 1 if reasons else 0
     report["check"] = {"name": name or Path(model).name, "passed": code == 0, "exit_code": code, "reasons": reasons}
