@@ -4,9 +4,11 @@ token_agreement / ppl_delta criteria (tiny generated Llama, sharded; no download
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,15 @@ ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 256
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One intra-op thread (tiny models on a shared 2-core machine: two threads mostly wait); restored after."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("llama") / "tiny-llama"
@@ -37,7 +48,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "amplite", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=600)  # fmt: skip
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
 
 
 @pytest.fixture(scope="module")
