@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", type=Path, default=None, help="also write the table here")
     ap.add_argument("--llm", action="store_true", help="also measure token agreement and perplexity delta")
     ap.add_argument("--llm-steps", type=int, default=32, help="greedy steps per prompt for --llm")
+    ap.add_argument("--configs", default="bf16:O2,fp16:O1", help="comma list of precision:level to convert")
     args = ap.parse_args(argv)
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     print("RESULT " + json.dumps({"params": params, "largest_shard": largest, "fp32_bytes": fp32_bytes,
                                   "generate_s": gen_s, "write_bps": write_bps, "read_bps": read_bps}), flush=True)
     runs = []
-    for p, lvl in (("bf16", "O2"), ("fp16", "O1")):
+    for p, lvl in (c.split(":") for c in args.configs.split(",")):
         runs.append(convert(src, args.work / f"out-{p}-{lvl}", p, lvl))
         print("RESULT " + json.dumps(runs[-1]), flush=True)
     rss_target = 1.5 * largest + 2 * 2**30

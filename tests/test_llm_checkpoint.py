@@ -16,8 +16,9 @@ import torch
 import transformers  # dev extra: a missing install fails, it does not skip
 from safetensors.torch import load_file, save_file
 
-from amplite.errors import AmpliteError
+from amplite.errors import AmpliteError, InternalError
 from amplite.llm.checkpoint import generation_check, verify_checkpoint
+from amplite.report.schema import validate_report
 from amplite.verify.criteria import parse_criterion
 from tests.conftest import Cli
 
@@ -74,6 +75,10 @@ def test_convert_dir_reports_and_prints_the_generation_check(converted: tuple) -
     assert report["verification"]["passed"] is True and report["streaming"]["peak_rss_bytes"] > 0
     assert "generation vs FP32 (4 prompts x 32 greedy steps" in proc.stdout
     assert "token_agreement>=0.95: pass" in proc.stdout
+    validate_report(report)  # the schema knows the llm section: a wrong value in it is refused, naming it
+    report["llm"]["token_agreement"] = 1.5
+    with pytest.raises(InternalError, match=r"llm\.token_agreement"):
+        validate_report(report)
 
 
 def test_a_corrupted_converted_weight_fails_token_agreement(ckpt: Path, converted: tuple, tmp_path: Path) -> None:
