@@ -127,13 +127,19 @@ def _check_causal(source: Path, criterion: Criterion) -> None:
 
 def _load(path: Path, dtype: torch.dtype | str) -> torch.nn.Module:
     import transformers
+    from transformers.utils import logging as hf_logging
 
+    quiet = hf_logging.are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()  # amplite's own progress goes to stderr; transformers' per-load bar does not
     try:
         return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"transformers cannot load {path} as a causal LM: {str(exc).splitlines()[0]}",
                           "check the directory with `amplite inspect DIR`, or drop the token_agreement/ppl_delta "
                           "criteria") from None  # fmt: skip
+    finally:
+        if not quiet:
+            hf_logging.enable_progress_bar()
 
 
 def verify_checkpoint(
