@@ -3,6 +3,7 @@ token_agreement / ppl_delta criteria (tiny generated Llama, sharded; no download
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -76,9 +77,10 @@ def test_convert_dir_reports_and_prints_the_generation_check(converted: tuple) -
     assert "generation vs FP32 (4 prompts x 32 greedy steps" in proc.stdout
     assert "token_agreement>=0.95: pass" in proc.stdout
     validate_report(report)  # the schema knows the llm section: a wrong value in it is refused, naming it
-    report["llm"]["token_agreement"] = 1.5
+    planted = copy.deepcopy(report)
+    planted["llm"]["token_agreement"] = 1.5
     with pytest.raises(InternalError, match=r"llm\.token_agreement"):
-        validate_report(report)
+        validate_report(planted)
 
 
 def test_a_corrupted_converted_weight_fails_token_agreement(ckpt: Path, converted: tuple, tmp_path: Path) -> None:

@@ -129,7 +129,7 @@ def _load(path: Path, dtype: torch.dtype | str) -> torch.nn.Module:
     import transformers
     from transformers.utils import logging as hf_logging
 
-    quiet = hf_logging.are_progress_bars_disabled()
+    shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # amplite's own progress goes to stderr; transformers' per-load bar does not
     try:
         return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
@@ -138,7 +138,7 @@ def _load(path: Path, dtype: torch.dtype | str) -> torch.nn.Module:
                           "check the directory with `amplite inspect DIR`, or drop the token_agreement/ppl_delta "
                           "criteria") from None  # fmt: skip
     finally:
-        if not quiet:
+        if shown:
             hf_logging.enable_progress_bar()
 
 
