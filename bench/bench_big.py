@@ -146,12 +146,13 @@ def convert(src: Path, out: Path, precision: str, level: str) -> dict:
 def llm_check(src: Path, out: Path, config: str, steps: int) -> dict:
     """The generation check of a written output in a fresh process: agreement, perplexity delta, time, peak RSS."""
     code = (
-        "import json, resource, time\n"
+        "import json, time\n"
+        "from amplite.checkpoint.convert import peak_rss_bytes\n"
         "from amplite.llm.checkpoint import verify_checkpoint\n"
         "t = time.perf_counter()\n"
         f"m = verify_checkpoint({str(src)!r}, {str(out)!r}, steps={steps})\n"
         "d = dict(m.to_dict(), wall_s=time.perf_counter() - t,\n"
-        "         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
+        "         peak_rss_bytes=peak_rss_bytes())\n"
         "print('LLM-JSON ' + json.dumps(d))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

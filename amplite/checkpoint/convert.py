@@ -185,5 +185,14 @@ def storage_warnings(ckpt: Checkpoint, keys: KeyMap, dtypes: dict[str, torch.dty
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident set size: ``VmHWM`` of ``/proc/self/status`` (the high-water mark of this
+    program's own memory), else ``ru_maxrss``. Linux carries ``ru_maxrss`` across ``fork``/``exec``, so a
+    command started by a process that was larger reports its parent's peak (e.g. a benchmark that generated
+    the checkpoint); ``VmHWM`` starts afresh at ``exec``."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import json
-import resource
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 
+from amplite.checkpoint.convert import peak_rss_bytes
 from amplite.errors import ConfigError
 from amplite.llm.generate import Runner, prepare
 from amplite.llm.metrics import (
@@ -68,7 +68,7 @@ class GenerationCheck:
         self.metrics = metrics
         dtype = json.loads((converted / "config.json").read_text(encoding="utf-8")).get("dtype", "float32")
         data["llm"] = {"converted": CONVERTED, "converted_dtype": str(dtype), **metrics.to_dict(),
-                       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # fmt: skip
+                       "peak_rss_bytes": peak_rss_bytes()}  # fmt: skip
         verification = data.setdefault("verification", {})
         verification["passed"] = bool(verification.get("passed", True)) and metrics.passed
         return self.reasons()
