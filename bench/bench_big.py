@@ -13,8 +13,8 @@ With ``--llm`` it also runs the generation check of ``amplite convert DIR --tole
 greedily continues the default prompts (``--llm-steps`` per prompt) and its perplexity is measured, the FP32
 model is dropped, then the written safetensors directory is loaded as ``from_pretrained`` loads it and fed
 FP32's tokens (teacher forcing): token agreement, first divergence and perplexity delta go in the
-"Generation" table, with that process's peak RSS (one model at a time: about one FP32 copy, reported apart
-from the streamed conversion's). Results are also printed as ``RESULT {json}`` lines as each step finishes.
+"Generation" table, with that process's peak RSS (``VmHWM``; one model at a time, reported apart from the
+streamed conversion's). Results are also printed as ``RESULT {json}`` lines as each step finishes.
 
     python bench/bench_big.py                       # ~3.4B parameters, ~12.8 GiB FP32 (needs ~40 GB free)
     python bench/bench_big.py --layers 4 --keep     # smaller, and keep the files
