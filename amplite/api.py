@@ -35,7 +35,7 @@ from amplite.estimate import DEFAULT_PROFILE, estimate, get_profile
 from amplite.ops import backend_description
 from amplite.ops.fusion_default import resolve as resolve_fuse
 from amplite.passes.range_guard import RangeRules
-from amplite.policy import LEVEL_ENV, Level, PrecisionPolicy, make_overrides, resolve_level
+from amplite.policy import LEVEL_ENV, Level, Override, PrecisionPolicy, make_overrides, resolve_level
 from amplite.report.document import Report, build_report
 from amplite.result import ConversionResult
 from amplite.verify.budget import fallback_search as search_budget
@@ -49,8 +49,8 @@ def convert(
     *,
     precision: str = "fp16",
     level: str | Level | None = None,
-    keep_fp32: Sequence[str] = (),
-    force_low: Sequence[str] = (),
+    keep_fp32: Sequence[str | Override] = (),
+    force_low: Sequence[str | Override] = (),
     low_precision_io: bool = False,
     dynamic_batch: bool = False,
     dynamic_dims: Sequence[str] | Mapping[str, Sequence[int]] = (),
@@ -83,7 +83,8 @@ def convert(
             ``(args, kwargs)``. Optional for a ``.pt2`` that stores its example inputs.
         precision: ``fp16`` or ``bf16``.
         level: ``O0``-``O3``; None reads ``AMPLITE_LEVEL``, else O1.
-        keep_fp32: Patterns to keep in FP32 (``op:``, ``module:``, ``node:`` or unprefixed).
+        keep_fp32: Patterns to keep in FP32 (``op:``, ``module:``, ``node:`` or unprefixed), or
+            ``amplite.policy.Override`` rules carrying their own source (the budget search's pins).
         force_low: Patterns to force into low precision.
         low_precision_io: Graph inputs and outputs in the low dtype too.
         dynamic_batch: Make dim 0 of every input dynamic.
@@ -289,8 +290,8 @@ def _report(
         "precision": options["precision"],
         "level": cfg.level.value,
         "level_source": "argument" if explicit_level else (LEVEL_ENV if _env_level() else "default"),
-        "keep_fp32": options["keep_fp32"],
-        "force_low": options["force_low"],
+        "keep_fp32": [r.pattern for r in cfg.policy.overrides if r.action == "keep_fp32"],
+        "force_low": [r.pattern for r in cfg.policy.overrides if r.action == "force_low"],
         "low_precision_io": options["low_precision_io"],
         "dynamic_batch": options["dynamic_batch"],
         "dynamic_dims": cfg.dynamic_dims,

@@ -200,7 +200,7 @@ def test_force_low_override_beats_a_range_flag() -> None:
         f"a range flag overrode the user's force_low=['node:linear']: {plan['linear']}"
     )
     assert plan["linear_1"] == {"mode": "fp32", "dtype": torch.float32, "reason": "range:activation output "
-                                "|x|=1e+03>512"}, "without an override the range flag keeps the node FP32"
+                                "|x|=1e+03>512", "rule": "range"}, "without an override the range flag keeps the node FP32"
 
 
 def test_force_low_override_beats_range_rules_end_to_end() -> None:

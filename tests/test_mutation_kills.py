@@ -765,7 +765,7 @@ def test_annotation_covers_float_nodes_only_and_in_place_ops_follow() -> None:
     assert int_add.name not in plan, "a node without floating inputs or outputs gets no precision plan"
     gt = next(n for n in gm.graph.nodes if "gt" in str(n.target))
     assert plan[gt.name]["dtype"] == torch.float16, "a comparison of float values is planned"
-    assert plan["mul_"] == {"mode": "follow", "dtype": torch.float32, "reason": "in-place"}, plan["mul_"]
+    assert plan["mul_"] == {"mode": "follow", "dtype": torch.float32, "reason": "in-place", "rule": "dtype"}, plan["mul_"]
     assert plan["add_"]["mode"] == "follow" and plan["add_"]["reason"] == "in-place"
 
 

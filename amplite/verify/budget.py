@@ -24,7 +24,7 @@ import torch
 
 from amplite.converter.pipeline import lower_inputs, rewrite
 from amplite.passes.range_guard import RangeRules
-from amplite.policy import PRECISIONS, PrecisionPolicy, make_overrides
+from amplite.policy import PRECISIONS, Override, PrecisionPolicy, RuleSource, make_overrides
 from amplite.verify.compare import compare, run_model
 from amplite.verify.layerwise import analyze
 from amplite.verify.numbers import decode_float
@@ -75,9 +75,8 @@ def fallback_search(
         if key in cache:
             return cache[key]
         t0 = perf_counter()
-        pins = make_overrides([f"node:{name}" for name in names], source="budget")
         user = make_overrides(options.get("keep_fp32", []), options["force_low"])
-        policy = PrecisionPolicy(options["precision"], options["level"], (*user, *pins),
+        policy = PrecisionPolicy(options["precision"], options["level"], (*user, *_pins(names)),
                                  options["low_precision_io"])  # fmt: skip
         module = rewrite(
             result.original, result.inputs, policy, fuse_contractions=options["fuse_contractions"],
@@ -111,15 +110,12 @@ def fallback_search(
     before = len(chosen)
     prune_bound = min(before, _PRUNE_MAX) if best_k is not None and before > 1 else 0
     chosen, prune_trials = _prune(chosen, lambda kept: trial(kept, "prune"), prune_bound)
-    final_keep = [*options.get("keep_fp32", []), *(f"node:{name}" for name in chosen)]
+    final_keep = [*options.get("keep_fp32", []), *_pins(chosen)]  # the search's pins keep their source
     final = convert(
         result.original, result.inputs, **{**options, "keep_fp32": final_keep}, verify=True,
         tolerance=result.tolerance, reference_outputs=result.reference,
     )  # fmt: skip
     moved = set(chosen)
-    for entry in (*final.report.data["plan"], *final.report.data["fp32_nodes"]):
-        if entry["node"] in moved and entry["reason"] == f"user:keep node:{entry['node']}":
-            entry["reason"] = "budget:isolated-error"  # the search moved it, not the user
     final.report.data["budget"] = {
         "tolerance": asdict(result.tolerance),
         "passed": bool(final.passed),
@@ -133,6 +129,12 @@ def fallback_search(
         "message": message,
     }
     return final
+
+
+def _pins(names: list[str]) -> list[Override]:
+    """The search's FP32 pins: ``node:`` rules whose source is the budget search (reason
+    ``budget:isolated-error``), never the user's, so the report says who moved each node."""
+    return [Override("keep_fp32", f"node:{name}", RuleSource.BUDGET, why="isolated-error") for name in names]
 
 
 #: At most this many prune trials (one per node of the bisected plan, least harmful first).
