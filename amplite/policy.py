@@ -185,13 +185,14 @@ class PrecisionPolicy:
     """Which dtype each op computes in.
 
     Attributes:
-        precision: ``fp16`` or ``bf16``.
+        precision: The low dtype, ``torch.float16`` or ``torch.bfloat16`` (``"fp16"``/``"bf16"`` are accepted
+            and stored as the dtype).
         level: The optimisation level.
         overrides: User rules, applied in the documented priority.
         low_precision_io: Let graph inputs and outputs take the low dtype instead of keeping theirs.
     """
 
-    precision: str = "fp16"
+    precision: torch.dtype | str = torch.float16
     level: Level = Level.O1
     overrides: tuple[Override, ...] = field(default_factory=tuple)
     low_precision_io: bool = False
@@ -200,13 +201,15 @@ class PrecisionPolicy:
     module_prefix: str = ""
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
+        dtype = PRECISIONS.get(self.precision) if isinstance(self.precision, str) else self.precision
+        if dtype not in PRECISIONS.values():
             raise ConfigError(f"unknown precision {self.precision!r}", f"use one of: {', '.join(PRECISIONS)}")
+        object.__setattr__(self, "precision", dtype)
 
     @property
     def low_dtype(self) -> torch.dtype:
         """The low-precision dtype."""
-        return PRECISIONS[self.precision]
+        return self.precision  # type: ignore[return-value]  # a dtype after __post_init__
 
     def decide(self, op: str, module: str = "", node: str = "") -> Decision:
         """Decide how ``op`` (a table key such as ``softmax.int``) computes.
