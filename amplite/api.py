@@ -30,7 +30,7 @@ from amplite.converter.tracing import (
     summarize_exception,
 )
 from amplite.errors import AmpliteError, ConfigError, InputSpecError, InternalError
-from amplite.estimate import DEFAULT_PROFILE, estimate, get_profile
+from amplite.estimate import estimate, get_profile
 from amplite.ops import backend_description
 from amplite.passes.range_guard import RangeRules
 from amplite.policy import Level, Override
@@ -68,7 +68,7 @@ def convert(
     max_trials: int | None = None,
     reference_outputs: Any = None,
     fold_batchnorm: bool = True,
-    gpu_profile: str = DEFAULT_PROFILE,
+    gpu_profile: str = ConvertSpec.gpu_profile,
 ) -> ConversionResult:
     """Convert a model to mixed precision ahead of time and verify it.
 
