@@ -269,9 +269,9 @@ def render(rows: dict[tuple[str, str], dict[str, Any]], meta: dict[str, Any]) ->
     return "\n".join(lines) + "\n"
 
 
-def splice(doc: str, part: str) -> str:
-    """``doc`` with the part under :data:`MARK` replaced (inserted at the end of "## Training" if absent)."""
-    start = doc.find(MARK)
+def splice(doc: str, part: str, mark: str = MARK) -> str:
+    """``doc`` with the part under ``mark`` replaced (inserted at the end of "## Training" if absent)."""
+    start = doc.find(mark)
     if start < 0:
         sec = doc.find("\n## Training\n")
         end = doc.find("\n## ", sec + 1) if sec >= 0 else -1
@@ -286,6 +286,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument(
+        "--compiled-models",
+        default="gpt2",
+        help="models that get the compiled-* variants (compiling a training step takes minutes on 2 cores)",
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per process")
     ap.add_argument("--warmup", type=int, default=3)
@@ -302,7 +307,9 @@ def main() -> None:
                               f"{str(exc).splitlines()[0] if str(exc) else ''}"[:200]}))  # fmt: skip
         return
     start, load_before = perf_counter(), [round(x, 2) for x in os.getloadavg()]
-    keys = [(m, v) for m in args.models.split(",") for v in args.variants.split(",")]
+    compiled = args.compiled_models.split(",")
+    keys = [(m, v) for m in args.models.split(",") for v in args.variants.split(",")
+            if m in compiled or not v.startswith("compiled")]  # fmt: skip
     rounds = []
     for rnd in range(args.rounds):
         rows = []
