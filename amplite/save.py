@@ -17,6 +17,7 @@ from amplite.api import ConversionResult, convert
 from amplite.checkpoint import StreamedConversion, checkpoint_to_files, is_checkpoint_dir
 from amplite.converter import emit
 from amplite.errors import ConfigError, EmitError
+from amplite.llm.checkpoint import generation_check
 from amplite.paths import derived_output, guard_outputs, same_path
 from amplite.policy import resolve_level
 from amplite.verify.compare import parse_tolerance
@@ -107,9 +108,12 @@ def convert_to_files(
         guard_outputs(_inputs(model, inputs_file, conversion.get("calibration")), [("--report", report)],
                       [("-o", output)])  # fmt: skip
         tol = parse_tolerance(tolerance, precision) if tolerance else None
+        # token_agreement / ppl_delta criteria: the written directory is also checked on generation
+        generation = generation_check(model, tol, precision) if conversion.get("verify", True) else None
         conv, written, report_path = checkpoint_to_files(
             model, example_inputs, output=output, formats=formats, report=report, tolerance=tol,
-            verify_max_memory=verify_max_memory, progress=progress or (lambda *_: None), **conversion,
+            verify_max_memory=verify_max_memory, progress=progress or (lambda *_: None), check_more=generation,
+            **conversion,
         )  # fmt: skip
         return SavedConversion(conv, written, report_path)  # type: ignore[arg-type]
     dest = Path(output) if output is not None else default_output(model, precision, conversion.get("level"))

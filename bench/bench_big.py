@@ -8,15 +8,18 @@ verification) and reports wall time, peak RSS, output size and throughput agains
 * peak RSS <= 1.5 x the largest shard + 2 GiB (independent of model size);
 * throughput >= 0.5 x the disk's sequential read+write speed.
 
-With ``--llm`` it also loads the checkpoint (``from_pretrained``, FP32, in a fresh process per config: this
-materialises the model, unlike the streamed conversion above, so its peak RSS is reported apart) and runs
-``amplite.llm.convert_llm``: greedy token agreement with FP32 (teacher-forced, ``--llm-steps`` per prompt)
-and the perplexity delta, each in the "Generation" table.
+With ``--llm`` it also runs the generation check of ``amplite convert DIR --tolerance token_agreement>=...``
+(``amplite.llm.checkpoint.verify_checkpoint``, in a fresh process per output): the source loaded in FP32
+greedily continues the default prompts (``--llm-steps`` per prompt) and its perplexity is measured, the FP32
+model is dropped, then the written safetensors directory is loaded as ``from_pretrained`` loads it and fed
+FP32's tokens (teacher forcing): token agreement, first divergence and perplexity delta go in the
+"Generation" table, with that process's peak RSS (one model at a time: about one FP32 copy, reported apart
+from the streamed conversion's). Results are also printed as ``RESULT {json}`` lines as each step finishes.
 
     python bench/bench_big.py                       # ~3.4B parameters, ~12.8 GiB FP32 (needs ~40 GB free)
     python bench/bench_big.py --layers 4 --keep     # smaller, and keep the files
     python bench/bench_big.py --markdown bench/RESULTS-big.md
-    python bench/bench_big.py --llm --llm-steps 8   # + token agreement and perplexity delta (needs ~3x FP32 RAM)
+    python bench/bench_big.py --llm                 # + token agreement and perplexity delta (needs ~1x FP32 RAM)
 """
 
 from __future__ import annotations
@@ -140,36 +143,41 @@ def convert(src: Path, out: Path, precision: str, level: str) -> dict:
             "peak_weight_bytes": ver.get("peak_weight_bytes"), "stderr": proc.stderr[-500:]}  # fmt: skip
 
 
-def llm_check(src: Path, precision: str, level: str, steps: int) -> dict:
-    """``convert_llm`` on the checkpoint in a fresh process: token agreement, perplexity delta, time, peak RSS."""
+def llm_check(src: Path, out: Path, config: str, steps: int) -> dict:
+    """The generation check of a written output in a fresh process: agreement, perplexity delta, time, peak RSS."""
     code = (
-        "import json, resource, sys, time, transformers, amplite.llm as llm\n"
+        "import json, resource, time\n"
+        "from amplite.llm.checkpoint import verify_checkpoint\n"
         "t = time.perf_counter()\n"
-        f"m = transformers.AutoModelForCausalLM.from_pretrained({str(src)!r}, dtype='float32').eval()\n"
-        f"r = llm.convert_llm(m, precision={precision!r}, level={level!r}, steps={steps})\n"
-        "d = dict(r.report.data['llm'], wall_s=time.perf_counter() - t, passed=r.passed,\n"
+        f"m = verify_checkpoint({str(src)!r}, {str(out)!r}, steps={steps})\n"
+        "d = dict(m.to_dict(), wall_s=time.perf_counter() - t,\n"
         "         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"
         "print('LLM-JSON ' + json.dumps(d))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("LLM-JSON ")), None)
     data = json.loads(line[9:]) if line else {}
-    return {"config": f"{precision} {level}", "rc": proc.returncode, **data, "stderr": proc.stderr[-500:]}
+    dtype = json.loads((out / "config.json").read_text()).get("dtype") if (out / "config.json").exists() else None
+    return {"config": config, "rc": proc.returncode, "stored": dtype, **data, "stderr": proc.stderr[-500:]}
 
 
 def llm_lines(checks: list[dict]) -> list[str]:
     """The "Generation" table: token agreement, first divergences, perplexities and their delta."""
-    lines = ["", "Generation (amplite.llm.convert_llm, teacher-forced greedy vs FP32, default prompts):", "",
-             "| config | rc | token agreement | first divergence | ppl FP32 | ppl converted | ppl delta | cache "
-             "| passed | wall s | peak RSS GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["", "Generation (the generation check of `amplite convert DIR --tolerance token_agreement>=...`: FP32 "
+             "source vs the written safetensors directory loaded by from_pretrained, teacher-forced greedy, default "
+             "prompts; criteria token_agreement>=0.99, ppl_delta<=1%):", "",
+             "| output | stored as | rc | token agreement | first divergence per prompt | ppl FP32 | ppl converted "
+             "| ppl delta | passed | wall s | peak RSS GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for c in checks:
         if c["rc"] != 0 or "token_agreement" not in c:
-            lines.append(f"| {c['config']} | {c['rc']} | failed: {c['stderr'][-120:]!r} |||||||||")
+            lines.append(f"| {c['config']} | {c.get('stored')} | {c['rc']} | failed: {c['stderr'][-120:]!r} ||||||||")
             continue
         lines.append(
-            f"| {c['config']} | 0 | {c['token_agreement']:.2%} ({c['agreeing_tokens']}/{c['prompts'] * c['steps']}) "
-            f"| {c['first_divergence']} | {c['ppl_fp32']:.2f} | {c['ppl_converted']:.2f} | {c['ppl_delta']:.3%} "
-            f"| {c['cache_dtype']} | {c['passed']} | {c['wall_s']:.0f} | {c['peak_rss_bytes'] / 2**30:.2f} |"
+            f"| {c['config']} | {c['stored']} | 0 | {c['token_agreement']:.2%} "
+            f"({c['agreeing_tokens']}/{c['prompts'] * c['steps']}) | {c['first_divergence']} | {c['ppl_fp32']:.2f} "
+            f"| {c['ppl_converted']:.2f} | {c['ppl_delta']:.3%} | {c['passed']} | {c['wall_s']:.0f} "
+            f"| {c['peak_rss_bytes'] / 2**30:.2f} |"
         )
     return lines
 
@@ -182,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the table here")
     ap.add_argument("--llm", action="store_true", help="also measure token agreement and perplexity delta")
-    ap.add_argument("--llm-steps", type=int, default=8, help="greedy steps per prompt for --llm")
+    ap.add_argument("--llm-steps", type=int, default=32, help="greedy steps per prompt for --llm")
+    ap.add_argument("--configs", default="bf16:O2,fp16:O1", help="comma list of precision:level to convert")
     args = ap.parse_args(argv)
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
@@ -193,7 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     fp32_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     write_bps, read_bps = disk_speed(args.work)
     disk_rw = 1 / (1 / write_bps + 1 / read_bps)  # bytes/s to read a byte and write a byte
-    runs = [convert(src, args.work / f"out-{p}-{lvl}", p, lvl) for p, lvl in (("bf16", "O2"), ("fp16", "O1"))]
+    print("RESULT " + json.dumps({"params": params, "largest_shard": largest, "fp32_bytes": fp32_bytes,
+                                  "generate_s": gen_s, "write_bps": write_bps, "read_bps": read_bps}), flush=True)
+    runs = []
+    for p, lvl in (c.split(":") for c in args.configs.split(",")):
+        runs.append(convert(src, args.work / f"out-{p}-{lvl}", p, lvl))
+        print("RESULT " + json.dumps(runs[-1]), flush=True)
     rss_target = 1.5 * largest + 2 * 2**30
     lines = [
         "## Big models (bench/bench_big.py)", "",
@@ -217,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     lines += ["", "Phases (s): " + "; ".join(
         f"{r['config']}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["timings"].items()) for r in runs), ""]
-    checks = [llm_check(src, p, lvl, args.llm_steps) for p, lvl in (("bf16", "O2"), ("fp16", "O1"))] if args.llm else []
+    checks = []
+    for r in runs if args.llm else []:
+        p, lvl = r["config"].split()
+        checks.append(llm_check(src, args.work / f"out-{p}-{lvl}", r["config"], args.llm_steps))
+        print("RESULT " + json.dumps(checks[-1]), flush=True)
     if checks:
         lines += [*llm_lines(checks), ""]
     text = "\n".join(lines)

@@ -4,8 +4,10 @@ load in a fresh process, and verification by token agreement and perplexity. Tin
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,16 @@ def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
     mask = torch.ones_like(ids)
     mask[2:, :3] = 0
     return ids, mask
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One intra-op thread while these tests run: on models this small, two threads on a shared 2-core machine
+    spend their time waiting for each other (verification ran ~5x slower); restored afterwards."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +130,8 @@ def test_saved_step_program_generates_identically_in_a_fresh_process(fp16: llm.L
         "out = llm.generate(prog, p['ids'], 32, attention_mask=p['mask'])\n"
         f"torch.save(out, {str(tmp_path / 'out.pt')!r}); print(prog.cache_dtype, prog.shape)\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     assert "torch.float16" in run.stdout and "layers=2" in run.stdout
     assert torch.equal(torch.load(tmp_path / "out.pt"), expected)

@@ -4,11 +4,12 @@
 ``model`` resolves the class from transformers' own registries (no remote code) and builds it on meta
 with bounded work; ``keys`` maps shard tensors to the model's parameters with transformers' own
 conversions and checks every shape and dtype before anything is written; ``convert`` plans the
-conversion from the graph and the weights' metadata; ``write`` streams each weight from its shard, cast,
-into the outputs (a safetensors directory in the source's layout, a ``.pt2``); ``blockwise`` verifies by
-running both programs with weights loaded only around their use; ``files`` is what ``amplite convert DIR``
-calls and ``check`` what ``amplite check DIR`` calls. Layer: above ``report``/``onnx`` (it uses
-``verify``, ``converter``, ``passes``), below the API.
+conversion from the graph and the weights' metadata; ``result`` is what it returns
+(:class:`StreamedConversion`: save, verify); ``write`` streams each weight from its shard, cast, into the
+outputs (a safetensors directory in the source's layout, a ``.pt2``); ``blockwise`` verifies by running
+both programs with weights loaded only around their use; ``files`` is what ``amplite convert DIR`` calls
+and ``check`` what ``amplite check DIR`` calls. Layer: above ``report``/``onnx`` (it uses ``verify``,
+``converter``, ``passes``), below the API.
 """
 
 from amplite.checkpoint.convert import StreamedConversion, convert_checkpoint

@@ -8,6 +8,7 @@ inputs (or seeded random ones shaped like the traced inputs) and judged by the t
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,14 @@ _PASSED = ("precision", "level", "keep_fp32", "force_low", "low_precision_io", "
 
 
 def check_checkpoint(
-    path: str | Path, example_inputs: Any = None, *, tolerance: Any = None, **convert_opts: Any
+    path: str | Path, example_inputs: Any = None, *, tolerance: Any = None,
+    check_more: Callable[[dict[str, Any], Path], list[str]] | None = None, **convert_opts: Any,
 ) -> tuple[StreamedConversion, list[str]]:
     """Convert, write to a temporary directory, verify block by block; the conversion and failure reasons.
 
     Only the conversion options a streamed checkpoint has are used (as for ``amplite.convert(DIR)``).
+    ``check_more(report data, written directory)`` then runs on the written directory (the generation check)
+    and returns its failure reasons.
     """
     conv = convert_checkpoint(path, example_inputs, **{k: convert_opts[k] for k in _PASSED if k in convert_opts})
     precision = conv.data["config"]["precision"]
@@ -31,9 +35,10 @@ def check_checkpoint(
     with tempfile.TemporaryDirectory(prefix=".amplite-check.") as tmp:
         out = conv.save_safetensors(Path(tmp) / "converted")
         section = conv.verify(out, real, tolerance=tol)
+        more = check_more(conv.data, out) if check_more is not None else []
     reasons = []
     for o in section["outputs"]:
         if not o["passed"]:
             failed = [f"{c['criterion']} (got {c['value']})" for c in o.get("checks", []) if not c["passed"]]
             reasons.append(f"{o['name']}: " + "; ".join(failed + list(o.get("notes", []))))
-    return conv, reasons
+    return conv, reasons + more

@@ -3,8 +3,9 @@
 The plan needs only the graph and the weights' metadata: the model is built from ``config.json`` with
 meta parameters, exported on meta example inputs, and run through amplite's passes (no calibration: the
 activation range rules need a forward with real weights; for fp16 the weight rules run on statistics
-streamed from the shards, one tensor at a time). The outputs are then written by streaming each weight
-from its shard, cast to its planned dtype (``amplite.checkpoint.write``).
+streamed from the shards, one tensor at a time). The result (:class:`~amplite.checkpoint.result.
+StreamedConversion`, re-exported here) writes the outputs by streaming each weight from its shard, cast to
+its planned dtype (``amplite.checkpoint.write``).
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ from __future__ import annotations
 import math
 import os
 import resource
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -21,231 +21,18 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from amplite.checkpoint.blockwise import verify_blockwise
 from amplite.checkpoint.keys import KeyMap, map_keys
 from amplite.checkpoint.model import build_meta_model
-from amplite.checkpoint.source import PREFIX, Checkpoint, example_inputs_for, iter_shard, load_tensor, open_checkpoint
-from amplite.checkpoint.write import Pt2Weights, cast_tensor, write_pt2, write_safetensors_dir
+from amplite.checkpoint.result import Progress, StreamedConversion, _no_progress, _on_meta, random_inputs
+from amplite.checkpoint.source import PREFIX, Checkpoint, example_inputs_for, iter_shard, open_checkpoint
 from amplite.converter.graph_stats import graph_stats
-from amplite.converter.pipeline import PipelineOutput, run_pipeline
+from amplite.converter.pipeline import run_pipeline
 from amplite.errors import ConfigError
 from amplite.passes.range_guard import RangeRules, weight_reason
 from amplite.policy import LEVEL_ENV, Level, PrecisionPolicy, make_overrides, resolve_level
-from amplite.report.document import Report, pass_records, report_header
-from amplite.verify.compare import DEFAULT_TOLERANCES, Tolerance
+from amplite.report.document import pass_records, report_header
 
-Progress = Callable[[str, int, int], None]  # (step, bytes done, bytes total)
-
-
-def _no_progress(step: str, done: int, total: int) -> None:
-    return None
-
-
-@dataclass
-class StreamedConversion:
-    """A converted checkpoint: the program (meta weights), its plan and where each weight comes from.
-
-    Attributes:
-        checkpoint: The source directory's metadata.
-        pipeline: The passes' output (``converted`` holds meta tensors in their planned dtypes).
-        dtypes: Tensor name -> storage dtype in the output.
-        buffers: Real values of the buffers the model computes itself (not in the shards).
-        keys: Which shard tensors make each model tensor (transformers' own mapping).
-        data: The report document (``report.json``); :attr:`report` wraps it.
-    """
-
-    checkpoint: Checkpoint
-    pipeline: PipelineOutput
-    dtypes: dict[str, torch.dtype]
-    buffers: dict[str, torch.Tensor]
-    keys: KeyMap
-    data: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def report(self) -> Report:
-        """The report (``report.data`` is report.json)."""
-        return Report(self.data)
-
-    @property
-    def passed(self) -> bool | None:
-        """Whether block-wise verification passed (None until :meth:`verify` ran)."""
-        return (self.data.get("verification") or {}).get("passed")
-
-    @property
-    def program(self) -> ExportedProgram:
-        """The converted program (weights on the meta device: save it to get them)."""
-        return self.pipeline.converted
-
-    def tensor(self, name: str, source: Checkpoint | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """One weight read from ``source`` (default: the input checkpoint), cast to ``dtype`` (default: its
-        planned storage dtype)."""
-        ckpt = source or self.checkpoint
-        model_name = name.removeprefix(PREFIX)
-        if model_name in self.keys.sources or model_name in self.keys.tied:
-            origin = self.keys.resolve(model_name)
-            t = self.keys.build(origin, lambda k: load_tensor(ckpt.tensors[k]))[origin]
-        elif name in self.buffers:
-            t = self.buffers[name]
-        else:
-            raise ConfigError(f"the checkpoint has no tensor for {name!r}", "check that the shards are complete")
-        return cast_tensor(t, dtype or self.dtypes.get(name, t.dtype))
-
-    def save_safetensors(self, out_dir: str | Path, progress: Progress = _no_progress) -> Path:
-        """Write the converted checkpoint in the source's layout (plus ``amplite-plan.json``)."""
-        total, done = self.checkpoint.total_bytes, [0]
-
-        def step(n: int) -> None:
-            done[0] += n
-            progress("writing safetensors", done[0], total)
-
-        plan = {"config": self.data.get("config"), "dtypes": {k: str(v) for k, v in self.dtypes.items()},
-                "plan": self.pipeline.plan}  # fmt: skip
-        return write_safetensors_dir(self.checkpoint, Path(out_dir), self.dtypes, plan, step)
-
-    def save_pt2(self, dest: str | Path, progress: Progress = _no_progress) -> Path:
-        """Write a ``.pt2`` whose weights are the converted tensors, streamed one at a time."""
-        names = [*self.program.state_dict, *self.program.constants]
-        total, done = sum(_meta_bytes(self.program, n) for n in names), [0]
-
-        def step(n: int) -> None:
-            done[0] += n
-            progress("writing .pt2", done[0], total)
-
-        sources = {n: (lambda n=n: self.tensor(n)) for n in names}
-        return write_pt2(self.program, Path(dest), sources, step, self.aliases(names))
-
-    def save(
-        self, path: str | Path, *, format: str | None = None, verify: bool = True, inputs: Any = None,
-        progress: Progress = _no_progress,
-    ) -> Path:
-        """Write the converted checkpoint as the CLI does: ``X.pt2`` is a ``.pt2``, any other path a
-        safetensors directory (``format``: ``safetensors``, ``pt2`` or both, comma-separated), behind the
-        same output guard. Nothing partial is left on failure. Then, unless ``verify=False``, what was written
-        is verified block by block against the source (:meth:`verify`; the verdict is :attr:`passed`).
-
-        Args:
-            path: Output path (``X.pt2`` or a directory).
-            format: ``safetensors``, ``pt2`` or both (default: from ``path``).
-            verify: Verify the written weights (from the safetensors directory when one was written).
-            inputs: Real ``(args, kwargs)`` for verification (default: seeded random ``input_ids``).
-            progress: Called as ``(step, bytes done, bytes total)``.
-
-        Returns:
-            The first output written.
-
-        Raises:
-            ConfigError: A bad format or an existing output directory / unwritable path.
-        """
-        from amplite.checkpoint.files import _remove, check_outputs, plan_checkpoint_outputs, write_outputs
-
-        level = str(self.data.get("config", {}).get("level", "O2"))
-        precision = str(self.data.get("config", {}).get("precision", "fp16"))
-        targets = plan_checkpoint_outputs(self.checkpoint.path, path, format, precision, level)
-        check_outputs(targets)
-        written: list[Path] = []
-        try:
-            write_outputs(self, targets, progress, written)
-        except BaseException:
-            for p in written:
-                _remove(p)
-            raise
-        fresh = [{"format": f, "path": str(p)} for f, p in targets]
-        kept = [e for e in self.data.get("outputs", []) if e.get("path") not in {x["path"] for x in fresh}]
-        self.data["outputs"] = [*kept, *fresh]  # earlier saves stay listed, as for a module's result
-        if verify:
-            self.verify(next((p for f, p in targets if f == "safetensors"), targets[0][1]), inputs, progress=progress)
-        return written[0]
-
-    def module(self) -> Any:
-        """Not available: a streamed checkpoint's weights are never materialised in memory.
-
-        Raises:
-            ConfigError: Always, naming what to use instead.
-        """
-        raise ConfigError(
-            "a converted checkpoint directory has no in-memory module (its weights stay in the shards)",
-            "result.save(DIR) then transformers' AutoModelForCausalLM.from_pretrained(DIR), or "
-            "result.save('model.pt2') then torch.export.load('model.pt2').module()",
-        )
-
-    def aliases(self, names: list[str]) -> dict[str, str]:
-        """Program weight -> an earlier one with the same values and dtype (tied weights: stored once)."""
-        first: dict[tuple[str, torch.dtype | None], str] = {}
-        out = {}
-        for name in names:
-            bare = name.removeprefix(PREFIX)
-            if bare not in self.keys.sources and bare not in self.keys.tied:
-                continue
-            key = (self.keys.resolve(bare), self.dtypes.get(name))
-            if key in first:
-                out[name] = first[key]
-            else:
-                first[key] = name
-        return out
-
-
-    def verify(
-        self, converted_dir: str | Path, inputs: Any = None, *, tolerance: Tolerance | None = None,
-        max_memory_gb: float | None = None, progress: Progress = _no_progress,
-    ) -> dict[str, Any]:
-        """Block-wise streaming verification of the written safetensors directory against the source.
-
-        Args:
-            converted_dir: What :meth:`save_safetensors` wrote (the converted weights are read from there).
-            inputs: Real ``(args, kwargs)`` (default: seeded random ``input_ids`` of shape (1, 8)).
-            tolerance: Output thresholds (default: by precision).
-            max_memory_gb: Bound on the weights alive at once (``--verify-max-memory``).
-            progress: Called as ``("verifying", bytes loaded, total)``.
-
-        Returns:
-            The ``verification`` section (also stored in :attr:`report`).
-        """
-        if inputs is None or _on_meta(inputs):
-            inputs = random_inputs(self.pipeline.original, int(self.checkpoint.config.get("vocab_size", 2)))
-        converted_dir = Path(converted_dir)
-        if converted_dir.is_dir():
-            written = open_checkpoint(converted_dir)
-            load_converted = lambda n: self.tensor(n, source=written)  # noqa: E731
-        else:  # a .pt2: its weights are read back from the archive, one at a time
-            reader = Pt2Weights(converted_dir)
-            load_converted = reader.tensor
-        precision = self.data["config"]["precision"]
-        start = perf_counter()
-        section = verify_blockwise(
-            self.pipeline.original, self.program, inputs,
-            lambda n: self.tensor(n, dtype=torch.float32), load_converted,
-            tolerance or DEFAULT_TOLERANCES[precision],
-            max_memory=max_memory_gb * 2**30 if max_memory_gb is not None else None, progress=progress,
-        )  # fmt: skip
-        self.data["timings"]["verify"] = perf_counter() - start
-        self.data["verification"] = section
-        return section
-
-
-def _on_meta(inputs: Any) -> bool:
-    leaves = torch.utils._pytree.tree_leaves(inputs)
-    return any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in leaves)
-
-
-def random_inputs(program: ExportedProgram, vocab: int) -> tuple[tuple, dict[str, Any]]:
-    """Seeded inputs shaped like the traced ones: token ids below ``vocab``, masks of ones, floats ~ N(0, 1)."""
-    gen = torch.Generator().manual_seed(0)
-
-    def fake(name: str, t: torch.Tensor) -> torch.Tensor:
-        if "mask" in name:
-            return torch.ones(t.shape, dtype=t.dtype)
-        if t.dtype.is_floating_point:
-            return torch.randn(t.shape, generator=gen).to(t.dtype)
-        return torch.randint(0, max(vocab, 1), t.shape, generator=gen, dtype=t.dtype)
-
-    args, kwargs = program.example_inputs
-    return tuple(fake(f"arg{i}", a) for i, a in enumerate(args)), {k: fake(k, v) for k, v in kwargs.items()}
-
-
-def _meta_bytes(program: ExportedProgram, name: str) -> int:
-    t = program.state_dict.get(name, program.constants.get(name))
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
+__all__ = ["Progress", "StreamedConversion", "_no_progress", "_on_meta", "convert_checkpoint", "random_inputs"]
 
 def weight_rules(ckpt: Checkpoint, keys: KeyMap, progress: Progress, rules: RangeRules) -> dict[str, str]:
     """fp16 weight rules on streamed statistics: module path -> reason, for weights fp16 cannot hold.

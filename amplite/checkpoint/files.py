@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +59,14 @@ def checkpoint_to_files(
     verify_max_memory: float | None = None,
     tolerance: Any = None,
     progress: Progress = _no_progress,
+    check_more: Callable[[dict[str, Any], Path], Any] | None = None,
     **conversion: Any,
 ) -> tuple[StreamedConversion, list[Path], Path]:
     """Convert a checkpoint directory and write its outputs and report.json.
+
+    ``check_more(report data, safetensors directory)`` runs after block-wise verification (with ``verify``)
+    and may add to the report (``amplite.llm.checkpoint.GenerationCheck``: the generation check); it needs
+    a safetensors output, which is checked before anything is converted.
 
     Returns:
         The conversion, the outputs written and the report path.
@@ -81,6 +87,9 @@ def checkpoint_to_files(
     name = first.stem if first.suffix == ".pt2" else first.name
     report_path = Path(report) if report is not None else first.with_name(name + ".report.json")
     emit.check_writable(report_path)
+    if verify and check_more is not None and not any(f == "safetensors" for f, _ in targets):
+        raise ConfigError("token_agreement/ppl_delta are measured on the safetensors output, and none is written",
+                          "add it: --format safetensors,pt2 (or -o DIR)")  # fmt: skip
     conv = convert_checkpoint(src, example_inputs, progress=progress, **{k: conversion[k] for k in _PASSED
                                                                         if k in conversion})  # fmt: skip
     if verify and verify_max_memory is not None:  # refused before anything is written
@@ -93,6 +102,9 @@ def checkpoint_to_files(
             weights = next((p for f, p in targets if f == "safetensors"), targets[0][1])
             real = example_inputs if example_inputs is not None and not _on_meta(example_inputs) else None
             conv.verify(weights, real, tolerance=tolerance, max_memory_gb=verify_max_memory, progress=progress)
+        streamed_peak = peak_rss_bytes()  # before check_more, which may load whole models
+        if verify and check_more is not None:
+            check_more(conv.data, weights)
     except BaseException:
         for path in written:
             _remove(path)
@@ -100,7 +112,7 @@ def checkpoint_to_files(
     finally:
         _restore_sigterm(previous)
     conv.data["outputs"] = [{"format": f, "path": str(p), "bytes": _size(p)} for f, p in targets]
-    conv.data["streaming"] = {"peak_rss_bytes": peak_rss_bytes(), "largest_shard_bytes":
+    conv.data["streaming"] = {"peak_rss_bytes": streamed_peak, "largest_shard_bytes":
                                 conv.checkpoint.largest_shard_bytes, "shards": len(conv.checkpoint.shards)}  # fmt: skip
     write_report(report_path, conv.data)
     return conv, written, report_path

@@ -66,6 +66,9 @@ def print_check(res: Any) -> None:
     for d in (data.get("layerwise") or {}).get("decisions") or []:
         out.print(escape(f"decision {d['node']} ({d['op']}): {d['agreement']:.2%} of {d['elements']} indices "
                          "agree with FP32"))
+    if data.get("llm", {}).get("checks"):
+        for line in generation_lines(data["llm"]):
+            out.print(escape(line))
     grads = data.get("gradients")
     if grads:
         out.print(escape(gradient_line(grads)))
@@ -79,6 +82,20 @@ def print_check(res: Any) -> None:
         out.print(f"[red]✗[/] {escape(str(reason))}")
     for kind, path in res.files.items():
         out.print(escape(f"{kind}: {path}"))
+
+
+def generation_lines(g: dict[str, Any]) -> list[str]:
+    """The generation check (``llm`` section): agreement, first divergence, perplexities, each criterion."""
+    fmt = lambda v: v if isinstance(v, str) else f"{v:.4g}"  # noqa: E731
+    delta = g["ppl_delta"] if isinstance(g["ppl_delta"], str) else f"{g['ppl_delta']:.3%}"
+    first = ", ".join("none" if d is None else str(d) for d in g["first_divergence"])
+    lines = [f"generation vs FP32 ({g['prompts']} prompts x {g['steps']} greedy steps, teacher-forced): token "
+             f"agreement {g['token_agreement']:.2%} ({g['agreeing_tokens']}/{g['prompts'] * g['steps']}), first "
+             f"divergence per prompt [{first}]; perplexity {fmt(g['ppl_fp32'])} -> {fmt(g['ppl_converted'])} "
+             f"(delta {delta}, {g['ppl_tokens']} tokens)"]  # fmt: skip
+    for c in g["checks"]:
+        lines.append(f"  {c['criterion']}: {'pass' if c['passed'] else 'FAIL'} (got {fmt(c['value'])})")
+    return lines
 
 
 def gradient_line(g: dict[str, Any]) -> str:
@@ -170,6 +187,9 @@ def print_summary(data: dict[str, Any], written: list[Path], report_path: Path) 
             out.print(escape(f"block-wise: {len(blocks)} blocks compared, worst SQNR {worst['sqnr_db']:.1f} dB "
                              f"({worst['block']}); at most {verification['peak_weight_bytes'] / 2**20:.1f} MiB "
                              "of weights held at once"))  # fmt: skip
+    if data.get("llm", {}).get("checks"):
+        for line in generation_lines(data["llm"]):
+            out.print(escape(line))
     budget = data.get("budget")
     if budget:
         verdict = "[green]met[/]" if budget["passed"] else "[red]NOT met[/]"

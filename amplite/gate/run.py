@@ -206,8 +206,11 @@ def _check_checkpoint(
 ) -> CheckResult:
     """``check DIR`` for a transformers checkpoint directory: streamed conversion and block-wise verification."""
     from amplite.checkpoint.check import check_checkpoint
+    from amplite.llm.checkpoint import generation_check
 
-    conv, reasons = check_checkpoint(model, example, tolerance=tolerance, **opts)
+    # token_agreement / ppl_delta criteria: the written directory is also checked on generation
+    generation = generation_check(model, tolerance, opts.get("precision", "fp16"))
+    conv, reasons = check_checkpoint(model, example, tolerance=tolerance, check_more=generation, **opts)
     return finish(copy.deepcopy(conv.data), reasons, [], name or Path(model).name, out_dir, junit)
 
 

@@ -2,7 +2,8 @@
 prompt and cache length), greedy generation, save/load, and verification by token agreement and
 perplexity (docs/llm.md).
 
-Layer: above ``api`` (it converts with :func:`amplite.convert`), below ``gate``/``cli``.
+Layer: above ``api`` (it converts with :func:`amplite.convert`), below ``save`` (``amplite convert DIR``
+runs the generation check of ``amplite.llm.checkpoint``), ``gate`` and ``cli``.
 """
 
 from __future__ import annotations

@@ -78,30 +78,45 @@ def perplexity(runner: Runner, ids: torch.Tensor) -> float:
     return float(torch.exp(nll))
 
 
-def measure(
-    reference: Runner,
+@dataclass
+class Reference:
+    """What the FP32 model produced: its greedy continuations and its perplexity. Kept apart from the
+    comparison so that the FP32 model can be dropped before the converted one is loaded."""
+
+    tokens: torch.Tensor
+    ppl: float
+
+
+def reference_run(
+    reference: Runner, prompts: torch.Tensor, attention_mask: torch.Tensor, steps: int, eval_ids: torch.Tensor
+) -> Reference:
+    """FP32's greedy ``steps`` tokens per prompt (``[N, steps]``) and its perplexity on ``eval_ids``."""
+    tokens = greedy(reference, prompts, steps, attention_mask)[:, prompts.shape[1] :]
+    return Reference(tokens, perplexity(reference, eval_ids))
+
+
+def judge(
+    ref: Reference,
     converted: Runner,
     prompts: torch.Tensor,
     attention_mask: torch.Tensor,
-    steps: int,
     eval_ids: torch.Tensor,
     criteria: list[Criterion],
 ) -> LLMMetrics:
-    """Token agreement over ``prompts`` x ``steps`` and the perplexity difference on ``eval_ids``, judged."""
-    ref_ids = greedy(reference, prompts, steps, attention_mask)[:, prompts.shape[1] :]
-    predicted, _ = teacher_forced(converted, prompts, attention_mask, ref_ids)
-    same = predicted == ref_ids
+    """Token agreement of ``converted`` with FP32's tokens (teacher-forced) and the perplexity difference, judged."""
+    predicted, _ = teacher_forced(converted, prompts, attention_mask, ref.tokens)
+    same = predicted == ref.tokens
     first = [None if bool(row.all()) else int((~row).nonzero()[0, 0]) for row in same]
-    ppl_ref, ppl_out = perplexity(reference, eval_ids), perplexity(converted, eval_ids)
-    delta = abs(ppl_out / ppl_ref - 1) if math.isfinite(ppl_out) and ppl_ref > 0 else math.inf
+    ppl_out = perplexity(converted, eval_ids)
+    delta = abs(ppl_out / ref.ppl - 1) if math.isfinite(ppl_out) and ref.ppl > 0 else math.inf
     m = LLMMetrics(
         prompts=int(prompts.shape[0]),
-        steps=steps,
+        steps=int(ref.tokens.shape[1]),
         prompt_lengths=[int(n) for n in attention_mask.sum(-1)],
         token_agreement=float(same.double().mean()),
         agreeing_tokens=int(same.sum()),
         first_divergence=first,
-        ppl_fp32=ppl_ref,
+        ppl_fp32=ref.ppl,
         ppl_converted=ppl_out,
         ppl_delta=delta,
         ppl_tokens=int(eval_ids.numel()),
@@ -112,6 +127,28 @@ def measure(
         m.passed &= ok
         m.checks.append({"criterion": str(c), "value": _json(value), "passed": ok})
     return m
+
+
+def measure(
+    reference: Runner,
+    converted: Runner,
+    prompts: torch.Tensor,
+    attention_mask: torch.Tensor,
+    steps: int,
+    eval_ids: torch.Tensor,
+    criteria: list[Criterion],
+) -> LLMMetrics:
+    """Token agreement over ``prompts`` x ``steps`` and the perplexity difference on ``eval_ids``, judged."""
+    ref = reference_run(reference, prompts, attention_mask, steps, eval_ids)
+    return judge(ref, converted, prompts, attention_mask, eval_ids, criteria)
+
+
+def failures(metrics: LLMMetrics) -> list[str]:
+    """One line per failed criterion, naming metric and value (and where generation first diverged)."""
+    diverged = [f"prompt {i + 1} at step {d}" for i, d in enumerate(metrics.first_divergence) if d is not None]
+    where = f"; first divergence: {', '.join(diverged)}" if diverged else ""
+    return [f"{c['criterion'].split('>')[0].split('<')[0]} = {c['value']} fails {c['criterion']}{where}"
+            for c in metrics.checks if not c["passed"]]  # fmt: skip
 
 
 def default_prompts(
