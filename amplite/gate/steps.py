@@ -11,6 +11,7 @@ import torch
 from torch.export import ExportedProgram
 
 from amplite.errors import ExportError, InputSpecError
+from amplite.spec import precision_dtype
 from amplite.verify import data as data_mod
 from amplite.verify import golden as golden_mod
 from amplite.verify.compare import DEFAULT_TOLERANCES, OutputMetrics, Tolerance, compare_batches
@@ -45,7 +46,7 @@ class Pair:
 
     @property
     def low(self) -> torch.dtype:
-        return {"fp16": torch.float16, "bf16": torch.bfloat16}[self.precision]
+        return precision_dtype(self.precision)
 
 
 def pair(model: Any, example_inputs: Any, converted: Any, convert_opts: dict[str, Any], gold: Any, golden: Any,
