@@ -12,6 +12,7 @@ from amplite.batch import BatchResult, JobResult, convert_many, iter_convert_man
 from amplite.errors import AmpliteError
 from amplite.gate import CheckResult, check
 from amplite.policy import Level, PrecisionPolicy
+from amplite.spec import ConvertSpec
 from amplite.training import prepare_training
 from amplite.version import __version__
 
@@ -20,6 +21,7 @@ __all__ = [
     "BatchResult",
     "CheckResult",
     "ConversionResult",
+    "ConvertSpec",
     "JobResult",
     "Level",
     "PrecisionPolicy",

@@ -9,7 +9,7 @@ every package below it (converter, passes, ops, verify, report, onnx); none of t
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -25,19 +25,18 @@ from amplite.converter.loading import LoadedModel, load_any, torchscript_to_prog
 from amplite.converter.pipeline import PipelineOutput, lower_inputs, run_pipeline
 from amplite.converter.tracing import (
     Inputs,
-    parse_dynamic_dims,
     private_buffers,
     static_batch_inputs,
     summarize_exception,
 )
 from amplite.errors import AmpliteError, ConfigError, InputSpecError, InternalError
-from amplite.estimate import DEFAULT_PROFILE, estimate, get_profile
+from amplite.estimate import estimate, get_profile
 from amplite.ops import backend_description
-from amplite.ops.fusion_default import resolve as resolve_fuse
 from amplite.passes.range_guard import RangeRules
-from amplite.policy import LEVEL_ENV, Level, PrecisionPolicy, make_overrides, resolve_level
+from amplite.policy import Level, Override
 from amplite.report.document import Report, build_report
 from amplite.result import ConversionResult
+from amplite.spec import ConvertSpec
 from amplite.verify.budget import fallback_search as search_budget
 from amplite.verify.compare import DEFAULT_TOLERANCES, Tolerance, compare, parse_tolerance, run_model
 from amplite.verify.data import calibration_batches
@@ -49,8 +48,8 @@ def convert(
     *,
     precision: str = "fp16",
     level: str | Level | None = None,
-    keep_fp32: Sequence[str] = (),
-    force_low: Sequence[str] = (),
+    keep_fp32: Sequence[str | Override] = (),
+    force_low: Sequence[str | Override] = (),
     low_precision_io: bool = False,
     dynamic_batch: bool = False,
     dynamic_dims: Sequence[str] | Mapping[str, Sequence[int]] = (),
@@ -69,7 +68,7 @@ def convert(
     max_trials: int | None = None,
     reference_outputs: Any = None,
     fold_batchnorm: bool = True,
-    gpu_profile: str = DEFAULT_PROFILE,
+    gpu_profile: str = ConvertSpec.gpu_profile,
 ) -> ConversionResult:
     """Convert a model to mixed precision ahead of time and verify it.
 
@@ -83,7 +82,8 @@ def convert(
             ``(args, kwargs)``. Optional for a ``.pt2`` that stores its example inputs.
         precision: ``fp16`` or ``bf16``.
         level: ``O0``-``O3``; None reads ``AMPLITE_LEVEL``, else O1.
-        keep_fp32: Patterns to keep in FP32 (``op:``, ``module:``, ``node:`` or unprefixed).
+        keep_fp32: Patterns to keep in FP32 (``op:``, ``module:``, ``node:`` or unprefixed), or
+            ``amplite.policy.Override`` rules carrying their own source (the budget search's pins).
         force_low: Patterns to force into low precision.
         low_precision_io: Graph inputs and outputs in the low dtype too.
         dynamic_batch: Make dim 0 of every input dynamic.
@@ -128,87 +128,105 @@ def convert(
     Raises:
         AmpliteError: For every problem with the inputs, the file or the options (one-line message).
     """
-    options = dict(
-        precision=precision, level=level, keep_fp32=list(keep_fp32), force_low=list(force_low),
+    spec = ConvertSpec.build(
+        precision=precision, level=level, keep_fp32=keep_fp32, force_low=force_low,
         low_precision_io=low_precision_io, dynamic_batch=dynamic_batch, dynamic_dims=dynamic_dims,
-        fuse_contractions=fuse_contractions,
-        range_rules=range_rules, data_max=data_max, max_reduction_depth=max_reduction_depth,
-        range_percentile=range_percentile,
-        calibration=calibration_batches(calibration), fold_batchnorm=fold_batchnorm, gpu_profile=gpu_profile,
+        fuse_contractions=fuse_contractions, range_rules=range_rules, data_max=data_max,
+        max_reduction_depth=max_reduction_depth, range_percentile=range_percentile,
+        fold_batchnorm=fold_batchnorm, gpu_profile=gpu_profile,
     )  # fmt: skip
     if isinstance(model, (str, Path)) and is_checkpoint_dir(model):  # streamed: never materialised
-        return convert_checkpoint(model, example_inputs, **{k: options[k] for k in _CHECKPOINT_KEYS})
+        return convert_checkpoint(
+            model, example_inputs, precision=spec.precision_name, level=spec.level, keep_fp32=keep_fp32,
+            force_low=force_low, low_precision_io=low_precision_io, range_rules=range_rules,
+        )  # fmt: skip
+    check = Verification(verify, tolerance, fallback_search, max_trials)
+    loading = Loading(trust_pickle, model_factory, import_modules)
+    batches = calibration_batches(calibration)
+    return convert_spec(model, example_inputs, spec, check, loading, batches, reference_outputs)
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What to check after converting: on/off, the tolerance, and the accuracy-budget search."""
+
+    enabled: bool = True
+    tolerance: Tolerance | None = None  # None: the precision's default
+    fallback_search: bool = False
+    max_trials: int | None = None
+
+    def check(self) -> None:
+        """Refuse settings that contradict each other (one-line ``ConfigError``)."""
+        if self.fallback_search and not self.enabled:
+            raise ConfigError("the accuracy-budget search needs verification", "drop --no-verify (verify=False)")
+        if self.max_trials is not None and self.max_trials < 2:
+            raise ConfigError(
+                f"max_trials={self.max_trials} is too small", "allow at least 2 (the worst node alone, then all)"
+            )
+
+    def resolved(self, spec: ConvertSpec) -> Tolerance | None:
+        """The tolerance verification judges by, or None when verification does not run."""
+        return (self.tolerance or DEFAULT_TOLERANCES[spec.precision_name]) if self.enabled else None
+
+
+@dataclass(frozen=True)
+class Loading:
+    """How to read a model file (a live module or program ignores these)."""
+
+    trust_pickle: bool = False
+    model_factory: str | None = None
+    import_modules: Sequence[str] = ()
+
+
+def convert_spec(
+    model: nn.Module | ExportedProgram | str | Path,
+    example_inputs: Any,
+    spec: ConvertSpec,
+    check: Verification = Verification(),
+    loading: Loading = Loading(),
+    calibration: list[Any] | None = None,
+    reference_outputs: Any = None,
+) -> ConversionResult:
+    """:func:`convert` on a resolved spec: load, FP32 reference, export and rewrite, verify, report, budget.
+
+    Args:
+        model: As for :func:`convert` (not a checkpoint directory).
+        example_inputs: As for :func:`convert`.
+        spec: The conversion.
+        check: Verification settings.
+        loading: How to read a model file.
+        calibration: Calibration batches (None: the example inputs).
+        reference_outputs: The FP32 outputs on ``example_inputs`` when already known.
+    """
+    check.check()
+    get_profile(spec.gpu_profile)  # an unknown profile fails before any work
+    tolerance = check.resolved(spec)
     timings: dict[str, float] = {}
-    cfg = _resolve(options, verify, fallback_search, max_trials, tolerance)
     start = perf_counter()
-    loaded = load_any(model, trust_pickle=trust_pickle, model_factory=model_factory, import_modules=import_modules)
+    loaded = load_any(model, trust_pickle=loading.trust_pickle, model_factory=loading.model_factory,
+                      import_modules=loading.import_modules)  # fmt: skip
     subject, reference, inputs = _subject(loaded, example_inputs, reference_outputs)
     timings["load"] = perf_counter() - start
     ref_out = reference_outputs if reference_outputs is not None else _reference_outputs(reference, inputs)
-
     out = run_pipeline(
-        subject,
-        inputs,
-        cfg.policy,
-        dynamic_batch=dynamic_batch,
-        dynamic_dims=cfg.dynamic_dims,
-        fuse_contractions=cfg.fuse,
-        range_rules=cfg.rules,
-        calibration=options["calibration"],  # read once: the budget search's trials reuse the list
-        fold_batchnorm=fold_batchnorm,
-    )
+        subject, inputs, spec.policy(), dynamic_batch=spec.dynamic_batch, dynamic_dims=spec.dims(),
+        fuse_contractions=spec.fuse, range_rules=spec.range_rules(),
+        calibration=calibration,  # read once: the budget search's trials reuse the list
+        fold_batchnorm=spec.fold_batchnorm,
+    )  # fmt: skip
     timings.update(out.timings)
-    metrics = _verify(out, ref_out, inputs, cfg, timings) if verify else None
-    report = _report(loaded, out, options, cfg, metrics, timings, explicit_level=level is not None)
-    result = ConversionResult(out.converted, report, out.original, inputs, out, ref_out, cfg.tolerance)
-    if fallback_search and result.passed is False:
-        chosen = {**options, "level": cfg.level, "fuse_contractions": cfg.fuse}
-        result = search_budget(result, chosen, convert=convert, max_trials=max_trials)
+    metrics = _verify(out, ref_out, inputs, spec, tolerance, timings) if check.enabled else None
+    report = _report(loaded, out, spec, tolerance, metrics, timings)
+    result = ConversionResult(out.converted, report, out.original, inputs, out, ref_out, tolerance)
+    if check.fallback_search and result.passed is False:
+
+        def again(program: ExportedProgram, inputs: Inputs, chosen: ConvertSpec, reference: Any) -> ConversionResult:
+            return convert_spec(program, inputs, chosen, Verification(tolerance=tolerance), Loading(), calibration,
+                                reference)  # fmt: skip
+
+        result = search_budget(result, spec, convert=again, max_trials=check.max_trials)
         result.report.data["source"] = report.data["source"]
     return result
-
-
-_CHECKPOINT_KEYS = ("precision", "level", "keep_fp32", "force_low", "low_precision_io", "range_rules")
-
-
-@dataclass
-class _Config:
-    """The resolved configuration of one conversion."""
-
-    level: Level
-    fuse: bool
-    fuse_reason: str
-    policy: PrecisionPolicy
-    rules: RangeRules | None
-    tolerance: Tolerance | None  # None when verification does not run
-    dynamic_dims: dict[str, list[int]] = field(default_factory=dict)
-
-
-def _resolve(
-    options: dict[str, Any], verify: bool, fallback_search: bool, max_trials: int | None, tolerance: Tolerance | None
-) -> _Config:
-    """Check the options against each other and resolve level, policy, range rules and tolerance."""
-    if fallback_search and not verify:
-        raise ConfigError("the accuracy-budget search needs verification", "drop --no-verify (verify=False)")
-    if max_trials is not None and max_trials < 2:
-        raise ConfigError(f"max_trials={max_trials} is too small", "allow at least 2 (the worst node alone, then all)")
-    lvl = resolve_level(options["level"])
-    pct = options["range_percentile"]
-    if pct is not None and not 50.0 <= pct < 100.0:
-        raise ConfigError(f"range percentile {pct:g} is out of range", "give a percentile in [50, 100), e.g. 99.99")
-    get_profile(options["gpu_profile"])  # an unknown profile fails before any work
-    overrides = make_overrides(options["keep_fp32"], options["force_low"])
-    policy = PrecisionPolicy(options["precision"], lvl, overrides, options["low_precision_io"])
-    use_ranges = options["range_rules"] if options["range_rules"] is not None else lvl in (Level.O1, Level.O2)
-    rules = (
-        RangeRules(data_max=options["data_max"], max_reduction_depth=options["max_reduction_depth"],
-                   percentile=options["range_percentile"])
-        if use_ranges
-        else None
-    )
-    tol = (tolerance or DEFAULT_TOLERANCES[options["precision"]]) if verify else None
-    fuse, fuse_reason = resolve_fuse(options["fuse_contractions"])
-    return _Config(lvl, fuse, fuse_reason, policy, rules, tol, parse_dynamic_dims(options["dynamic_dims"]))
 
 
 def _subject(
@@ -245,10 +263,13 @@ def _reference_outputs(reference: Any, inputs: Inputs) -> Any:
         ) from exc
 
 
-def _verify(out: PipelineOutput, ref_out: Any, inputs: Inputs, cfg: _Config, timings: dict[str, float]) -> list:
+def _verify(
+    out: PipelineOutput, ref_out: Any, inputs: Inputs, spec: ConvertSpec, tolerance: Tolerance | None,
+    timings: dict[str, float],
+) -> list:
     """Run the converted program on the example inputs and compare it with the FP32 outputs."""
     start = perf_counter()
-    run_inputs = lower_inputs(inputs, cfg.policy.low_dtype) if cfg.policy.low_precision_io else inputs
+    run_inputs = lower_inputs(inputs, spec.precision) if spec.low_precision_io else inputs
     try:
         converted = run_model(out.converted.module(), run_inputs)
     except AmpliteError:
@@ -256,7 +277,7 @@ def _verify(out: PipelineOutput, ref_out: Any, inputs: Inputs, cfg: _Config, tim
     except Exception as exc:  # the FP32 model ran on these inputs: a failure now is amplite's rewrite's
         problem = f"amplite bug: the converted program fails on the example inputs: {summarize_exception(exc)}"
         raise InternalError(problem) from exc
-    metrics = compare(ref_out, converted, cfg.tolerance)
+    metrics = compare(ref_out, converted, tolerance)
     timings["verify"] = perf_counter() - start
     return metrics
 
@@ -264,16 +285,14 @@ def _verify(out: PipelineOutput, ref_out: Any, inputs: Inputs, cfg: _Config, tim
 def _report(
     loaded: LoadedModel,
     out: PipelineOutput,
-    options: dict[str, Any],
-    cfg: _Config,
+    spec: ConvertSpec,
+    tolerance: Tolerance | None,
     metrics: list | None,
     timings: dict[str, float],
-    *,
-    explicit_level: bool,
 ) -> Report:
     """The conversion report: configuration, plan, pass records, graph and weight statistics, metrics."""
     warnings = []
-    if cfg.level is Level.O3:
+    if spec.level is Level.O3:
         warnings.append(
             "O3 runs everything in low precision, norms and softmax included: a speed baseline, "
             "not an accuracy-preserving setting"
@@ -283,28 +302,15 @@ def _report(
             "the model was passed in train mode and converted in train mode (BatchNorm uses batch statistics "
             "and updates its running statistics, dropout is random): call model.eval() first for inference"
         )
-    if options["dynamic_batch"] and (static := static_batch_inputs(out.converted)):
+    if spec.dynamic_batch and (static := static_batch_inputs(out.converted)):
         warnings.append(f"--dynamic-batch: dim 0 of {', '.join(static)} stayed static: the model fixes it")
-    config = {
-        "precision": options["precision"],
-        "level": cfg.level.value,
-        "level_source": "argument" if explicit_level else (LEVEL_ENV if _env_level() else "default"),
-        "keep_fp32": options["keep_fp32"],
-        "force_low": options["force_low"],
-        "low_precision_io": options["low_precision_io"],
-        "dynamic_batch": options["dynamic_batch"],
-        "dynamic_dims": cfg.dynamic_dims,
-        "fuse_contractions": cfg.fuse,
-        "fuse_contractions_reason": cfg.fuse_reason,
-        "range_rules": vars(cfg.rules) if cfg.rules else None,
-        "fold_batchnorm": options["fold_batchnorm"],
-    }
-    if cfg.fuse:
+    config = spec.to_config()
+    if spec.fuse:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         config["contract_backend"] = backend_description(device)
-    low = cfg.policy.low_dtype
+    low = spec.precision
     start = perf_counter()
-    predicted = estimate(out.original, out.converted, low, profile=options["gpu_profile"])
+    predicted = estimate(out.original, out.converted, low, profile=spec.gpu_profile)
     timings["estimate"] = perf_counter() - start
     report = build_report(
         source={**_source(loaded), "graph_fingerprint": graph_fingerprint(out.original)},
@@ -315,7 +321,7 @@ def _report(
         stats_after=graph_stats(out.converted.graph, low),
         weights=(weight_bytes(out.original), weight_bytes(out.converted)),
         metrics=metrics,
-        tolerance=cfg.tolerance,
+        tolerance=tolerance,
         timings=timings,
         warnings=warnings,
     )
@@ -330,12 +336,6 @@ def _source(loaded: LoadedModel) -> dict[str, Any]:
     if loaded.module is not None:
         source["mode"] = "train" if loaded.module.training else "eval"
     return source
-
-
-def _env_level() -> bool:
-    import os
-
-    return bool(os.environ.get(LEVEL_ENV))
 
 
 __all__ = ["ConversionResult", "convert", "example_inputs", "normalize_inputs", "parse_tolerance"]

@@ -227,18 +227,19 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def targets(rows: dict[tuple[str, str], dict[str, Any]]) -> list[tuple[str, str, float | None, str, bool | None]]:
-    """(model, target, value, limit, met) per target of issue 15."""
+    """(model, target, value, limit, met): issue 28's ratios (judged on bench_train_big.py's >= 20 M rows; here a
+    smoke row) and the loss after N steps against FP32."""
     out = []
     for m in sorted({k[0] for k in rows}):
-        amp, ac, fp = rows.get((m, "amplite-bf16-O2")), rows.get((m, "autocast-bf16")), rows.get((m, "fp32"))
-        if amp and ac:
-            t = _ratio(amp["step_ms"], ac["step_ms"])
-            out.append((m, "bf16 O2 step time / autocast bf16", t, "≤ 0.8", t is not None and t <= 0.8))
-            p = _ratio(amp["peak_mb"], ac["peak_mb"])
-            out.append((m, "bf16 O2 peak memory / autocast bf16", p, "≤ 0.75", p is not None and 0 < p <= 0.75))
+        ac, fp = rows.get((m, "autocast-bf16")), rows.get((m, "fp32"))
+        for lvl in ("O1", "O2"):
+            amp = rows.get((m, f"amplite-bf16-{lvl}"))
+            if amp and ac and "error" not in amp and "error" not in ac:
+                t = _ratio(amp["step_ms"], ac["step_ms"])
+                out.append((m, f"bf16 {lvl} step time / autocast bf16", t, "≤ 1.0", t is not None and t <= 1.0))
         for v in VARIANTS:
             r = rows.get((m, v))
-            if r and fp and v.startswith("amplite"):
+            if r and fp and v.startswith("amplite") and "error" not in r:
                 gap = abs(r["loss_final"] - fp["loss_final"]) / abs(fp["loss_final"])
                 met = gap <= 0.02 and not r["nan"]
                 out.append((m, f"{v} loss after {r['steps']} steps vs FP32", gap, "≤ 2 %", met))
@@ -264,7 +265,9 @@ def render(rows: dict[tuple[str, str], dict[str, Any]], meta: dict[str, Any]) ->
         lines.append(f"| {m} | {v} | {r['params_m']:.1f} | {r['prepare_s']:.2f} | {r['step_ms']:.1f} | "
                      f"{r['peak_mb']:.0f} | {r['loss_first']:.4f} | {r['loss_final']:.4f} | "
                      f"{'yes' if r['nan'] else 'no'} |")  # fmt: skip
-    lines += ["", "Targets (issue 15):", "", "| model | target | value | limit | met |", "|---|---|---|---|---|"]
+    lines += ["", "Smoke row (0.1 M parameters, where Python overhead is the whole story; issue 28's targets are "
+              "judged on the >= 20 M rows below):", "", "| model | target | value | limit | met |",
+              "|---|---|---|---|---|"]  # fmt: skip
     for m, what, value, limit, met in targets(rows):
         shown = "–" if value is None else (f"{100 * value:.2f} %" if "loss" in what else f"{value:.2f}")
         lines.append(f"| {m} | {what} | {shown} | {limit} | {'met' if met else 'not met'} |")
@@ -273,11 +276,13 @@ def render(rows: dict[tuple[str, str], dict[str, Any]], meta: dict[str, Any]) ->
 
 
 def splice(doc: str, section: str) -> str:
-    """``doc`` with its "## Training" section replaced by ``section`` (appended when absent)."""
+    """``doc`` with its "## Training" section replaced by ``section`` (appended when absent); the section's
+    ``###`` parts written by bench_train_big.py and profile_train.py stay."""
     start = doc.find("\n## Training\n")
     if start < 0:
         return doc.rstrip("\n") + "\n\n" + section
-    end = doc.find("\n## ", start + 1)
+    ends = [i for i in (doc.find("\n## ", start + 1), doc.find("\n### ", start + 1)) if i >= 0]
+    end = min(ends) if ends else -1
     return doc[: start + 1] + section + (doc[end:] if end >= 0 else "")
 
 

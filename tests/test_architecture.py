@@ -61,7 +61,7 @@ def test_golden_takes_every_option_the_reference_export_uses() -> None:
     """``golden`` exports the FP32 model like ``check --converted`` does: the same loading keywords."""
     from amplite import gate
 
-    assert {p.name for p in LOADING_PARAMS} == set(gate._LOAD_KEYS)
+    assert {p.name for p in LOADING_PARAMS} == set(gate.LOAD_KEYS)
 
 
 def test_batch_manifest_defaults_accept_every_conversion_option(tmp_path: Path) -> None:

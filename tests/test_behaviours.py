@@ -199,8 +199,12 @@ def test_force_low_override_beats_a_range_flag() -> None:
     assert plan["linear"]["mode"] == "low" and plan["linear"]["reason"] == "user:low node:linear", (
         f"a range flag overrode the user's force_low=['node:linear']: {plan['linear']}"
     )
-    assert plan["linear_1"] == {"mode": "fp32", "dtype": torch.float32, "reason": "range:activation output "
-                                "|x|=1e+03>512"}, "without an override the range flag keeps the node FP32"
+    assert plan["linear_1"] == {
+        "mode": "fp32",
+        "dtype": torch.float32,
+        "reason": "range:activation output |x|=1e+03>512",
+        "rule": "range",
+    }, "without an override the range flag keeps the node FP32"
 
 
 def test_force_low_override_beats_range_rules_end_to_end() -> None:

@@ -44,6 +44,7 @@ def test_tight_tolerance_is_reached_with_a_few_nodes_in_bounded_trials(monkeypat
     assert budget["trials"] <= 2 * math.log2(budget["candidates"]) + 10
     plan = {p["node"]: p for p in result.report.data["plan"]}
     assert all(plan[n]["dtype"] == "float32" and plan[n]["reason"] == "budget:isolated-error" for n in moved)
+    assert all(plan[n]["rule"] == "budget" for n in moved), "the search, not the user, pinned them"
     assert [s["kind"] for s in budget["steps"][:3]] == ["plan", "worst", "all"]
 
 

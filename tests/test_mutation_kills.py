@@ -157,8 +157,9 @@ def _o2(model: nn.Module, x: torch.Tensor, prefix: str | None = None) -> tuple[t
     gm = torch.export.export(model.eval(), (x,), strict=False).module()
     strip_export_checks(gm)
     policy = PrecisionPolicy("fp16", Level.O2)
-    gm, records = PassManager([AnnotatePrecision(policy), InsertCasts(), CleanupCasts(),
-                               StoreLowPrecisionParams(prefix)])(gm)
+    gm, records = PassManager(
+        [AnnotatePrecision(policy), InsertCasts(), CleanupCasts(), StoreLowPrecisionParams(prefix)]
+    )(gm)
     return gm, records[-1].counters
 
 
@@ -336,9 +337,10 @@ def test_a_bias_that_broadcasts_the_result_is_not_absorbed() -> None:
 
 def test_squeeze_in_a_chain_is_absorbed() -> None:
     _, counters = _fuse(_Fn(lambda a, b: a.squeeze(1).t() @ b), torch.randn(3, 1, 4), torch.randn(3, 5))
-    assert counters.get("fused:matmul") == 1 and counters.get("absorbed:squeeze", 0) + counters.get(
-        "absorbed:view", 0
-    ) >= 1, counters
+    assert (
+        counters.get("fused:matmul") == 1
+        and counters.get("absorbed:squeeze", 0) + counters.get("absorbed:view", 0) >= 1
+    ), counters
     _, counters = _fuse(_Fn(lambda a, b: a.squeeze().t() @ b), torch.randn(3, 1, 4), torch.randn(3, 5))
     assert counters.get("fused:matmul") == 1, counters
 
@@ -463,13 +465,15 @@ def test_unsqueeze_and_dims_outside_the_rank_are_not_fusable() -> None:
 def test_source_line_is_the_last_user_frame() -> None:
     from amplite.passes.graph_utils import source_line
 
-    trace = "\n".join([
-        '  File "/home/me/model.py", line 12, in forward',
-        '  File "/home/me/broken.py" (no number)',
-        '  File "/home/me/block.py", line 40, in forward',
-        '  File "/usr/lib/python3/site-packages/torch/nn/modules/module.py", line 1, in _call_impl',
-        "    return forward_call(*args)",
-    ])
+    trace = "\n".join(
+        [
+            '  File "/home/me/model.py", line 12, in forward',
+            '  File "/home/me/broken.py" (no number)',
+            '  File "/home/me/block.py", line 40, in forward',
+            '  File "/usr/lib/python3/site-packages/torch/nn/modules/module.py", line 1, in _call_impl',
+            "    return forward_call(*args)",
+        ]
+    )
     assert source_line(types.SimpleNamespace(meta={"stack_trace": trace})) == "/home/me/block.py:40"
     assert source_line(types.SimpleNamespace(meta={})) == ""
 
@@ -584,8 +588,12 @@ class _Detailed:
 def test_pass_manager_keeps_details_and_store_low_reports_modified() -> None:
     gm = _export(nn.Linear(2, 2), torch.randn(1, 2))
     _, (record,) = PassManager([_Detailed()])(gm)
-    assert (record.name, record.modified, record.counters, record.details) == ("detailed", False, {"n": 1},
-                                                                                {"why": ["x"]})
+    assert (record.name, record.modified, record.counters, record.details) == (
+        "detailed",
+        False,
+        {"n": 1},
+        {"why": ["x"]},
+    )
     gm = _export(nn.LayerNorm(4), torch.randn(2, 4))  # nothing read only through casts
     assert not StoreLowPrecisionParams()(gm).modified
     gm, _ = _o2(nn.Linear(4, 4), torch.randn(2, 4))
@@ -641,8 +649,9 @@ def test_a_one_element_weight_beyond_fp16_is_flagged() -> None:
 
 def test_a_bias_is_viewed_to_the_contraction_modes() -> None:
     # a.reshape(6, 4) merges two source dims: the contraction runs on (2, 3, 4), its bias as (2, 3, 5).
-    gm, counters = _fuse(_Fn(lambda a, w, b: a.reshape(6, 4) @ w + b),
-                         torch.randn(2, 3, 4), torch.randn(4, 5), torch.randn(6, 5))
+    gm, counters = _fuse(
+        _Fn(lambda a, w, b: a.reshape(6, 4) @ w + b), torch.randn(2, 3, 4), torch.randn(4, 5), torch.randn(6, 5)
+    )
     assert counters == {"fused:matmul": 1, "absorbed:view": 1, "absorbed:bias": 1}, counters
     contract = next(n for n in gm.graph.nodes if n.target is CONTRACT)
     assert list(contract.args[3].meta["val"].shape) == [2, 3, 5]
@@ -765,7 +774,9 @@ def test_annotation_covers_float_nodes_only_and_in_place_ops_follow() -> None:
     assert int_add.name not in plan, "a node without floating inputs or outputs gets no precision plan"
     gt = next(n for n in gm.graph.nodes if "gt" in str(n.target))
     assert plan[gt.name]["dtype"] == torch.float16, "a comparison of float values is planned"
-    assert plan["mul_"] == {"mode": "follow", "dtype": torch.float32, "reason": "in-place"}, plan["mul_"]
+    assert plan["mul_"] == {"mode": "follow", "dtype": torch.float32, "reason": "in-place", "rule": "dtype"}, plan[
+        "mul_"
+    ]
     assert plan["add_"]["mode"] == "follow" and plan["add_"]["reason"] == "in-place"
 
 
@@ -825,8 +836,14 @@ def test_cast_dtype_reads_every_cast_form() -> None:
     call = g.call_function
     assert cast_dtype(call(aten.to.dtype, (x,), {"dtype": torch.float16})) == torch.float16
     assert cast_dtype(call(aten.to.dtype, (x, torch.bfloat16))) == torch.bfloat16
-    same_place = {"dtype": torch.float16, "layout": torch.strided, "device": torch.device("cpu"),
-                  "pin_memory": False, "non_blocking": False, "copy": True}
+    same_place = {
+        "dtype": torch.float16,
+        "layout": torch.strided,
+        "device": torch.device("cpu"),
+        "pin_memory": False,
+        "non_blocking": False,
+        "copy": True,
+    }
     assert cast_dtype(call(aten._to_copy.default, (x,), same_place)) == torch.float16
     moves = call(aten._to_copy.default, (x,), {"dtype": torch.float16, "device": torch.device("meta")})
     assert cast_dtype(moves) is None, "a cast that also moves devices is not a pure cast"
@@ -890,4 +907,3 @@ def test_bias_add_after_a_contraction_is_absorbed_or_says_why(kind: str, bias_fu
     else:
         assert reason in reasons, f"{kind}: the rejection must name {reason}, got {res.rejections}"
     torch.testing.assert_close(gm(*args), ref, rtol=1e-3, atol=1e-3)
-

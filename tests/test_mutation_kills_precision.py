@@ -62,9 +62,16 @@ class _PowMean(nn.Module):
 @functools.cache
 def _exported(key: str) -> torch.fx.GraphModule:
     models = {
-        "pow2": _PowPlusOne(2), "pow3": _PowPlusOne(3), "pow2.0": _PowPlusOne(2.0), "pow4": _PowPlusOne(4),
-        "pow2.5": _PowPlusOne(2.5), "powTrue": _PowPlusOne(True), "pow1": _PowPlusOne(1),
-        "linear_pow": _LinearPow(), "pow_out": _PowOut(), "pow_mean": _PowMean(),
+        "pow2": _PowPlusOne(2),
+        "pow3": _PowPlusOne(3),
+        "pow2.0": _PowPlusOne(2.0),
+        "pow4": _PowPlusOne(4),
+        "pow2.5": _PowPlusOne(2.5),
+        "powTrue": _PowPlusOne(True),
+        "pow1": _PowPlusOne(1),
+        "linear_pow": _LinearPow(),
+        "pow_out": _PowOut(),
+        "pow_mean": _PowMean(),
     }
     gm = torch.export.export(models[key].eval(), (torch.randn(2, 4),), strict=False).module()
     strip_export_checks(gm)
@@ -144,16 +151,25 @@ def _cleared(key: str) -> torch.fx.GraphModule:
 def test_cleared_square_follows_its_low_input(level: Level) -> None:
     """A cleared pow after an fp16 linear computes in fp16 with the rule's reason (O1 and O2)."""
     plan = _plan(_cleared("linear_pow"), level)
-    assert plan["pow_1"] == {"mode": "follow", "dtype": torch.float16, "reason": SMALL_POW}
+    assert plan["pow_1"] == {"mode": "follow", "dtype": torch.float16, "reason": SMALL_POW, "rule": "range"}
     plan = _plan(_fresh("linear_pow"), level)
-    assert plan["pow_1"] == {"mode": "fp32", "dtype": torch.float32, "reason": "fp32-list:transcendental"}
+    assert plan["pow_1"] == {
+        "mode": "fp32",
+        "dtype": torch.float32,
+        "reason": "fp32-list:transcendental",
+        "rule": "op-table",
+    }
 
 
 def test_cleared_square_at_o0_and_o3_keeps_the_level_decision() -> None:
     """O0 converts nothing and O3 runs everything low: the pow rule changes neither."""
     assert _plan(_cleared("linear_pow"), Level.O0)["pow_1"]["reason"] == "level:O0"
     assert _plan(_cleared("linear_pow"), Level.O3)["pow_1"] == {
-        "mode": "low", "dtype": torch.float16, "reason": "level:O3"}
+        "mode": "low",
+        "dtype": torch.float16,
+        "reason": "level:O3",
+        "rule": "level",
+    }
 
 
 def test_cleared_square_read_by_an_fp32_op_keeps_fp32_squares() -> None:
@@ -167,9 +183,9 @@ def test_cleared_square_read_by_an_fp32_op_keeps_fp32_squares() -> None:
 def test_user_overrides_win_over_the_pow_rule() -> None:
     """A user's keep/force stays as it is on a cleared pow."""
     keep = _plan(_cleared("linear_pow"), Level.O1, overrides=make_overrides(keep_fp32=["op:pow"]))
-    assert keep["pow_1"] == {"mode": "fp32", "dtype": torch.float32, "reason": "user:keep op:pow"}
+    assert keep["pow_1"] == {"mode": "fp32", "dtype": torch.float32, "reason": "user:keep op:pow", "rule": "user"}
     low = _plan(_cleared("linear_pow"), Level.O1, overrides=make_overrides(force_low=["op:pow"]))
-    assert low["pow_1"] == {"mode": "low", "dtype": torch.float16, "reason": "user:low op:pow"}
+    assert low["pow_1"] == {"mode": "low", "dtype": torch.float16, "reason": "user:low op:pow", "rule": "user"}
 
 
 # --- ValueRange.update: exact maximum, percentile, strided underflow statistics ---
@@ -307,22 +323,28 @@ def test_plan_of_each_branch_at_o1() -> None:
     integer-only ops get no plan; a float result without float operands has no compute dtype."""
     f16, f32, f64 = torch.float16, torch.float32, torch.float64
     plan, out, counters = _mixed(Level.O1)
-    assert plan["linear"] == {"mode": "low", "dtype": f16, "reason": "low-list:linear"}
-    assert plan["add"] == {"mode": "follow", "dtype": f16, "reason": "follow-inputs"}
+    assert plan["linear"] == {"mode": "low", "dtype": f16, "reason": "low-list:linear", "rule": "op-table"}
+    assert plan["add"] == {"mode": "follow", "dtype": f16, "reason": "follow-inputs", "rule": "level"}
     assert out["add"] == f16
-    assert plan["sum_1"] == {"mode": "follow", "dtype": f32, "reason": "float64-kept"}, "float64 output is kept"
+    assert plan["sum_1"] == {"mode": "follow", "dtype": f32, "reason": "float64-kept", "rule": "dtype"}, (
+        "float64 output is kept"
+    )
     assert out["sum_1"] == f64, "an explicit dtype= keeps its output dtype"
-    assert plan["add_1"] == {"mode": "follow", "dtype": f64, "reason": "float64-kept"}
+    assert plan["add_1"] == {"mode": "follow", "dtype": f64, "reason": "float64-kept", "rule": "dtype"}
     assert out["add_1"] == f64
     assert plan["add_2"] is None and out["add_2"] == torch.int64, "integer-only op: no plan"
     assert plan["arange"] is None
-    assert plan["div"] == {"mode": "follow", "dtype": None, "reason": "no-float-operands"}
+    assert plan["div"] == {"mode": "follow", "dtype": None, "reason": "no-float-operands", "rule": "dtype"}
     assert out["div"] == f32
     assert out["x"] == f32 and out["i"] == torch.int64 and out["output"] is None
-    assert plan["max_1"] == {"mode": "follow", "dtype": f16, "reason": "follow-inputs"}
+    assert plan["max_1"] == {"mode": "follow", "dtype": f16, "reason": "follow-inputs", "rule": "level"}
     # follow: add, sum_1, add_1, div, max_1; compute fp16: linear, add, max_1 (div has none)
     assert counters == {
-        "nodes:low": 1, "nodes:follow": 5, "compute:float16": 3, "compute:float32": 1, "compute:float64": 1,
+        "nodes:low": 1,
+        "nodes:follow": 5,
+        "compute:float16": 3,
+        "compute:float32": 1,
+        "compute:float64": 1,
     }, counters
 
 
@@ -331,8 +353,8 @@ def test_plan_at_o3_bf16_runs_low_and_predicts_multi_output_dtypes() -> None:
     getitems read those dtypes from the tuple."""
     bf = torch.bfloat16
     plan, out, counters = _mixed(Level.O3, "bf16")
-    assert plan["linear"] == {"mode": "low", "dtype": bf, "reason": "level:O3"}
-    assert plan["max_1"] == {"mode": "low", "dtype": bf, "reason": "level:O3"}
+    assert plan["linear"] == {"mode": "low", "dtype": bf, "reason": "level:O3", "rule": "level"}
+    assert plan["max_1"] == {"mode": "low", "dtype": bf, "reason": "level:O3", "rule": "level"}
     assert out["max_1"] == (bf, torch.int64)
     assert out["getitem"] == bf and out["getitem_1"] == torch.int64
     assert out["add"] == bf
@@ -358,13 +380,18 @@ def test_in_place_op_computes_in_its_destination_dtype(level: Level) -> None:
     gm = _inplace_graph(torch.zeros(3, dtype=torch.bfloat16), torch.zeros(3))
     result = AnnotatePrecision(PrecisionPolicy("fp16", level))(gm)
     node = next(n for n in gm.graph.nodes if n.op == "call_function")
-    assert node.meta["amplite_precision"] == {"mode": "follow", "dtype": torch.bfloat16, "reason": "in-place"}
+    assert node.meta["amplite_precision"] == {
+        "mode": "follow",
+        "dtype": torch.bfloat16,
+        "reason": "in-place",
+        "rule": "dtype",
+    }
     assert node.meta["amplite_out_dtype"] == torch.bfloat16
     assert dict(result.counters) == {"nodes:follow": 1, "compute:bfloat16": 1}
     gm = _inplace_graph(torch.zeros(3, dtype=torch.int64), torch.zeros(3))
     AnnotatePrecision(PrecisionPolicy("fp16", level))(gm)
     node = next(n for n in gm.graph.nodes if n.op == "call_function")
-    assert node.meta["amplite_precision"] == {"mode": "follow", "dtype": None, "reason": "in-place"}
+    assert node.meta["amplite_precision"] == {"mode": "follow", "dtype": None, "reason": "in-place", "rule": "dtype"}
     assert node.meta["amplite_out_dtype"] == torch.int64
 
 
@@ -398,8 +425,11 @@ def _depth_flags(rules: RangeRules, dtype: torch.dtype) -> tuple[dict[str, str],
     for node in gm.graph.nodes:
         node.meta.pop("amplite_range", None)
     result = RangeGuard({}, rules, dtype)(gm)
-    flags = {str(n.target).removeprefix("aten."): n.meta["amplite_range"] for n in gm.graph.nodes
-             if "amplite_range" in n.meta}
+    flags = {
+        str(n.target).removeprefix("aten."): n.meta["amplite_range"]
+        for n in gm.graph.nodes
+        if "amplite_range" in n.meta
+    }
     return flags, dict(result.counters)
 
 
@@ -410,7 +440,10 @@ def test_reductions_deeper_than_the_limit_are_kept_fp32(dtype: torch.dtype) -> N
     flags, counters = _depth_flags(RangeRules(), dtype)
     deep = "range:reduction-depth 4097>4096"
     assert flags == {
-        "sum.dim_IntList": deep, "cumsum.default": deep, "softmax.int": deep, "var_mean.correction": deep,
+        "sum.dim_IntList": deep,
+        "cumsum.default": deep,
+        "softmax.int": deep,
+        "var_mean.correction": deep,
         "sum.default": "range:reduction-depth 8194>4096",
     }, flags
     assert counters == {"kept_fp32:range:reduction-depth": 5}
@@ -434,7 +467,9 @@ def test_percentile_activation_rule_flags_overflow_and_percentiles_above_data_ma
     judged against data_max (strictly above); a value without a percentile falls back to its maximum."""
     pct = RangeRules(percentile=99.9)
     assert _flags("pow2", {"x": ValueRange(max_abs=70000.0, percentile_abs=1.0)}, pct) == (
-        {"pow_1": "range:activation input x |x|=7e+04>65504"}, {"kept_fp32:range:activation": 1})
+        {"pow_1": "range:activation input x |x|=7e+04>65504"},
+        {"kept_fp32:range:activation": 1},
+    )
     assert _flags("pow2", {"x": ValueRange(max_abs=65504.0, percentile_abs=1.0)}, pct) == ({}, {})
     flags, _ = _flags("pow2", {"x": ValueRange(max_abs=1000.0, percentile_abs=600.0)}, pct)
     assert flags == {"pow_1": "range:activation input x p99.9|x|=600>512"}
@@ -448,8 +483,10 @@ def test_percentile_activation_rule_flags_overflow_and_percentiles_above_data_ma
 def test_activation_rule_reads_every_input_and_skips_missing_ranges() -> None:
     """A node is judged on its output and each input with a range (a missing one is skipped, not the end)."""
     flags, counters = _flags("pow2", {"pow_1": ValueRange(max_abs=1000.0)})
-    assert flags == {"pow_1": "range:activation output |x|=1e+03>512",
-                     "add": "range:activation input pow_1 |x|=1e+03>512"}
+    assert flags == {
+        "pow_1": "range:activation output |x|=1e+03>512",
+        "add": "range:activation input pow_1 |x|=1e+03>512",
+    }
     assert counters == {"kept_fp32:range:activation": 2}
 
 
@@ -520,7 +557,12 @@ def test_discrete_decision_keeps_its_value_producers_fp32(level: Level) -> None:
     mul that only shares the linear's input keeps its own plan."""
     plan = _argmax_plan(level)
     for name in ("argmax", "relu", "linear"):
-        assert plan[name] == {"mode": "fp32", "dtype": torch.float32, "reason": "discrete-decision"}, name
+        assert plan[name] == {
+            "mode": "fp32",
+            "dtype": torch.float32,
+            "reason": "discrete-decision",
+            "rule": "fidelity",
+        }, name
     assert plan["mul"]["reason"] != "discrete-decision"
     expected = {Level.O1: ("follow-inputs", torch.float32), Level.O2: ("level:O2", torch.float16)}[level]
     assert (plan["mul"]["reason"], plan["mul"]["dtype"]) == expected, "O1: it follows the FP32 linear"
@@ -531,7 +573,7 @@ def test_discrete_decision_rule_leaves_o3_and_user_force_low_alone() -> None:
     plan = _argmax_plan(Level.O3)
     assert plan["linear"]["reason"] == "level:O3" and plan["relu"]["reason"] == "level:O3"
     plan = _argmax_plan(Level.O1, overrides=make_overrides(force_low=["op:linear"]))
-    assert plan["linear"] == {"mode": "low", "dtype": torch.float16, "reason": "user:low op:linear"}
+    assert plan["linear"] == {"mode": "low", "dtype": torch.float16, "reason": "user:low op:linear", "rule": "user"}
     assert plan["relu"]["reason"] == "discrete-decision"
 
 
@@ -545,7 +587,12 @@ def test_range_flag_turns_a_low_decision_fp32_but_not_a_user_one() -> None:
     add.meta["amplite_range"] = "range:activation input pow_1 |x|=600>512"
     _pow_node(gm).meta["amplite_range"] = "range:activation output |x|=600>512"
     plan = _plan(gm, Level.O1)
-    assert plan["linear"] == {"mode": "fp32", "dtype": torch.float32, "reason": "range:activation output |x|=600>512"}
+    assert plan["linear"] == {
+        "mode": "fp32",
+        "dtype": torch.float32,
+        "reason": "range:activation output |x|=600>512",
+        "rule": "range",
+    }
     assert plan["add"]["reason"] == "range:activation input pow_1 |x|=600>512"
     assert plan["pow_1"]["reason"] == "fp32-list:transcendental"
     plan = _plan(gm, Level.O1, overrides=make_overrides(force_low=["op:linear"]))
@@ -572,10 +619,13 @@ def test_weight_reason_ignores_integer_and_empty_tensors() -> None:
     assert weight_reason(torch.tensor([100000.0]), RangeRules()) == "range:weight-overflow |w|=1e+05"
 
 
-@pytest.mark.parametrize(("numel", "expected"), [
-    (1 << 20, "range:weight-underflow 50.0% flush to zero"),  # every element is read
-    ((1 << 20) + 2, None),  # stride 2: only the even (0.5) elements are read
-])
+@pytest.mark.parametrize(
+    ("numel", "expected"),
+    [
+        (1 << 20, "range:weight-underflow 50.0% flush to zero"),  # every element is read
+        ((1 << 20) + 2, None),  # stride 2: only the even (0.5) elements are read
+    ],
+)
 def test_weight_reason_reads_every_value_up_to_2_20(numel: int, expected: str | None) -> None:
     """The flush-to-zero share is exact up to 2^20 values, then estimated with a stride of numel // 2^20 + 1."""
     t = torch.full((numel,), 0.5)

@@ -40,7 +40,7 @@ def convert_job(job: dict[str, Any], out: Path) -> dict[str, Any]:
     """Run ``amplite.convert`` for one job, save its outputs into ``out`` and return the summary row."""
     start = time.perf_counter()
     try:
-        import amplite
+        from amplite.api import convert
         from amplite.verify.compare import DEFAULT_TOLERANCES, Tolerance
 
         tol = None
@@ -52,7 +52,7 @@ def convert_job(job: dict[str, Any], out: Path) -> dict[str, Any]:
         options["keep_fp32"], options["force_low"] = list(job["keep_fp32"]), list(job["force_low"])
         options["dynamic_dims"] = list(job.get("dynamic_dims") or ())
         calibration = Path(job["calib"]) if job.get("calib") else job.get("calib_loader")
-        result = amplite.convert(job["path"], _inputs(job), tolerance=tol, calibration=calibration, **options)
+        result = convert(job["path"], _inputs(job), tolerance=tol, calibration=calibration, **options)
         files = [result.save(out / f"model.{fmt}", format=fmt).name for fmt in job["formats"]]
         result.report.save(out / "report.json")
         row = _success_row(job, result)

@@ -106,7 +106,12 @@ class StreamedConversion:
         return write_pt2(self.program, Path(dest), sources, step, self.aliases(names))
 
     def save(
-        self, path: str | Path, *, format: str | None = None, verify: bool = True, inputs: Any = None,
+        self,
+        path: str | Path,
+        *,
+        format: str | None = None,
+        verify: bool = True,
+        inputs: Any = None,
         progress: Progress = _no_progress,
     ) -> Path:
         """Write the converted checkpoint as the CLI does: ``X.pt2`` is a ``.pt2``, any other path a
@@ -127,7 +132,7 @@ class StreamedConversion:
         Raises:
             ConfigError: A bad format or an existing output directory / unwritable path.
         """
-        from amplite.checkpoint.files import _remove, check_outputs, plan_checkpoint_outputs, write_outputs
+        from amplite.checkpoint.outputs import _remove, check_outputs, plan_checkpoint_outputs, write_outputs
 
         level = str(self.data.get("config", {}).get("level", "O2"))
         precision = str(self.data.get("config", {}).get("precision", "fp16"))
@@ -174,10 +179,14 @@ class StreamedConversion:
                 first[key] = name
         return out
 
-
     def verify(
-        self, converted_dir: str | Path, inputs: Any = None, *, tolerance: Tolerance | None = None,
-        max_memory_gb: float | None = None, progress: Progress = _no_progress,
+        self,
+        converted_dir: str | Path,
+        inputs: Any = None,
+        *,
+        tolerance: Tolerance | None = None,
+        max_memory_gb: float | None = None,
+        progress: Progress = _no_progress,
     ) -> dict[str, Any]:
         """Block-wise streaming verification of the written safetensors directory against the source.
 

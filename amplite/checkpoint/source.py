@@ -245,12 +245,3 @@ def iter_shard(shard: Path) -> Iterator[tuple[str, torch.Tensor]]:
     with safe_open(str(shard), framework="pt") as fh:
         for name in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
             yield name, fh.get_tensor(name)
-
-
-def __getattr__(name: str) -> Any:
-    """``build_meta_model`` moved to :mod:`amplite.checkpoint.model` (kept importable from here)."""
-    if name == "build_meta_model":
-        from amplite.checkpoint.model import build_meta_model
-
-        return build_meta_model
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import typer
 
 from amplite.errors import AmpliteError, ConfigError
+from amplite.spec import ConvertSpec, RangeSpec
 
 ModelArg = Annotated[Path, typer.Argument(help="Model file: .pt2, TorchScript, state dict or pickled module.")]
 Precision = Annotated[
@@ -78,8 +79,9 @@ NoFoldOpt = Annotated[
 
 #: The conversion options, defined once: every command that converts (convert, inspect, check) takes them
 #: through :func:`conversion_options`. Each maps to the ``amplite.convert`` keyword of the same name, except
-#: ``no_fold_batchnorm`` (``fold_batchnorm=not ...``). Defaults are the API's (an option left out is not
-#: passed: ``--precision`` unset lets ``check --converted`` infer it from the file).
+#: ``no_fold_batchnorm`` (``fold_batchnorm=not ...``). Defaults with a value are read from the spec's own
+#: (``amplite.spec``); an option left at None is not passed (``--precision`` unset lets ``check --converted``
+#: infer it from the file).
 CONVERSION_PARAMS: tuple[inspect.Parameter, ...] = tuple(
     inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation)
     for name, annotation, default in (
@@ -95,13 +97,13 @@ CONVERSION_PARAMS: tuple[inspect.Parameter, ...] = tuple(
         ("low_precision_io", IoOpt, False),
         ("fuse_contractions", FuseOpt, None),
         ("range_rules", RangeOpt, None),
-        ("data_max", DataMaxOpt, 512.0),
-        ("max_reduction_depth", DepthOpt, 4096),
+        ("data_max", DataMaxOpt, RangeSpec.data_max),
+        ("max_reduction_depth", DepthOpt, RangeSpec.max_reduction_depth),
         ("range_percentile", PercentileOpt, None),
         ("no_fold_batchnorm", NoFoldOpt, False),
         ("calib", CalibOpt, None),
         ("calib_loader", CalibLoaderOpt, None),
-        ("gpu_profile", GpuProfileOpt, "H100"),
+        ("gpu_profile", GpuProfileOpt, ConvertSpec.gpu_profile),
     )
 )
 #: CLI options whose ``amplite.convert`` keyword has another name (``calib``/``calib_loader`` both feed

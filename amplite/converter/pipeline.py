@@ -333,6 +333,7 @@ def collect_plan(gm: torch.fx.GraphModule) -> list[dict[str, Any]]:
                 "mode": decision["mode"],
                 "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
                 "reason": decision["reason"],
+                "rule": decision.get("rule", "level"),
             }
         )
     return plan

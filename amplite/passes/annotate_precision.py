@@ -7,7 +7,8 @@ Guarantees afterwards: every ``call_function`` node that reads or produces a flo
 ``meta['amplite_precision']`` = ``{"mode", "dtype", "reason"}`` (``dtype`` the dtype its float operands
 will have, or None when it has none), and every node has ``meta['amplite_out_dtype']``: the dtype (or a
 tuple of dtypes for multi-output ops) its result will have once ``insert_casts`` has run. The graph itself
-is not changed.
+is not changed. ``meta['amplite_precision']['rule']`` names the policy layer that decided
+(:class:`amplite.policy.RuleSource` value).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from amplite import op_tables
 from amplite.errors import ConfigError
 from amplite.passes.base import PassResult
 from amplite.passes.graph_utils import cast_dtype, dtypes_of, fake_value, is_float_tensor, module_path
-from amplite.policy import DISCRETE_DECISION, Decision, Level, PrecisionPolicy
+from amplite.policy import Decision, Level, PrecisionPolicy, RuleSource
 
 _NORMALISERS = frozenset(op_tables.NORMALISER_OPS)
 _COMPUTE_BOUND = frozenset(op_tables.LOW_PRECISION_OPS)
+_NONE = Decision("follow", "")  # stands in for a node with no decision (not float, not call_function)
 
 
 def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -109,38 +111,20 @@ class AnnotatePrecision:
             op = op_tables.op_name(node.target) or getattr(node.target, "__name__", str(node.target))
             site = (op, module_path(node), node.name)
             sites.append(site)
-            decision = self.policy.decide(*site)
-            flagged = node.meta.get("amplite_range")  # set by range_guard; user overrides still win
-            if flagged and decision.mode != "fp32" and not decision.reason.startswith("user:"):
-                decision = Decision("fp32", flagged)
-            decisions[node] = decision
+            # range_guard's flag (meta['amplite_range']); pins still win
+            decisions[node] = self.policy.for_range(self.policy.decide(*site), node.meta.get("amplite_range", ""))
         if self.policy.level is not Level.O0:
             _refuse_unmatched(self.policy, sites)
-        self._small_pows(decisions)
-        if self.policy.level in (Level.O1, Level.O2):
-            for node, dec in list(decisions.items()):
-                op = op_tables.op_name(node.target)
-                if op in _NORMALISERS and not dec.reason.startswith("user:") and self._feeds_fp32(node, decisions):
-                    decisions[node] = Decision("fp32", "fp32-list:normaliser-feeds-fp32")
-        self._discrete_decisions(decisions)
-        if self.policy.level is Level.O2:
-            for node, dec in list(decisions.items()):
-                if dec.reason == "level:O2" and self._bridges_fp32(node, decisions):
-                    decisions[node] = Decision("fp32", "fp32-island-bridge")
-        return decisions
-
-    def _small_pows(self, decisions: dict[torch.fx.Node, Decision]) -> None:
-        """A ``pow`` that ``range_guard`` cleared (``range:small-integer-pow``) follows its input's dtype
-        instead of staying on the FP32 list, unless one of its readers is FP32 (an RMSNorm's
-        ``x.pow(2).mean()`` keeps FP32 squares) or the user pinned it."""
-        if self.policy.level not in (Level.O1, Level.O2):
-            return
+        for node, dec in list(decisions.items()):  # the graph facts each rule needs; the policy decides
+            fp32_reader = any(decisions.get(u, _NONE).mode == "fp32" for u in node.users)
+            decisions[node] = self.policy.for_small_pow(dec, node.meta.get("amplite_range_low", ""), fp32_reader)
         for node, dec in list(decisions.items()):
-            reason = node.meta.get("amplite_range_low")
-            if not reason or dec.mode != "fp32" or not dec.reason.startswith("fp32-list:"):
-                continue
-            if all(decisions.get(u, Decision("follow", "")).mode != "fp32" for u in node.users):
-                decisions[node] = Decision("follow", reason)
+            if op_tables.op_name(node.target) in _NORMALISERS:
+                decisions[node] = self.policy.for_normaliser(dec, self._feeds_fp32(node, decisions))
+        self._discrete_decisions(decisions)
+        for node, dec in list(decisions.items()):
+            decisions[node] = self.policy.for_bridge(dec, self._bridges_fp32(node, decisions))
+        return decisions
 
     def _discrete_decisions(self, decisions: dict[torch.fx.Node, Decision]) -> None:
         """Keep discrete decisions (topk, argmax, sort, ...) and the producers of their float operands FP32.
@@ -155,7 +139,7 @@ class AnnotatePrecision:
                 nxt = []
                 for prod in frontier:
                     dec = decisions.get(prod)
-                    if dec is None or dec.reason == DISCRETE_DECISION:
+                    if dec is None or dec.source is RuleSource.FIDELITY:
                         continue
                     decisions[prod] = self.policy.for_discrete_decision(dec)
                     if op_tables.op_name(prod.target) not in _COMPUTE_BOUND:
@@ -196,20 +180,20 @@ class AnnotatePrecision:
         produces_float = any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in pytree.tree_leaves(val))
         if decision is None or (not float_in and not produces_float):
             return dtypes_of(val)
-        mode, reason = decision.mode, decision.reason
+        mode, reason, source = decision.mode, decision.reason, decision.source
         if torch.float64 in float_in or any(
             isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in pytree.tree_leaves(val)
         ):
-            mode, reason = "follow", "float64-kept"
+            mode, reason, source = "follow", "float64-kept", RuleSource.DTYPE
         schema = getattr(node.target, "_schema", None)
         if not float_in:
             # No floating operand to cast (creation ops, true division of integers): the op itself fixes
             # its output dtype, whatever the policy says, so the plan must not claim a low one.
-            compute, mode, reason = None, "follow", "no-float-operands"
+            compute, mode, reason, source = None, "follow", "no-float-operands", RuleSource.DTYPE
         elif schema is not None and schema.is_mutable and inputs:
             # An in-place op cannot change its destination's dtype: compute in it.
             compute = out_dtype[inputs[0]] if out_dtype[inputs[0]].is_floating_point else None
-            mode, reason = "follow", "in-place"
+            mode, reason, source = "follow", "in-place", RuleSource.DTYPE
         elif mode == "low":
             compute = self.policy.low_dtype
         elif mode == "fp32":
@@ -218,7 +202,7 @@ class AnnotatePrecision:
             dimensioned = [out_dtype[a] for a in inputs if out_dtype[a].is_floating_point and fake_value(a).dim()]
             pool = dimensioned or float_in
             compute = _widest(pool) if pool else None
-        node.meta["amplite_precision"] = {"mode": mode, "dtype": compute, "reason": reason}
+        node.meta["amplite_precision"] = {"mode": mode, "dtype": compute, "reason": reason, "rule": source.value}
         counters[f"nodes:{mode}"] += 1
         if compute is not None:
             counters[f"compute:{str(compute).removeprefix('torch.')}"] += 1

@@ -106,7 +106,9 @@ def build_report(
             "ratio": round(after / before, 4) if before else 1.0,
         },
         "fp32_nodes": [
-            {k: p[k] for k in ("node", "op", "module", "source", "reason")} for p in plan if p["mode"] == "fp32"
+            {k: p[k] for k in ("node", "op", "module", "source", "reason", "rule") if k in p}
+            for p in plan
+            if p["mode"] == "fp32"
         ],
         "plan": plan,
         "timings": {k: round(v, 4) for k, v in timings.items()},

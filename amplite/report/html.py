@@ -163,7 +163,7 @@ def _range_rules_section(data: dict[str, Any]) -> str:
     if not rules:
         return ""
     plan = data.get("plan", [])
-    chosen = [p for p in plan if str(p.get("reason", "")).startswith("range:") and p.get("mode") == "fp32"]
+    chosen = [p for p in plan if p.get("rule") == "range" and p.get("mode") == "fp32"]
     depth = rules.get("max_reduction_depth")
     text = (
         f"<h3>Range rules</h3><p>data_max {fmt(rules.get('data_max'), 6)}, "

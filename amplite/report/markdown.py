@@ -91,7 +91,7 @@ def render_markdown(data: dict[str, Any], top_n: int = 5) -> str:
     graph = data.get("graph", {}).get("after", {})
     if graph:
         by_dtype = ", ".join(f"{k} {v}" for k, v in graph.get("nodes_by_dtype", {}).items())
-        by_range = sum(1 for p in data.get("fp32_nodes", []) if str(p.get("reason", "")).startswith("range:"))
+        by_range = sum(1 for p in data.get("fp32_nodes", []) if p.get("rule") == "range")
         lines.append(
             f"**Precision map:** {by_dtype}; {graph.get('casts', 0)} casts; "
             f"{len(data.get('fp32_nodes', []))} FP32 islands"

@@ -35,6 +35,7 @@ from amplite.converter.tracing import summarize_exception
 from amplite.errors import ConfigError, InputSpecError
 from amplite.policy import LEVEL_ENV, resolve_level
 from amplite.report.document import build_report
+from amplite.spec import precision_dtype
 from amplite.training.prepare import prepare_training
 from amplite.verify.numbers import decode_float, encode_float
 
@@ -268,7 +269,7 @@ def _document(loaded, net, precision, level, explicit, keep_fp32, force_low, cau
     """The common report fields, from the train-mode program and the rewritten graph."""
     import os
 
-    low = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    low = precision_dtype(precision)
     after = sum(t.nbytes for t in {id(t): t for t in [*net.parameters(), *net.buffers()]}.values())
     config = {
         "precision": precision,

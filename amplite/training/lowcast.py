@@ -64,7 +64,14 @@ class LowCopies(nn.Module):
         return entry[1]
 
     def forward(self, master: torch.Tensor) -> torch.Tensor:
-        """The low copy of ``master``, differentiable back to ``master`` (FP32 gradient)."""
+        """The low copy of ``master``, differentiable back to ``master`` (FP32 gradient).
+
+        Under ``torch.compile`` the cast is traced as a plain ``master.to(dtype)`` (the same value as the
+        cached copy, which is always the cast of the current master; the same FP32 gradient): the cache's
+        identity checks would break the compiled graph at every weight and recompile per parameter.
+        """
+        if torch.compiler.is_compiling():
+            return master.to(self.dtype)
         low = self.low_of(master)
         if master.requires_grad and torch.is_grad_enabled():
             return _Cast.apply(master, low)

@@ -33,6 +33,7 @@ from amplite.converter.inputs import bind_inputs
 from amplite.converter.pipeline import rewrite, strip_export_checks
 from amplite.converter.tracing import summarize_exception
 from amplite.errors import ConfigError, ExportError
+from amplite.passes.range_guard import RangeRules
 from amplite.policy import Level, PrecisionPolicy
 from amplite.training.lowcast import LowCopies, read_user_tensors
 
@@ -236,6 +237,14 @@ def _export(model: nn.Module, inputs: Inputs, shapes: Any) -> torch.export.Expor
         ) from exc
 
 
+def _range_rules(policy: PrecisionPolicy) -> RangeRules | None:
+    """At bf16 the one range rule training applies: a small-integer ``pow`` (GELU-tanh's x³) follows its
+    input's dtype instead of an FP32 island (torch.autocast on CPU runs it low too; bf16 has FP32's
+    exponent range, so no calibration is needed). No reduction-depth limit: training keeps the decisions
+    it had. fp16 would need calibrated ranges (a train-mode forward): none."""
+    return RangeRules(max_reduction_depth=None) if policy.low_dtype == torch.bfloat16 else None
+
+
 def trace_variant(
     model: nn.Module, inputs: Inputs, policy: PrecisionPolicy, level: Level, dynamic: DynamicSet, copies: LowCopies
 ) -> Variant:
@@ -258,7 +267,7 @@ def trace_variant(
         gm, records, plan = program.module(), [], []
         strip_export_checks(gm)
     else:
-        done = rewrite(program, inputs, policy, fold_batchnorm=False)
+        done = rewrite(program, inputs, policy, fold_batchnorm=False, range_rules=_range_rules(policy))
         gm, records, plan = done.module, done.records, done.plan
     low = read_user_tensors(gm, model, copies)
     eval_gm, counters = to_eval_graph(gm)

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from amplite.converter.pipeline import lower_inputs, rewrite
-from amplite.passes.range_guard import RangeRules
-from amplite.policy import PRECISIONS, PrecisionPolicy, make_overrides
+from amplite.policy import Override, RuleSource
+from amplite.spec import ConvertSpec
 from amplite.verify.compare import compare, run_model
 from amplite.verify.layerwise import analyze
 from amplite.verify.numbers import decode_float
@@ -43,15 +43,16 @@ class Step:
 
 
 def fallback_search(
-    result: Any, options: dict[str, Any], *, convert: Callable[..., Any], max_trials: int | None = None
+    result: Any, spec: ConvertSpec, *, convert: Callable[..., Any], max_trials: int | None = None
 ) -> Any:
     """Search for a small set of nodes to keep in FP32 so that ``result`` meets its tolerance.
 
     Args:
         result: A verified ``ConversionResult`` that failed its tolerance.
-        options: The ``amplite.convert`` keyword arguments that produced it (without inputs/tolerance).
-        convert: ``amplite.convert`` (passed in: this layer never imports the API), used once for the
-            chosen plan's full conversion and verification.
+        spec: The conversion that produced it. Each trial is this spec with the search's pins added
+            (:class:`~amplite.policy.Override` rules whose source is the budget search).
+        convert: ``convert(program, inputs, spec, reference_outputs)`` converting and verifying a spec
+            (the API's, passed in: this layer never imports it), used once for the chosen plan.
         max_trials: Bound on conversions (default ``2·log2(N) + 10``).
 
     Returns:
@@ -59,15 +60,14 @@ def fallback_search(
         when the search succeeded; otherwise it is the all-candidates plan (the most accurate tried).
     """
     start = perf_counter()
-    low = PRECISIONS[options["precision"]]
-    run_inputs = lower_inputs(result.inputs, low) if options.get("low_precision_io") else result.inputs
+    low = spec.precision
+    run_inputs = lower_inputs(result.inputs, low) if spec.low_precision_io else result.inputs
     ranked = _candidates(result, run_inputs, low)
     n = len(ranked)
     bound = max_trials if max_trials is not None else 2 * math.ceil(math.log2(max(n, 2))) + 10
     steps = [Step(0, "plan", 0, False, _worst(result.report.outputs), 0.0)]
     cache: dict[frozenset[str], bool] = {}
-    config = result.report.data["config"]
-    rules = RangeRules(**config["range_rules"]) if config.get("range_rules") else None
+    rules = spec.range_rules()
     ranges = result.pipeline.ranges  # calibrated once, by the conversion that missed the tolerance
 
     def trial(names: list[str], kind: str) -> bool:
@@ -75,13 +75,9 @@ def fallback_search(
         if key in cache:
             return cache[key]
         t0 = perf_counter()
-        pins = make_overrides([f"node:{name}" for name in names], source="budget")
-        user = make_overrides(options.get("keep_fp32", []), options["force_low"])
-        policy = PrecisionPolicy(options["precision"], options["level"], (*user, *pins),
-                                 options["low_precision_io"])  # fmt: skip
         module = rewrite(
-            result.original, result.inputs, policy, fuse_contractions=options["fuse_contractions"],
-            range_rules=rules, fold_batchnorm=options["fold_batchnorm"], ranges=ranges,
+            result.original, result.inputs, spec.with_overrides(_pins(names)).policy(),
+            fuse_contractions=spec.fuse, range_rules=rules, fold_batchnorm=spec.fold_batchnorm, ranges=ranges,
         ).module  # fmt: skip
         metrics = compare(result.reference, run_model(module, run_inputs), result.tolerance)
         ok = all(m.passed for m in metrics)
@@ -111,15 +107,8 @@ def fallback_search(
     before = len(chosen)
     prune_bound = min(before, _PRUNE_MAX) if best_k is not None and before > 1 else 0
     chosen, prune_trials = _prune(chosen, lambda kept: trial(kept, "prune"), prune_bound)
-    final_keep = [*options.get("keep_fp32", []), *(f"node:{name}" for name in chosen)]
-    final = convert(
-        result.original, result.inputs, **{**options, "keep_fp32": final_keep}, verify=True,
-        tolerance=result.tolerance, reference_outputs=result.reference,
-    )  # fmt: skip
+    final = convert(result.original, result.inputs, spec.with_overrides(_pins(chosen)), result.reference)
     moved = set(chosen)
-    for entry in (*final.report.data["plan"], *final.report.data["fp32_nodes"]):
-        if entry["node"] in moved and entry["reason"] == f"user:keep node:{entry['node']}":
-            entry["reason"] = "budget:isolated-error"  # the search moved it, not the user
     final.report.data["budget"] = {
         "tolerance": asdict(result.tolerance),
         "passed": bool(final.passed),
@@ -133,6 +122,12 @@ def fallback_search(
         "message": message,
     }
     return final
+
+
+def _pins(names: list[str]) -> list[Override]:
+    """The search's FP32 pins: ``node:`` rules whose source is the budget search (reason
+    ``budget:isolated-error``), never the user's, so the report says who moved each node."""
+    return [Override("keep_fp32", f"node:{name}", RuleSource.BUDGET, why="isolated-error") for name in names]
 
 
 #: At most this many prune trials (one per node of the bisected plan, least harmful first).

@@ -16,6 +16,7 @@ from torch.export import ExportedProgram
 from amplite.converter.graph_stats import graph_stats, node_compute_dtype, weight_bytes
 from amplite.errors import LoadError
 from amplite.passes.graph_utils import cast_dtype, module_path, source_line
+from amplite.spec import precision_dtype
 
 
 def load_converted(converted: str | Path | ExportedProgram) -> ExportedProgram:
@@ -46,7 +47,7 @@ def infer_level(program: ExportedProgram, precision: str) -> str:
     stored low at O1 too."""
     from amplite import op_tables
 
-    low = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    low = precision_dtype(precision)
     fp32_list = {"low": 0, "fp32": 0}
     any_low = False
     for node in program.graph.nodes:
@@ -73,7 +74,7 @@ def infer_level(program: ExportedProgram, precision: str) -> str:
 def report_for_converted(base: dict[str, Any], conv: ExportedProgram, path: Any, precision: str) -> dict[str, Any]:
     """A report for a converted file: the reference's facts plus what the converted graph shows."""
     report = copy.deepcopy(base)
-    low = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    low = precision_dtype(precision)
     plan = []
     for node in conv.graph.nodes:
         if node.op != "call_function" or cast_dtype(node) is not None:

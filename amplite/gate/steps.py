@@ -1,0 +1,172 @@
+"""The steps of ``check``: the FP32/converted pair, every batch through both, localisation, the verdicts."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+
+from amplite.errors import ExportError, InputSpecError
+from amplite.spec import precision_dtype
+from amplite.verify import data as data_mod
+from amplite.verify import golden as golden_mod
+from amplite.verify.compare import DEFAULT_TOLERANCES, OutputMetrics, Tolerance, compare_batches
+from amplite.verify.converted import infer_precision, load_converted, report_for_converted
+
+OTHER_MODEL = "this golden directory was made from another model: pass the right --golden or regenerate it"
+#: The ``amplite.convert`` options that only load and trace: what the FP32 reference export takes.
+LOAD_KEYS = ("trust_pickle", "model_factory", "import_modules", "dynamic_batch", "dynamic_dims")
+
+
+def reference(model: Any, example: Any, opts: dict[str, Any]) -> Any:
+    """The FP32 program of ``model`` (an O0 "conversion" exports and loads it, and nothing more)."""
+    from amplite.api import convert
+
+    return convert(model, example, level="O0", verify=False, **{k: opts[k] for k in LOAD_KEYS if k in opts})
+
+
+@dataclass
+class Pair:
+    """The FP32 and converted programs a check compares, and what it knows about them."""
+
+    ref_prog: ExportedProgram
+    conv_prog: ExportedProgram
+    report: dict[str, Any]  # the check's own copy of the conversion report
+    precision: str
+    example: Any
+    ref_gm: Any = None
+    conv_gm: Any = None
+
+    def __post_init__(self) -> None:
+        self.ref_gm, self.conv_gm = self.ref_prog.module(), self.conv_prog.module()
+
+    @property
+    def low(self) -> torch.dtype:
+        return precision_dtype(self.precision)
+
+
+def pair(model: Any, example_inputs: Any, converted: Any, convert_opts: dict[str, Any], gold: Any, golden: Any,
+          timings: dict[str, float]) -> Pair:  # fmt: skip
+    """Convert ``model`` now, or export it and load ``converted``; golden inputs that do not fit say so."""
+    start = perf_counter()
+    try:
+        if converted is None:
+            from amplite.api import convert
+
+            result = convert(model, example_inputs, verify=False, **convert_opts)
+        else:
+            result = reference(model, example_inputs, convert_opts)
+    except (InputSpecError, ExportError) as exc:
+        if gold is None or example_inputs is not gold.batches[0][1]:
+            raise
+        raise golden_mod.GoldenError(f"the inputs in golden directory {str(golden)!r} do not fit the model: "
+                                     f"{exc.problem}", OTHER_MODEL) from exc  # fmt: skip
+    if converted is None:
+        pair = Pair(result.original, result.program, copy.deepcopy(result.report.data),
+                     convert_opts.get("precision", "fp16"), result.inputs)  # fmt: skip
+    else:
+        conv_prog = load_converted(converted)
+        precision = convert_opts.get("precision") or infer_precision(conv_prog)
+        report = report_for_converted(result.report.data, conv_prog, converted, precision)
+        pair = Pair(result.original, conv_prog, report, precision, result.inputs)
+    timings["convert"] = perf_counter() - start
+    return pair
+
+
+def update_golden(golden: Any, pair: Pair, batches: list) -> Any:
+    """(Re)write the golden directory from the FP32 model on ``batches``, and read it back."""
+    fitted = [(label, data_mod.fit_inputs(pair.ref_gm, b, label)) for label, b in batches]
+    src = {k: pair.report["source"][k] for k in ("path", "format")}
+    golden_mod.save_golden(golden, pair.ref_gm, fitted, source=src, update=True)
+    return golden_mod.load_golden(golden)
+
+
+def verify_batches(pair: Pair, batches: list, gold: Any, tol: Tolerance, timings: dict[str, float]
+                    ) -> tuple[list[OutputMetrics], list]:  # fmt: skip
+    """Run both models on every batch (inputs checked against each model's signature) and compare."""
+    start = perf_counter()
+    fix = OTHER_MODEL if gold else ""
+    pairs, drift = [], []
+    for i, (label, batch) in enumerate(batches):
+        where = f"batch {i} ({label})"
+        ref_in = data_mod.fit_inputs(pair.ref_gm, batch, where, fix)
+        conv_in = data_mod.fit_inputs(pair.conv_gm, batch, where, fix)
+        conv_out = data_mod.run_batch(pair.conv_gm, conv_in, where, "the converted model")
+        if gold:
+            golden_mod.check_outputs_match(gold, i, conv_out)
+            ref_out = gold.outputs[i]
+            drift.append((ref_out, data_mod.run_batch(pair.ref_gm, ref_in, where, "the FP32 model")))
+        else:
+            ref_out = data_mod.run_batch(pair.ref_gm, ref_in, where, "the FP32 model")
+        data_mod.refuse_nan_reference(ref_out, where, bool(gold))
+        pairs.append((ref_out, conv_out))
+    metrics = compare_batches(pairs, tol)
+    timings["verify"] = perf_counter() - start
+    return metrics, drift
+
+
+def golden_section(gold: Any, drift: list, precision: str, updated: bool) -> dict[str, Any]:
+    """The report's ``golden``: where the reference came from and how far today's FP32 model drifted."""
+    ref_drift = compare_batches(drift, DEFAULT_TOLERANCES[precision])
+    return {
+        "path": str(gold.path), "created": gold.meta.get("created"), "source": gold.meta.get("source", {}),
+        "updated": updated,
+        "reference_drift": [{"output": m.name, "sqnr_db": m.to_dict()["sqnr_db"]} for m in ref_drift],
+    }  # fmt: skip
+
+
+def layerwise(report: dict[str, Any], pair: Pair, first: Any, timings: dict[str, float]) -> None:
+    """Localise the error node by node on the first batch (``layerwise`` and ``ranges`` sections)."""
+    from amplite.verify.layerwise import analyze
+    from amplite.verify.ranges import summarize
+
+    start = perf_counter()
+    lw = analyze(pair.ref_gm, pair.conv_gm, data_mod.fit_inputs(pair.ref_gm, first, "batch 0"),
+                 data_mod.fit_inputs(pair.conv_gm, first, "batch 0"), pair.low)  # fmt: skip
+    report["layerwise"] = lw.to_dict()
+    report["ranges"] = summarize({e.node: e.range for e in lw.nodes if e.range}, pair.low)
+    timings["layerwise"] = perf_counter() - start
+
+
+def gradients(report: dict[str, Any], pair: Pair, first: Any, loss: Any, converted_now: bool,
+               convert_opts: dict[str, Any], timings: dict[str, float]) -> None:  # fmt: skip
+    """Compare parameter gradients of one backward pass (``gradients`` section)."""
+    from amplite.verify.gradcheck import gradient_check
+
+    grad_gm = pair.conv_gm
+    if converted_now and any(p["name"] == "fold_batchnorm" and p["modified"] for p in report["passes"]):
+        from amplite.api import convert  # folded BatchNorm has no parameters to train: check it unfolded
+
+        unfolded = convert(pair.ref_prog, pair.example, verify=False, **{**convert_opts, "fold_batchnorm": False})
+        grad_gm = unfolded.program.module()
+    report["gradients"] = gradient_check(pair.ref_gm, grad_gm, data_mod.fit_inputs(pair.ref_gm, first, "batch 0"),
+                                         data_mod.fit_inputs(grad_gm, first, "batch 0"), loss=loss,
+                                         low_dtype=pair.low)  # fmt: skip
+    report["gradients"]["graph"] = "unfolded BatchNorm" if grad_gm is not pair.conv_gm else "as converted"
+    timings["gradients"] = report["gradients"]["seconds"]
+
+
+def failures(metrics: list[OutputMetrics]) -> list[str]:
+    """One line per output that missed its tolerance: the failed criteria with their values, and notes."""
+    return [
+        f"{m.name}: " + "; ".join([c["criterion"] + f" (got {c['value']})" for c in m.checks if not c["passed"]]
+                                  + m.notes)
+        for m in metrics
+        if not m.passed
+    ]  # fmt: skip
+
+
+def regressions(report: dict[str, Any], base_line: dict[str, Any] | None, margin_db: float) -> list[str]:
+    """Compare with an accepted baseline report (``baseline`` section); one line per regression."""
+    if base_line is None:
+        return []
+    golden_mod.check_baseline_matches(report, base_line)
+    regressions = golden_mod.compare_baseline(report["verification"]["outputs"], base_line, margin_db)
+    report["baseline"] = {"margin_db": margin_db, "regressions": regressions, "passed": not regressions,
+                          "created": base_line.get("created")}  # fmt: skip
+    return [f"{r['output']}: {r['metric']} regressed from {r['baseline']} to {r['current']} (limit {r['limit']})"
+            for r in regressions]  # fmt: skip

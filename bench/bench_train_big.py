@@ -1,0 +1,337 @@
+"""Mixed-precision training at a size where it matters (issue 28): >= 20 M-parameter GPT-2, BERT, ResNet-34.
+
+Usage::
+
+    flock /tmp/amplite-bench.lock python bench/bench_train_big.py [--rounds 2] [--steps 6] [--models ...]
+        [--variants ...] [--write]
+
+Models (built from configs / code, no weights, no downloads):
+
+- ``gpt2``: ``transformers.GPT2LMHeadModel``, 6 layers, n_embd 512, 8 heads, vocab 8192, seq 256, batch 4
+  (23.2 M parameters including the tied 4.2 M token embedding).
+- ``bert``: ``transformers.BertForMaskedLM``, 6 layers, hidden 512, 8 heads, FFN 2048, vocab 8192, seq 256,
+  batch 4 (23.6 M parameters including the embeddings).
+- ``resnet34``: torchvision's ResNet-34 architecture written out here (torchvision is not installed),
+  BatchNorm, 100 classes, 128x128 images, batch 8 (21.3 M parameters).
+
+Variants: ``fp32``; ``autocast`` (``torch.autocast("cpu", bfloat16)``); ``amplite-O1`` / ``amplite-O2``
+(``prepare_training(..., precision="bf16")``); ``all-bf16`` (``model.to(torch.bfloat16)``, the all-low-precision
+limit, no FP32 masters); ``compiled-autocast`` (``torch.compile(model)`` called under autocast) and
+``compiled-amplite-O1`` / ``-O2`` (``torch.compile(net)``). Every step: forward, loss, backward, AdamW
+step, zero_grad.
+
+Each (model, variant) runs in a fresh process; the variants run interleaved, round by round, and every
+figure is the median over rounds. Step time: the median over the timed steps after the warm-up steps.
+Peak memory: the peak resident set during the timed steps (Linux ``VmHWM``, reset after the warm-up) minus
+the resident set after building the FP32 model and its batches (so: gradients, optimizer state, weight
+copies, activations). ``--write`` replaces the "Training (>= 20 M parameters)" part of bench/RESULTS.md's
+"Training" section and writes bench/results-train-big.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import traceback
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from bench.bench_train import _status_mb, _trim_and_reset_peak  # noqa: E402
+
+MODELS = ["gpt2", "bert", "resnet34"]
+VARIANTS = ["fp32", "autocast", "amplite-O1", "amplite-O2", "all-bf16", "compiled-autocast", "compiled-amplite-O1",
+            "compiled-amplite-O2"]  # fmt: skip
+VOCAB, SEQ, BATCH = 8192, 256, 4
+JSON_OUT = ROOT / "bench" / "results-train-big.json"
+MARK = "### Training at >= 20 M parameters (bench/bench_train_big.py)"
+
+
+# ------------------------------------------------------------------------------------------------ models
+class Block(nn.Module):
+    """torchvision's ResNet ``BasicBlock``."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+        return F.relu(out + (x if self.down is None else self.down(x)))
+
+
+class ResNet34(nn.Module):
+    """torchvision's ``resnet34`` layout (3-4-6-3 basic blocks, 64-512 channels)."""
+
+    def __init__(self, classes: int = 100) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                                  nn.MaxPool2d(3, 2, 1))  # fmt: skip
+        layers, cin = [], 64
+        for cout, n, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+            for i in range(n):
+                layers.append(Block(cin, cout, stride if i == 0 else 1))
+                cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(512, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.adaptive_avg_pool2d(self.layers(self.stem(x)), 1).flatten(1))
+
+
+class Logits(nn.Module):
+    """A transformers model as ``forward(ids) -> logits``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
+
+
+def build(name: str, n: int) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]], Any]:
+    """Model (train mode), ``n`` batches ``(input, target)`` and the loss ``fn(out, target)``."""
+    from bench.corpus import _hf
+
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    if name == "resnet34":
+        batches = [(torch.randn(8, 3, 128, 128, generator=g), torch.randint(0, 100, (8,), generator=g))
+                   for _ in range(n)]  # fmt: skip
+        return ResNet34().train(), batches, lambda out, y: F.cross_entropy(out.float(), y)
+    ids = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(n)]
+    if name == "gpt2":
+        m = _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_positions=SEQ, n_embd=512, n_layer=6, n_head=8,
+                use_cache=False, attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)  # fmt: skip
+
+        def loss(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), t[:, 1:].flatten())
+
+        return Logits(m).train(), [(x, x) for x in ids], loss
+    m = _hf("BertForMaskedLM", "BertConfig", vocab_size=VOCAB, hidden_size=512, num_hidden_layers=6,
+            num_attention_heads=8, intermediate_size=2048, max_position_embeddings=SEQ,
+            attn_implementation="sdpa")  # fmt: skip
+    batches = []
+    for x in ids:
+        masked = torch.rand(x.shape, generator=g) < 0.15
+        batches.append((torch.where(masked, torch.full_like(x, 103), x), torch.where(masked, x, -100)))
+
+    def mlm(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), t.flatten(), ignore_index=-100)
+
+    return Logits(m).train(), batches, mlm
+
+
+# ----------------------------------------------------------------------------------------------- one run
+def make_step(variant: str, model: nn.Module, example: torch.Tensor, loss_fn: Any) -> Any:
+    """``step(x, target) -> loss`` for ``variant`` (builds the optimizer, prepares/compiles as needed)."""
+    bf16 = torch.bfloat16
+    if variant == "all-bf16":
+        model.to(bf16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    fwd, autocast = model, variant in ("autocast", "compiled-autocast")
+    if "amplite" in variant:
+        import amplite
+
+        fwd, opt = amplite.prepare_training(model, opt, (example,), precision="bf16", level=variant[-2:],
+                                            dynamic_batch=False)  # fmt: skip
+    if variant.startswith("compiled"):
+        fwd = torch.compile(fwd)
+
+    def step(x: torch.Tensor, target: torch.Tensor) -> float:
+        if variant == "all-bf16" and x.is_floating_point():
+            x = x.to(bf16)
+        with torch.autocast("cpu", dtype=bf16, enabled=autocast):
+            loss = loss_fn(fwd(x), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    return step
+
+
+def run_one(model_name: str, variant: str, steps: int, warmup: int) -> dict[str, Any]:
+    """Train ``warmup + steps`` steps of one variant; step time, peak memory, losses."""
+    warnings.filterwarnings("ignore")
+    model, batches, loss_fn = build(model_name, warmup + steps)
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    _trim_and_reset_peak()
+    rss_base = _status_mb("VmRSS")
+    t0 = perf_counter()
+    step = make_step(variant, model, batches[0][0], loss_fn)
+    prepare_s, times, losses, first_s = perf_counter() - t0, [], [], 0.0
+    for i, (x, target) in enumerate(batches):
+        if i == warmup:
+            _trim_and_reset_peak()
+        torch.manual_seed(1000 + i)
+        t = perf_counter()
+        losses.append(step(x, target))
+        times.append(perf_counter() - t)
+        first_s = first_s or times[0]
+    return {"model": model_name, "variant": variant, "params_m": params, "prepare_s": prepare_s,
+            "first_step_s": first_s, "step_ms": 1000 * statistics.median(times[warmup:]),
+            "peak_mb": _status_mb("VmHWM") - rss_base, "loss_last": losses[-1]}  # fmt: skip
+
+
+def run_sub(model: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One (model, variant) in a fresh process."""
+    cmd = [sys.executable, __file__, "--one", model, variant, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=args.timeout)
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        last = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()] or ["no output"]
+        return {"model": model, "variant": variant, "error": last[-1][:200]}
+
+
+# --------------------------------------------------------------------------------------------- the table
+def median_rows(rounds: list[list[dict[str, Any]]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per (model, variant): the median of every number over the rounds that did not fail."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for rows in zip(*rounds, strict=True):
+        ok = [r for r in rows if "error" not in r]
+        key = (rows[0]["model"], rows[0]["variant"])
+        if not ok:
+            out[key] = rows[0]
+            continue
+        out[key] = {**ok[0], **{k: statistics.median(r[k] for r in ok) for k in ok[0] if isinstance(ok[0][k], float)},
+                    "rounds": len(ok)}  # fmt: skip
+    return out
+
+
+def targets(rows: dict[tuple[str, str], dict[str, Any]]) -> list[tuple[str, str, float | None, float, bool]]:
+    """(model, what, ratio, limit, met) for the targets of issue 28."""
+    out = []
+
+    def ratio(m: str, a: str, b: str, key: str) -> float | None:
+        ra, rb = rows.get((m, a)), rows.get((m, b))
+        if not ra or not rb or "error" in ra or "error" in rb:
+            return None
+        return ra[key] / rb[key] if rb[key] > 0 else None
+
+    for m in dict.fromkeys(k[0] for k in rows):
+        for lvl in ("O1", "O2"):
+            checks = [(f"amplite-{lvl}", "autocast", "step_ms", 1.0), (f"amplite-{lvl}", "all-bf16", "step_ms", 1.05),
+                      (f"amplite-{lvl}", "autocast", "peak_mb", 1.0),
+                      (f"compiled-amplite-{lvl}", "compiled-autocast", "step_ms", 1.0)]  # fmt: skip
+            for a, b, key, limit in checks:
+                if (m, a) in rows and (m, b) in rows:
+                    r = ratio(m, a, b, key)
+                    what = f"{a} / {b} {'step time' if key == 'step_ms' else 'peak memory'}"
+                    out.append((m, what, r, limit, r is not None and r <= limit))
+    return out
+
+
+def render(rows: dict[tuple[str, str], dict[str, Any]], meta: dict[str, Any]) -> str:
+    """The markdown part for bench/RESULTS.md."""
+    lines = [MARK, "", f"`{meta['command']}` on {meta['date']}, {meta['machine']}, {meta['wall_s'] / 60:.1f} min; "
+             f"load average {meta['load_before']} at the start, {meta['load_after']} at the end. One process per "
+             f"(model, variant), variants interleaved, medians of {meta['rounds']} rounds; step time = median of "
+             f"{meta['steps']} steps after {meta['warmup']} warm-up steps (forward, loss, backward, AdamW, zero_grad); "
+             "peak = resident-set peak during those steps minus the resident set after building the FP32 model "
+             "and batches. CPU without native bf16 instructions (AVX2 only): bf16 wins nothing over FP32 here "
+             "beyond memory traffic; the ratios are what the targets are about.", "",
+             "| model | params M | variant | step ms | peak MiB | prepare s | first step s | loss |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for (m, v), r in rows.items():
+        if "error" in r:
+            lines.append(f"| {m} | | {v} | failed: {r['error'].replace('|', '/')} | | | | |")
+            continue
+        lines.append(f"| {m} | {r['params_m']:.1f} | {v} | {r['step_ms']:.0f} | {r['peak_mb']:.0f} | "
+                     f"{r['prepare_s']:.1f} | {r['first_step_s']:.1f} | {r['loss_last']:.3f} |")  # fmt: skip
+    lines += ["", "Targets (issue 28):", "", "| model | ratio | value | limit | met |", "|---|---|---:|---:|---|"]
+    for m, what, value, limit, met in targets(rows):
+        shown = "–" if value is None else f"{value:.2f}x"
+        lines.append(f"| {m} | {what} | {shown} | ≤ {limit:.2f}x | {'met' if met else 'not met'} |")
+    return "\n".join(lines) + "\n"
+
+
+def splice(doc: str, part: str, mark: str = MARK) -> str:
+    """``doc`` with the part under ``mark`` replaced (inserted at the end of "## Training" if absent)."""
+    start = doc.find(mark)
+    if start < 0:
+        sec = doc.find("\n## Training\n")
+        end = doc.find("\n## ", sec + 1) if sec >= 0 else -1
+        at = end + 1 if end >= 0 else len(doc)
+        return doc[:at] + part + "\n" + doc[at:]
+    nxt = [i for i in (doc.find("\n### ", start + 1), doc.find("\n## ", start + 1)) if i >= 0]
+    end = min(nxt) + 1 if nxt else len(doc)
+    return doc[:start] + part + "\n" + doc[end:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument(
+        "--compiled-models",
+        default="gpt2",
+        help="models that get the compiled-* variants (compiling a training step takes minutes on 2 cores)",
+    )
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per process")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per process")
+    ap.add_argument("--write", action="store_true", help="write bench/RESULTS.md (Training) and the JSON")
+    ap.add_argument("--one", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        try:
+            print(json.dumps(run_one(*args.one, args.steps, args.warmup)))
+        except Exception as exc:  # recorded in the table: why a variant (typically a compiled one) failed
+            traceback.print_exc()
+            print(json.dumps({"model": args.one[0], "variant": args.one[1], "error": f"{type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}"[:200]}))  # fmt: skip
+        return
+    start, load_before = perf_counter(), [round(x, 2) for x in os.getloadavg()]
+    compiled = args.compiled_models.split(",")
+    keys = [(m, v) for m in args.models.split(",") for v in args.variants.split(",")
+            if m in compiled or not v.startswith("compiled")]  # fmt: skip
+    rounds = []
+    for rnd in range(args.rounds):
+        rows = []
+        for m, v in keys if rnd % 2 == 0 else keys[::-1]:
+            rows.append(run_sub(m, v, args))
+            shown = {k: round(x, 3) if isinstance(x, float) else x for k, x in rows[-1].items()}
+            print(f"round {rnd + 1}", shown, flush=True)
+        rounds.append(sorted(rows, key=lambda r: keys.index((r["model"], r["variant"]))))
+    rows = median_rows(rounds)
+    meta = {"command": "python bench/bench_train_big.py " + " ".join(sys.argv[1:]), "rounds": args.rounds,
+            "steps": args.steps, "warmup": args.warmup, "wall_s": perf_counter() - start,
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "load_before": load_before,
+            "load_after": [round(x, 2) for x in os.getloadavg()],
+            "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+                       f"{torch.get_num_threads()} threads"}  # fmt: skip
+    text = render(rows, meta)
+    print(text)
+    if args.write:
+        JSON_OUT.write_text(json.dumps({"meta": meta, "rows": list(rows.values()), "rounds": rounds}, indent=1) + "\n")
+        path = ROOT / "bench" / "RESULTS.md"
+        path.write_text(splice(path.read_text(), text))
+
+
+if __name__ == "__main__":
+    main()
