@@ -16,7 +16,6 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 
 from amplite.passes import graph_utils as gu
 from amplite.passes.einsum_modes import NotFusable
-from amplite.passes.graph_utils import cast_dtype
 from tests.exported import export_eval
 
 aten = torch.ops.aten
@@ -320,26 +319,3 @@ def test_retype_of_tuples_and_same_dtype() -> None:
     assert isinstance(pair, tuple) and pair[0].dtype == torch.float16 and pair[1] is t
     assert retype([t], (torch.float16,))[0].dtype == torch.float16
     assert retype((t, t), None) == (t, t) and retype((t, t), (torch.float16,)) == (t, t)  # no or mismatched dtypes
-
-
-def test_cast_dtype_reads_every_cast_form() -> None:
-
-    g = torch.fx.Graph()
-    x = g.placeholder("x")
-    x.meta["val"] = torch.empty(2)
-    call = g.call_function
-    assert cast_dtype(call(aten.to.dtype, (x,), {"dtype": torch.float16})) == torch.float16
-    assert cast_dtype(call(aten.to.dtype, (x, torch.bfloat16))) == torch.bfloat16
-    same_place = {
-        "dtype": torch.float16,
-        "layout": torch.strided,
-        "device": torch.device("cpu"),
-        "pin_memory": False,
-        "non_blocking": False,
-        "copy": True,
-    }
-    assert cast_dtype(call(aten._to_copy.default, (x,), same_place)) == torch.float16
-    moves = call(aten._to_copy.default, (x,), {"dtype": torch.float16, "device": torch.device("meta")})
-    assert cast_dtype(moves) is None, "a cast that also moves devices is not a pure cast"
-    fmt = call(aten._to_copy.default, (x,), {"dtype": torch.float16, "memory_format": torch.channels_last})
-    assert cast_dtype(fmt) is None
