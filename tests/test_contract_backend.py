@@ -7,13 +7,18 @@ allowed to run on CPU tensors (``DEVICE_TYPES``).
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import logging
 import sys
+import types
+from typing import ClassVar
 
 import pytest
 import torch
 
-import amplite.ops  # noqa: F401
+import amplite.ops
+from amplite.errors import ConfigError
+from amplite.ops import cutensor_backend
 from amplite.ops import cutensor_backend as cb
 from tests import fake_nvmath
 
@@ -243,7 +248,6 @@ def test_cuda_probe_and_report_line():
 
 
 def test_fuse_auto_is_off_without_a_measurement(monkeypatch):
-    from amplite.errors import ConfigError
     from amplite.ops import fusion_default as fd
 
     assert fd.resolve("auto")[0] is False and "no CUDA" in fd.resolve(None)[1]
@@ -264,7 +268,6 @@ def test_fuse_auto_is_off_without_a_measurement(monkeypatch):
 
 def test_convert_records_the_fusion_choice():
     import amplite
-    from amplite.errors import ConfigError
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
     x = torch.randn(2, 8)
@@ -275,3 +278,79 @@ def test_convert_records_the_fusion_choice():
     assert on["fuse_contractions"] is True and on["contract_backend"]
     with pytest.raises(ConfigError, match="fuse-contractions"):
         amplite.convert(model, (x,), verify=False, fuse_contractions="sometimes")
+
+
+# ops
+
+
+def test_nvmath_version_reads_the_distribution_and_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked = []
+
+    def version(name: str) -> str:
+        asked.append(name)
+        return "1.2.3"
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert cutensor_backend.nvmath_version() == "1.2.3" and asked == ["nvmath-python"]
+
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert cutensor_backend.nvmath_version() == "?"
+
+
+@pytest.mark.parametrize(("ptr", "align"), [(0, 256), (1, 1), (6, 2), (4096 + 128, 128), (512, 256), (256, 256)])
+def test_pointer_alignment_is_the_lowest_set_bit_capped_at_256(ptr: int, align: int) -> None:
+    assert cutensor_backend._alignment(types.SimpleNamespace(data_ptr=lambda: ptr)) == align
+
+
+# cutensor backend (CPU fake of nvmath)
+
+
+class _Plan:
+    made: ClassVar[list[_Plan]] = []
+
+    def __init__(self, expr, a, b, *, c=None, out=None, stream=None) -> None:
+        self.expr, self.has_c, self.calls = expr, c is not None, []
+        self.ops = {"a": a, "b": b, "c": c, "out": out}
+        _Plan.made.append(self)
+
+    def plan(self, stream=None) -> None:
+        pass
+
+    def reset_operands(self, **kw) -> None:
+        self.calls.append(kw)
+        self.ops.update({k: v for k, v in kw.items() if k != "stream"})
+
+    def execute(self, *, alpha=1.0, beta=None, release_workspace=False, stream=None):
+        o = self.ops
+        res = alpha * torch.einsum(self.expr, o["a"].float(), o["b"].float())
+        if self.has_c:
+            res = res + beta * o["c"].float()
+        o["out"].copy_(res)
+
+
+@pytest.fixture
+def plan_nvmath(monkeypatch: pytest.MonkeyPatch):
+    mod = types.ModuleType("nvmath")
+    mod.tensor = types.SimpleNamespace(BinaryContraction=_Plan)
+    monkeypatch.setitem(sys.modules, "nvmath", mod)
+    monkeypatch.setattr(cutensor_backend, "_alignment", lambda t: 256)
+    cutensor_backend.clear_cache()
+    _Plan.made = []
+    yield
+    cutensor_backend.clear_cache()
+
+
+def test_full_size_bias_goes_in_as_c_and_operands_are_unbound(plan_nvmath: None) -> None:
+    a, b, c = torch.randn(4, 3).half(), torch.randn(3, 5).half(), torch.randn(4, 5).half()
+    out = cutensor_backend.contract("mk,kn->mn", a, b, c, 1.0, 2.0)
+    torch.testing.assert_close(out.float(), a.float() @ b.float() + 2 * c.float(), rtol=2e-3, atol=2e-3)
+    (plan,) = _Plan.made
+    assert plan.has_c, "a full-size bias is cuTENSOR's C, not a separate add"
+    assert plan.ops == {"a": None, "b": None, "c": None, "out": None}, "cached plans must not keep tensors alive"
+    assert all("stream" in call for call in plan.calls), "operands are (un)bound on the current stream"
+    cutensor_backend.contract("mk,kn->mn", a, b, c, 1.0, 0.0)  # beta = 0: no C at all
+    assert not _Plan.made[-1].has_c and len(_Plan.made) == 2
+    assert amplite.ops is not None and CONTRACT is not None

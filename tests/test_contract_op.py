@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import amplite.ops  # noqa: F401
+import amplite.ops
 from amplite.ops import cutensor_backend
 from amplite.ops.contract import active_backend, backend_description, output_shape, parse_equation
 
@@ -65,9 +65,7 @@ def test_strided_inputs_are_read_in_place():
     a = torch.randn(8, 4, 6).permute(2, 0, 1)  # non-contiguous view
     b = torch.randn(6, 5)[:, ::2]  # strided slice
     out = CONTRACT("kmn,kp->mnp", a, b, None, 1.0, 0.0)
-    torch.testing.assert_close(
-        out.double(), reference("kmn,kp->mnp", a, b, None, 1.0, 0.0), rtol=1e-5, atol=1e-5
-    )
+    torch.testing.assert_close(out.double(), reference("kmn,kp->mnp", a, b, None, 1.0, 0.0), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -179,9 +177,7 @@ class FakeBinaryContraction:
         self.freed = False
         self.expr = expr
         self.info = {
-            k: (t.shape, t.stride(), t.dtype)
-            for k, t in (("a", a), ("b", b), ("c", c), ("out", out))
-            if t is not None
+            k: (t.shape, t.stride(), t.dtype) for k, t in (("a", a), ("b", b), ("c", c), ("out", out)) if t is not None
         }
         self.ops = {"a": a, "b": b, "c": c, "out": out}
         self.has_c = c is not None
@@ -243,9 +239,7 @@ def test_cutensor_backend_logic(fake_nvmath, eq, sa, sb, sc):
 def test_cutensor_backend_squeezes_lone_unit_modes_and_falls_back(fake_nvmath):
     a, b = torch.randn(3, 1, 4).half(), torch.randn(4, 5).half()
     out = cutensor_backend.contract("mxk,kn->mn", a, b, None, 1.0, 0.0)
-    torch.testing.assert_close(
-        out.double(), reference("mxk,kn->mn", a, b, None, 1.0, 0.0), rtol=2e-3, atol=2e-3
-    )
+    torch.testing.assert_close(out.double(), reference("mxk,kn->mn", a, b, None, 1.0, 0.0), rtol=2e-3, atol=2e-3)
     # A lone mode of extent > 1 cannot go to cuTENSOR: the op falls back to torch.einsum.
     assert cutensor_backend.contract("mxk,kn->mn", torch.randn(3, 2, 4).half(), b, None, 1.0, 0.0) is None
     assert cutensor_backend.cache_stats()["fallbacks"] == 1
@@ -289,9 +283,7 @@ def test_cutensor_on_cuda(dtype):
     eq = "bqhd,bkhd->bhqk"
     for _ in range(2):  # second call goes through the cached plan
         out = CONTRACT(eq, a, b, c, 0.125, 1.0)
-        torch.testing.assert_close(
-            out.double(), reference(eq, a, b, c, 0.125, 1.0), rtol=TOL[dtype], atol=1e-2
-        )
+        torch.testing.assert_close(out.double(), reference(eq, a, b, c, 0.125, 1.0), rtol=TOL[dtype], atol=1e-2)
     assert cutensor_backend.cache_stats()["hits"] >= 1
 
 
@@ -346,3 +338,7 @@ def test_gpu_bench_dry_run(capsys):
     assert bench.main(["--dry-run", "--dtypes", "bf16", "--iters", "1"]) == 0
     out = capsys.readouterr().out
     assert out.count("contract ") >= 3 and "+ FuseContractions" in out and "fused:matmul': 2" in out
+
+
+def test_contract_is_registered() -> None:
+    assert amplite.ops is not None and hasattr(torch.ops.amplite, "contract")

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -15,6 +16,7 @@ import amplite.ops  # noqa: F401  (registers amplite::contract)
 from amplite.passes import einsum_equation as eqn
 from amplite.passes.einsum_equation import ModeTable, NotFusable, Operand
 from amplite.passes.fuse_contractions import FuseContractions, FusionResult
+from tests.exported import Fn, export_eval
 
 aten = torch.ops.aten
 CONTRACT = torch.ops.amplite.contract.default
@@ -34,9 +36,7 @@ def chains(draw, target: list[int], max_ops: int = 4) -> tuple[list[int], list[O
     shape = list(target)
     ops: list[Op] = []
     for _ in range(draw(st.integers(0, max_ops))):
-        kind = draw(
-            st.sampled_from(["permute", "transpose", "split", "merge", "unsqueeze", "expand", "scale"])
-        )
+        kind = draw(st.sampled_from(["permute", "transpose", "split", "merge", "unsqueeze", "expand", "scale"]))
         n = len(shape)
         if kind == "permute" and n > 1:
             p = draw(st.permutations(range(n)))
@@ -488,3 +488,166 @@ def test_shared_cast_is_a_silent_source():
     assert aten.t.default not in targets(gm)
     for got, want in zip(gm(a, b), ref, strict=True):
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+# --- fusion passes: fold_batchnorm, fuse_contractions, contraction rules, einsum equations, cutensor ---
+
+
+def _fuse(model: nn.Module, *args: torch.Tensor, **kw: object) -> tuple[torch.fx.GraphModule, dict]:
+    gm = export_eval(model, *args)
+    ref = model(*args)
+    res = FuseContractions(dtypes=ALL_FLOATS, **kw)(gm)
+    gm.recompile()
+    torch.testing.assert_close(gm(*args), ref, rtol=1e-5, atol=1e-5)
+    return gm, {k: v for k, v in res.counters.items() if v}
+
+
+def test_linear_of_a_vector_and_without_bias_is_fused() -> None:
+    w = torch.randn(5, 4)
+    _, counters = _fuse(Fn(lambda v: F.linear(v, w) * 0.5), torch.randn(4))
+    assert counters.get("fused:linear") == 1, counters
+    _, counters = _fuse(Fn(lambda x: F.linear(x.transpose(0, 1), w)), torch.randn(4, 3))
+    assert counters.get("fused:linear") == 1, counters
+
+
+def test_addmm_defaults_alpha_and_beta_to_one() -> None:
+    c, a, b = torch.randn(3, 5), torch.randn(4, 3), torch.randn(4, 5)
+    _, counters = _fuse(Fn(lambda c, a, b: torch.addmm(c, a.t(), b)), c, a, b)
+    assert counters.get("fused:addmm") == 1, counters
+
+
+@pytest.mark.parametrize("equation", ["ij, jk -> ik", "ij,jk"])
+def test_einsum_with_spaces_or_implicit_output_is_fused(equation: str) -> None:
+    _, counters = _fuse(Fn(lambda a, b: torch.einsum(equation, a.t(), b)), torch.randn(3, 4), torch.randn(3, 5))
+    assert counters.get("fused:einsum") == 1, counters
+
+
+def test_a_bias_that_broadcasts_the_result_is_not_absorbed() -> None:
+    gm, counters = _fuse(Fn(lambda x, w, b: (x.t() @ w) + b), torch.randn(8, 4), torch.randn(8, 1), torch.randn(4, 6))
+    # fused, the add left alone, with its reason recorded
+    assert counters == {"fused:matmul": 1, "absorbed:transpose": 1, "rejected:bias_broadcasts_output": 1}, counters
+    assert aten.add.Tensor in [n.target for n in gm.graph.nodes]
+
+
+def test_squeeze_in_a_chain_is_absorbed() -> None:
+    _, counters = _fuse(Fn(lambda a, b: a.squeeze(1).t() @ b), torch.randn(3, 1, 4), torch.randn(3, 5))
+    assert (
+        counters.get("fused:matmul") == 1
+        and counters.get("absorbed:squeeze", 0) + counters.get("absorbed:view", 0) >= 1
+    ), counters
+    _, counters = _fuse(Fn(lambda a, b: a.squeeze().t() @ b), torch.randn(3, 1, 4), torch.randn(3, 5))
+    assert counters.get("fused:matmul") == 1, counters
+
+
+def test_squeeze_of_one_dim_keeps_the_other_unit_dims() -> None:
+    _, counters = _fuse(Fn(lambda a, b: a.squeeze(1) @ b), torch.randn(1, 1, 4), torch.randn(4, 5))
+    assert counters.get("fused:matmul") == 1, counters
+
+
+def test_a_bias_is_viewed_to_the_contraction_modes() -> None:
+    # a.reshape(6, 4) merges two source dims: the contraction runs on (2, 3, 4), its bias as (2, 3, 5).
+    gm, counters = _fuse(
+        Fn(lambda a, w, b: a.reshape(6, 4) @ w + b), torch.randn(2, 3, 4), torch.randn(4, 5), torch.randn(6, 5)
+    )
+    assert counters == {"fused:matmul": 1, "absorbed:view": 1, "absorbed:bias": 1}, counters
+    contract = next(n for n in gm.graph.nodes if n.target is CONTRACT)
+    assert list(contract.args[3].meta["val"].shape) == [2, 3, 5]
+
+
+def test_shared_intermediate_with_a_scaling_is_a_recorded_rejection() -> None:
+    a, b = torch.randn(4, 3), torch.randn(4, 5)
+    gm = export_eval(Fn(lambda a, b: ((s := a.t() @ b) * 0.5, s)), a, b)
+    res = FuseContractions(dtypes=ALL_FLOATS)(gm)
+    assert [r.reason for r in res.rejections] == ["shared_intermediate"], res.rejections
+
+
+def test_layout_only_contiguous_and_tensor_products_around_a_contraction() -> None:
+    cl = Fn(lambda a, b: a.contiguous(memory_format=torch.channels_last) @ b)
+    gm, counters = _fuse(cl, torch.randn(2, 3, 4, 5), torch.randn(5, 6))
+    assert counters == {"fused:matmul": 1, "absorbed:contiguous": 1}, counters  # a layout change only
+    contract = next(n for n in gm.graph.nodes if n.target is CONTRACT)
+    assert contract.meta["amplite_contract"] == {"rule": "matmul", "absorbed": ["contiguous"]}
+    # A product with a tensor (not a constant) on either side is not a scaling to absorb.
+    gated = Fn(lambda a, b, t: t * (a.t() @ b) + (a.t() @ b) * t)
+    _, counters = _fuse(gated, torch.randn(4, 3), torch.randn(4, 5), torch.randn(3, 5))
+    assert counters == {"fused:matmul": 2, "absorbed:transpose": 2, "rejected:tensor_scale": 2}, counters
+
+
+def test_rejections_say_what_was_not_absorbed_and_a_cast_on_the_source_is_the_source() -> None:
+    from dataclasses import asdict
+
+    a, b = torch.randn(4, 3), torch.randn(4, 5)
+    gm = export_eval(Fn(lambda a, b: ((t := a.t()) @ b, t)), a, b)
+    res = FuseContractions(dtypes=ALL_FLOATS, fuse_plain=True)(gm)
+    assert [asdict(r) for r in res.rejections] == [
+        {"node": "t", "rule": "matmul", "reason": "intermediate_is_graph_output", "detail": "not absorbed into matmul"}
+    ], res.rejections
+    ints = (torch.randint(-3, 4, (4, 3)).float(), torch.randint(-3, 4, (4, 5)).float())  # exact in fp16
+    gm, counters = _fuse(Fn(lambda a, b: a.half().t() @ b.half()), *ints)
+    assert counters.get("fused:matmul") == 1, counters
+
+
+def test_rejections_name_their_rule_and_fuse_plain_fuses_bare_contractions() -> None:
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 4, 5)
+    gm = export_eval(Fn(lambda a, b: torch.einsum("...ij,...jk->...ik", a, b)), a, b)
+    res = FuseContractions(dtypes=ALL_FLOATS)(gm)
+    assert [(r.rule, r.reason) for r in res.rejections] == [("einsum", "einsum_ellipsis")], res.rejections
+    plain = Fn(lambda a, b: a @ b)
+    _, counters = _fuse(plain, torch.randn(3, 4), torch.randn(4, 5), fuse_plain=True)
+    assert counters == {"fused:matmul": 1}, counters
+    _, counters = _fuse(plain, torch.randn(3, 4), torch.randn(4, 5))
+    assert counters == {"skipped:nothing_to_absorb": 1}, counters
+
+
+def test_a_vector_operand_of_matmul_is_not_fused() -> None:
+    _, counters = _fuse(Fn(lambda v, m: v @ m.t()), torch.randn(4), torch.randn(5, 4))
+    assert counters == {"rejected:vector_operand": 1}, counters
+    _, counters = _fuse(Fn(lambda m, v: m.t() @ v), torch.randn(4, 5), torch.randn(4))
+    assert counters == {"rejected:vector_operand": 1}, counters
+
+
+# fusion: why a bias add after a contraction is or is not absorbed (full run of 2026-12-01)
+
+
+class _BiasAfterMatmul(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        ab = a @ b
+        if self.kind == "c+ab":
+            return c + ab
+        if self.kind == "c-ab":
+            return c - ab
+        if self.kind == "ab+1.5":
+            return ab + 1.5
+        if self.kind == "ab+c.half":
+            return ab + c.half()
+        return torch.add(ab, c, alpha=0.5)
+
+
+@pytest.mark.parametrize(
+    ("kind", "bias_fused", "reason"),
+    [
+        ("c+ab", True, None),  # a contraction on the right of add is a bias add too
+        ("alpha", True, None),  # add's alpha is absorbed with the bias
+        ("c-ab", False, "bias_not_tensor"),  # c - ab is not ab + bias
+        ("ab+1.5", False, "bias_not_tensor"),
+        ("ab+c.half", False, "bias_dtype"),
+    ],
+)
+def test_bias_add_after_a_contraction_is_absorbed_or_says_why(kind: str, bias_fused: bool, reason: str | None):
+    args = (torch.randn(3, 4), torch.randn(4, 5), torch.randn(3, 5))
+    gm = torch.export.export(_BiasAfterMatmul(kind), args, strict=False).module()
+    ref = gm(*args)
+    res = FuseContractions(dtypes=ALL_FLOATS, fuse_plain=True)(gm)
+    reasons = {r.reason for r in res.rejections}
+    adds = [n for n in gm.graph.nodes if n.target in (aten.add.Tensor, aten.sub.Tensor)]
+    assert res.counters["fused:matmul"] == 1, (res.counters, res.rejections)
+    assert (not adds) == bias_fused, f"{kind}: bias absorbed should be {bias_fused}, graph adds {adds}"
+    if reason is None:
+        assert not {r for r in reasons if r.startswith("bias")}, reasons
+    else:
+        assert reason in reasons, f"{kind}: the rejection must name {reason}, got {res.rejections}"
+    torch.testing.assert_close(gm(*args), ref, rtol=1e-3, atol=1e-3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from amplite.errors import ConfigError
-from amplite.policy import Level, PrecisionPolicy, make_overrides, resolve_level
+from amplite.policy import Level, Override, PrecisionPolicy, make_overrides, resolve_level
 
 
 def policy(level: str = "O1", keep: tuple[str, ...] = (), low: tuple[str, ...] = ()) -> PrecisionPolicy:
@@ -69,3 +69,69 @@ def test_unknown_level_and_precision_are_config_errors() -> None:
         resolve_level("O5")
     with pytest.raises(ConfigError, match="unknown precision"):
         PrecisionPolicy("fp8")
+
+
+# policy
+
+
+@pytest.mark.parametrize(
+    ("pattern", "op", "module", "node", "hit"),
+    [
+        ("op:linear", "add.Tensor", "", "linear", False),  # an op: pattern never matches node names
+        ("op:linear", "linear.default", "", "x", True),
+        ("op:linear.default", "linear.default", "", "x", True),
+        ("module:enc", "enc.Tensor", "dec", "enc", False),  # nor a module: pattern ops or nodes
+        ("module:enc", "add.Tensor", "enc", "x", True),
+        ("module:enc.*", "add.Tensor", "enc", "x", True),  # the module itself
+        ("module:enc.*", "add.Tensor", "encoder", "x", False),
+        ("node:mul_1", "mul_1", "mul_1", "x", False),  # nor a node: pattern ops or modules
+        ("node:mul_*", "mul.Tensor", "", "mul_1", True),
+        ("linear", "linear.default", "", "x", True),  # unprefixed: op, module or node, any one
+        ("enc", "add.Tensor", "enc", "x", True),
+        ("mul_1", "add.Tensor", "", "mul_1", True),
+        ("enc", "add.Tensor", "", "x", False),  # no module: an empty path matches nothing
+    ],
+)
+def test_override_patterns_match_only_what_their_prefix_names(
+    pattern: str, op: str, module: str, node: str, hit: bool
+) -> None:
+    assert Override("keep_fp32", pattern).matches(op, module, node) is hit, (pattern, op, module, node)
+
+
+def test_override_kind_and_glob() -> None:
+    assert (Override("keep_fp32", "op:softmax").kind, Override("keep_fp32", "op:softmax").glob) == ("op", "softmax")
+    assert (Override("keep_fp32", "enc:x").kind, Override("keep_fp32", "enc:x").glob) == ("any", "enc:x")
+
+
+@pytest.mark.parametrize(
+    ("text", "level"), [("0", Level.O0), ("1", Level.O1), ("2", Level.O2), ("3", Level.O3), (" o2 ", Level.O2)]
+)
+def test_level_accepts_digits_and_lower_case(text: str, level: Level) -> None:
+    assert resolve_level(text) is level
+
+
+def test_level_errors_name_their_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError) as info:
+        resolve_level("O9")
+    assert info.value.one_line() == "unknown level 'O9' (from --level) — fix: use one of O0, O1, O2, O3"
+    monkeypatch.setenv("AMPLITE_LEVEL", "fast")
+    with pytest.raises(ConfigError) as info:
+        resolve_level(None)
+    assert info.value.one_line() == "unknown level 'fast' (from AMPLITE_LEVEL) — fix: use one of O0, O1, O2, O3"
+    monkeypatch.setenv("AMPLITE_LEVEL", "")
+    assert resolve_level(None) is Level.O1  # an empty variable is unset
+    assert resolve_level(Level.O3) is Level.O3
+
+
+def test_empty_override_pattern_message() -> None:
+    from amplite.policy import make_overrides
+
+    with pytest.raises(ConfigError) as info:
+        make_overrides(keep_fp32=["op:"])
+    assert info.value.one_line() == "empty override pattern 'op:' — fix: write e.g. module:encoder.*"
+
+
+def test_unknown_precision_in_policy_names_the_choices() -> None:
+    with pytest.raises(ConfigError) as info:
+        PrecisionPolicy("fp8")
+    assert info.value.one_line() == "unknown precision 'fp8' — fix: use one of: fp16, bf16"

@@ -1,12 +1,4 @@
-"""Tests that kill surviving mutants of `make mutate` (issue 20), area: ops.
-
-Each test pins a behaviour users rely on, with values chosen so that a wrong implementation is off clearly;
-docs/testing.md explains the loop (run mutants, read survivors, add a test or list an equivalent).
-
-The cuTENSOR backend runs on CPU against ``Rec``, a fake ``nvmath.tensor.BinaryContraction`` that computes
-like cuTENSOR (FP32, one rounding) and records every call the backend makes, so that the plan cache, the
-operand binding, the fallbacks and the one-line log/report messages are asserted without a GPU.
-"""
+"""X"""
 
 from __future__ import annotations
 
@@ -28,7 +20,10 @@ from tests import fake_nvmath
 
 contract_mod = importlib.import_module("amplite.ops.contract")  # the module; amplite.ops.contract is the op
 
+
 LOGGER = "amplite.contract"
+
+
 PREFIX = "amplite::contract falls back to torch.einsum: "
 
 
@@ -431,7 +426,7 @@ def test_output_is_allocated_from_the_canonical_problem(nv: types.ModuleType) ->
     """out has the output modes' sizes, the operands' dtype and device; a lone unit mode is squeezed first."""
     a, b = torch.randn(3, 1, 4).half(), torch.randn(4, 5).half()
     out = cb.contract("mxk,kn->nm", a, b, None, 2.0, 0.0)
-    (expr, ca, cbb, cc, cout, _), = _calls("init")
+    ((expr, ca, cbb, cc, cout, _),) = _calls("init")
     assert expr == "mk,kn->nm" and ca.shape == (3, 4) and cbb is b and cc is None
     assert cout is out and out.shape == (5, 3) and out.dtype == torch.float16 and out.device.type == "cpu"
     assert _calls("execute") == [(2.0, None, True, None)]
@@ -454,7 +449,7 @@ def test_broadcast_c_goes_in_as_a_stride0_view(nv: types.ModuleType) -> None:
     a, b = _ab()
     c = torch.randn(2).half()
     out = cb.contract("mk,kn->mn", a, b, c, 1.0, 1.0)
-    (_, _, _, cc, _, _), = _calls("init")
+    ((_, _, _, cc, _, _),) = _calls("init")
     assert cc.shape == (3, 2) and cc.stride() == (0, 1) and cc.data_ptr() == c.data_ptr()
     _assert_close(out.float(), a.float() @ b.float() + c.float(), rtol=1e-2, atol=1e-2)
     assert cb._stride0_c == {}
@@ -536,7 +531,8 @@ def test_plan_key_separates_what_rebinding_requires(nv: types.ModuleType, monkey
     monkeypatch.setattr(cb, "_alignment", lambda t: align["v"])
     a, b = _ab(4, 4, 4)
     calls = [
-        (a, b, None, 0.0), (a, b, None, 0.0),  # hit
+        (a, b, None, 0.0),
+        (a, b, None, 0.0),  # hit
         (a.t(), b, None, 0.0),  # strides
         (a.float(), b.float(), None, 0.0),  # dtype
         (a, b, torch.randn(4, 4).half(), 1.0),  # C present
@@ -665,7 +661,7 @@ def test_resolve_auto_on_a_gpu(monkeypatch) -> None:
     )  # fmt: skip
 
 
-# --- second round: survivors of the first run ---------------------------------------------------------------
+# --- counters, plan keys, devices, gradients and shape errors ------------------------------------------------
 
 
 def test_probe_leaves_the_global_rng_alone(nv: types.ModuleType) -> None:

@@ -1,8 +1,4 @@
-"""Tests that kill surviving mutants of `make mutate` (issue 20), area: precision.
-
-Each test pins a behaviour users rely on, with values chosen so that a wrong implementation is off clearly;
-docs/testing.md explains the loop (run mutants, read survivors, add a test or list an equivalent).
-"""
+"""X"""
 
 from __future__ import annotations
 
@@ -12,10 +8,12 @@ import pytest
 import torch
 from torch import nn
 
+from amplite.converter.calibration import collect_ranges
 from amplite.converter.pipeline import strip_export_checks
 from amplite.passes.annotate_precision import AnnotatePrecision
 from amplite.passes.range_guard import SMALL_POW, RangeGuard, RangeRules, ValueRange, weight_reason
 from amplite.policy import Level, PrecisionPolicy, make_overrides
+from tests.exported import export_eval
 
 aten = torch.ops.aten
 
@@ -631,3 +629,162 @@ def test_weight_reason_reads_every_value_up_to_2_20(numel: int, expected: str | 
     t = torch.full((numel,), 0.5)
     t[1::2] = 1e-9  # flushes to zero in fp16
     assert weight_reason(t, RangeRules()) == expected
+
+
+# range_guard
+
+
+class _BigButSafeWeight(nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4, bias=False)
+        with torch.no_grad():
+            self.fc.weight.fill_(scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def _guard(model: nn.Module, x: torch.Tensor, rules: RangeRules, dtype: torch.dtype = torch.float16) -> tuple:
+    gm = torch.export.export(model.eval(), (x,), strict=False).module()
+    strip_export_checks(gm)
+    result = RangeGuard(collect_ranges(gm, [((x,), {})]), rules, dtype)(gm)
+    flags = {n.name: n.meta["amplite_range"] for n in gm.graph.nodes if "amplite_range" in n.meta}
+    return flags, result
+
+
+def test_weights_are_not_activations_and_the_weight_limit_is_a_strict_bound() -> None:
+    x = torch.full((2, 4), 1e-3)
+    flags, result = _guard(_BigButSafeWeight(1000.0), x, RangeRules())  # |w| = 1000 > data_max, < 65504
+    assert flags == {} and not result.modified and result.counters == {}, flags
+    flags, _ = _guard(_BigButSafeWeight(1000.0), x, RangeRules(weight_max=1000.0))
+    assert flags == {}, "|w| equal to weight_max is allowed"
+    flags, result = _guard(_BigButSafeWeight(1000.0), x, RangeRules(weight_max=999.0))
+    assert flags == {"linear": "range:weight-overflow fc.weight |w|=1e+03"}, flags
+    assert result.counters == {"kept_fp32:range:weight-overflow": 1}
+
+
+def test_activation_limit_is_strict_and_names_output_or_input() -> None:
+    x = torch.full((2, 4), 0.25)
+    model = _BigButSafeWeight(1.0)  # y = 1.0 exactly
+    assert _guard(model, x, RangeRules(data_max=1.0))[0] == {}
+    flags, result = _guard(model, x, RangeRules(data_max=0.5))
+    assert flags == {"linear": "range:activation output |x|=1>0.5"}, flags
+    assert result.counters == {"kept_fp32:range:activation": 1}
+    flags, _ = _guard(model, x, RangeRules(data_max=0.25))
+    assert flags["linear"] == "range:activation output |x|=1>0.25"
+    flags, _ = _guard(_BigButSafeWeight(1e-3), x * 4, RangeRules(data_max=0.5))  # y = 4e-3, x = 1
+    assert flags == {"linear": "range:activation input x |x|=1>0.5"}, "the input is named when it is too large"
+    assert _guard(model, x * 1e4, RangeRules(data_max=1.0), torch.bfloat16)[0] == {}, "bf16: no activation rule"
+
+
+class _Underflow(nn.Module):
+    def __init__(self, tiny: int, shape: tuple[int, int] = (20, 10)) -> None:
+        super().__init__()
+        self.fc = nn.Linear(shape[1], shape[0], bias=False)
+        with torch.no_grad():
+            w = self.fc.weight.view(-1)
+            w.fill_(0.5)
+            w[:tiny] = -1e-9  # flushes to zero in fp16 (negative: the share is of magnitudes)
+            w[-10:] = 0.0  # zeros are not counted
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_underflow_share_is_of_the_non_zero_weights_and_strict() -> None:
+    x = torch.rand(2, 10)
+    assert _guard(_Underflow(1), x, RangeRules())[0] == {}  # 1 of 190 non-zero weights: 0.5 % <= 1 %
+    flags, result = _guard(_Underflow(2), x, RangeRules())  # 2 / 190 = 1.05 %
+    assert flags == {"linear": "range:weight-underflow fc.weight 1.1% flush to zero"}, flags
+    assert result.counters == {"kept_fp32:range:weight-underflow": 1}
+    assert _guard(_Underflow(2), x, RangeRules(underflow_share=2 / 190))[0] == {}, "a share equal to the limit is kept"
+    assert _guard(_Underflow(2), x, RangeRules(), torch.bfloat16)[0] == {}, "bf16: no weight rules"
+
+
+def test_underflow_share_of_a_large_weight_is_estimated_on_a_sample() -> None:
+    shape = (1024, 1025)  # 1_049_600 values: more than the 2^20 sampled
+    flags, _ = _guard(_Underflow(600_000, shape), torch.rand(1, 1025), RangeRules())
+    assert flags["linear"].startswith("range:weight-underflow fc.weight 57."), flags
+
+
+class _EpsBeforeOutput(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.pow(2).mean(-1, keepdim=True) + 1e-6  # the add feeds the graph output, not an FP32 op
+
+
+class _ConstantBetweenNorms(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x, -1) * torch.arange(4.0).exp()  # arange: no floating operand at all
+
+
+def test_only_nodes_between_fp32_ops_are_bridges() -> None:
+    gm = export_eval(_EpsBeforeOutput(), torch.randn(2, 4))
+    AnnotatePrecision(PrecisionPolicy("fp16", Level.O2))(gm)
+    add = next(n for n in gm.graph.nodes if n.target is aten.add.Tensor)
+    assert add.meta["amplite_precision"]["reason"] == "level:O2", "an add that feeds the output is no bridge"
+    gm = export_eval(_ConstantBetweenNorms(), torch.randn(2, 4))
+    AnnotatePrecision(PrecisionPolicy("fp16", Level.O2))(gm)
+    arange = next(n for n in gm.graph.nodes if "arange" in str(n.target))
+    reason = arange.meta["amplite_precision"]["reason"]
+    assert reason == "no-float-operands", "a node without float operands is no bridge"
+
+
+class _ShortReductions(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x.sum(-1), x.softmax(0), x.cumsum(-1), x.amax(-1)
+
+
+def test_only_reductions_deeper_than_the_limit_are_flagged() -> None:
+    x = torch.rand(3, 16)
+    flags, result = _guard(_ShortReductions(), x, RangeRules(data_max=1e9, max_reduction_depth=4))
+    # softmax(0) runs over 3 values; amax is a normaliser, not a reduction table entry
+    assert flags == {"sum_1": "range:reduction-depth 16>4", "cumsum": "range:reduction-depth 16>4"}, flags
+    assert result.counters == {"kept_fp32:range:reduction-depth": 2}
+    flags, _ = _guard(_ShortReductions(), x, RangeRules(data_max=1e9, max_reduction_depth=2))
+    assert flags["softmax"] == "range:reduction-depth 3>2", "softmax's depth is the size of its dim"
+    assert _guard(_ShortReductions(), x, RangeRules(data_max=1e9, max_reduction_depth=16))[0] == {}, "16 is allowed"
+    assert _guard(_ShortReductions(), x, RangeRules(data_max=1e9, max_reduction_depth=None))[0] == {}
+
+
+class _OneElementWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor([1e5]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.s
+
+
+def test_a_one_element_weight_beyond_fp16_is_flagged() -> None:
+    flags, _ = _guard(_OneElementWeight(), torch.full((2, 3), 1e-6), RangeRules())
+    assert flags == {"mul": "range:weight-overflow s |w|=1e+05"}, flags
+
+
+class _IntsAndCompare(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("avg", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.avg.mul_(0.5).add_(x.mean(0))  # in-place ops stay in-place in the unlifted graph
+        return ids + 1, self.lin(x) > 0
+
+
+def test_annotation_covers_float_nodes_only_and_in_place_ops_follow() -> None:
+    gm = export_eval(_IntsAndCompare(), torch.randn(2, 4), torch.arange(3))
+    AnnotatePrecision(PrecisionPolicy("fp16", Level.O2))(gm)
+    plan = _precision(gm)
+    int_add = next(n for n in gm.graph.nodes if n.target is aten.add.Tensor and n.args[0].name == "ids")
+    assert int_add.name not in plan, "a node without floating inputs or outputs gets no precision plan"
+    gt = next(n for n in gm.graph.nodes if "gt" in str(n.target))
+    assert plan[gt.name]["dtype"] == torch.float16, "a comparison of float values is planned"
+    assert plan["mul_"] == {"mode": "follow", "dtype": torch.float32, "reason": "in-place", "rule": "dtype"}, plan[
+        "mul_"
+    ]
+    assert plan["add_"]["mode"] == "follow" and plan["add_"]["reason"] == "in-place"
+
+
+def _precision(gm: torch.fx.GraphModule) -> dict[str, dict]:
+    return {n.name: n.meta["amplite_precision"] for n in gm.graph.nodes if "amplite_precision" in n.meta}

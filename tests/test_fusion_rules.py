@@ -1,9 +1,4 @@
-"""Tests that kill surviving mutants of `make mutate` (issue 20), area: rules.
-
-Modules: amplite/passes/contraction_rules.py (which contractions the fusion pass accepts, and why not) and
-amplite/passes/einsum_equation.py (einsum equations for matched contraction chains).
-Each test pins a behaviour users rely on; docs/testing.md explains the loop.
-"""
+"""X"""
 
 from __future__ import annotations
 

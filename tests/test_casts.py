@@ -1,22 +1,34 @@
-"""Tests that kill surviving mutants of `make mutate` (issue 20), area: casts.
-
-Each test pins a behaviour users rely on, with values chosen so that a wrong implementation is off clearly;
-docs/testing.md explains the loop (run mutants, read survivors, add a test or list an equivalent).
-"""
+"""X"""
 
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.fx
+from torch import nn
 
+from amplite.converter.pipeline import strip_export_checks
+from amplite.passes.annotate_precision import AnnotatePrecision
+from amplite.passes.base import PassManager
+from amplite.passes.cleanup_casts import CleanupCasts
+from amplite.passes.graph_utils import cast_dtype
 from amplite.passes.guard_constants import GuardConstants, SaturateFills
+from amplite.passes.insert_casts import InsertCasts
+from amplite.passes.store_low_params import StoreLowPrecisionParams
+from amplite.policy import Level, PrecisionPolicy
+from tests.exported import Fn, export_eval
 
 aten = torch.ops.aten
+
+
 F16_MAX = 65504.0
+
+
 X = torch.zeros(2, 3)
 
 
@@ -632,3 +644,162 @@ def test_store_low_params_updates_a_tied_buffer_everywhere_and_a_shared_module_o
                                "bytes_saved": 2 * 3 * 2}  # fmt: skip
     assert gm.a.scale is gm.b.scale and gm.b.scale.dtype == torch.float16 and "scale" in gm.b._buffers
     assert gm.s2.w.dtype == torch.float16
+
+
+# store_low_params
+
+
+class _Mixed(nn.Module):
+    """A Linear (stored low at O2), a buffer read only through a cast, a frozen weight and a LayerNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.frozen = nn.Linear(8, 8, bias=False).requires_grad_(False)
+        self.ln = nn.LayerNorm(8)
+        self.register_buffer("scale", torch.rand(8) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(self.frozen(self.lin(x) * self.scale))
+
+
+def _o2(model: nn.Module, x: torch.Tensor, prefix: str | None = None) -> tuple[torch.fx.GraphModule, dict]:
+    gm = torch.export.export(model.eval(), (x,), strict=False).module()
+    strip_export_checks(gm)
+    policy = PrecisionPolicy("fp16", Level.O2)
+    gm, records = PassManager(
+        [AnnotatePrecision(policy), InsertCasts(), CleanupCasts(), StoreLowPrecisionParams(prefix)]
+    )(gm)
+    return gm, records[-1].counters
+
+
+def test_store_low_keeps_kinds_requires_grad_and_counts() -> None:
+    model, x = _Mixed(), torch.randn(3, 8)
+    gm, counters = _o2(model, x)
+    assert gm.lin.weight.dtype == gm.scale.dtype == gm.frozen.weight.dtype == torch.float16
+    assert isinstance(gm.lin.weight, nn.Parameter) and gm.lin.weight.requires_grad
+    assert isinstance(gm.frozen.weight, nn.Parameter) and not gm.frozen.weight.requires_grad
+    assert "scale" in gm._buffers and not isinstance(gm.scale, nn.Parameter), "a buffer stays a buffer"
+    assert gm.ln.weight.dtype == gm.ln.bias.dtype == torch.float32
+    n_low = 64 + 8 + 8 + 64  # lin.weight, lin.bias, scale, frozen.weight
+    assert counters == {"tensors_stored_low": 4, "casts_removed": 4, "bytes_saved": n_low * 2, "aliases_kept_tied": 0}
+    for node in gm.graph.nodes:  # the readers' example values carry the stored dtype
+        if node.op == "get_attr" and not node.target.startswith("ln."):
+            assert node.meta["val"].dtype == torch.float16, node.target
+    assert not [n for n in gm.graph.nodes if cast_dtype(n) is not None and n.args[0].op == "get_attr"]
+    torch.testing.assert_close(gm(x), model(x), atol=2e-2, rtol=2e-2)
+    assert model.lin.weight.dtype == torch.float32 and model.scale.dtype == torch.float32
+
+
+def test_store_low_with_a_prefix_touches_only_matching_tensors() -> None:
+    gm, counters = _o2(_Mixed(), torch.randn(3, 8), prefix="lin.")
+    assert gm.lin.weight.dtype == gm.lin.bias.dtype == torch.float16
+    assert gm.scale.dtype == gm.frozen.weight.dtype == torch.float32
+    assert counters["tensors_stored_low"] == 2
+
+
+class _Float64(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(8, dtype=torch.float64))
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.w.to(torch.float16)
+
+
+def test_store_low_leaves_non_fp32_tensors_alone() -> None:
+    gm, counters = _o2(_Float64(), torch.randn(2, 8))
+    assert gm.w.dtype == torch.float64, "only FP32 tensors are stored low"
+    assert counters["tensors_stored_low"] == 2
+
+
+class _Detailed:
+    name = "detailed"
+
+    def __call__(self, gm: torch.fx.GraphModule) -> object:
+        return types.SimpleNamespace(graph_module=gm, modified=False, counters={"n": 1}, details={"why": ["x"]})
+
+
+def test_pass_manager_keeps_details_and_store_low_reports_modified() -> None:
+    gm = export_eval(nn.Linear(2, 2), torch.randn(1, 2))
+    _, (record,) = PassManager([_Detailed()])(gm)
+    assert (record.name, record.modified, record.counters, record.details) == (
+        "detailed",
+        False,
+        {"n": 1},
+        {"why": ["x"]},
+    )
+    gm = export_eval(nn.LayerNorm(4), torch.randn(2, 4))  # nothing read only through casts
+    assert not StoreLowPrecisionParams()(gm).modified
+    gm, _ = _o2(nn.Linear(4, 4), torch.randn(2, 4))
+    assert gm.weight.dtype == torch.float16
+    gm2 = export_eval(nn.Linear(4, 4), torch.randn(2, 4))
+    PassManager([AnnotatePrecision(PrecisionPolicy("fp16", Level.O2)), InsertCasts(), CleanupCasts()])(gm2)
+    assert StoreLowPrecisionParams()(gm2).modified
+
+
+class _ScalarAndGains(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.g1, self.g2 = nn.Parameter(torch.rand(4) + 0.5), nn.Parameter(torch.rand(4) + 0.5)
+        self.s = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * self.g1 + self.b(x) * self.g2 + self.a(x) * self.s
+
+
+def test_promotions_are_counted_and_zero_dim_operands_are_not_cast() -> None:
+    model, x = _ScalarAndGains().eval(), torch.randn(3, 4)
+    gm = export_eval(model, x)
+    gm, records = PassManager([AnnotatePrecision(PrecisionPolicy("fp16", Level.O1)), InsertCasts()])(gm)
+    counters = records[-1].counters
+    assert counters["promotions_in_kernel"] == 3, counters  # two fp16 * FP32-gain products, one fp32 + fp16 add
+    s = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == "s")
+    assert all(cast_dtype(u) is None for u in s.users), "a 0-dim FP32 operand of a follow op is read as it is"
+    torch.testing.assert_close(gm(x), model(x), atol=2e-2, rtol=2e-2)
+
+
+class _UserCastThenFollow(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.half()
+        return h + h  # a follow op on a user cast computes in the cast's dtype
+
+
+def test_user_cast_output_dtype_is_the_cast_dtype() -> None:
+    gm = export_eval(_UserCastThenFollow(), torch.randn(2, 3))
+    AnnotatePrecision(PrecisionPolicy("bf16", Level.O1))(gm)
+    cast = next(n for n in gm.graph.nodes if cast_dtype(n) is not None)
+    add = next(n for n in gm.graph.nodes if n.target is aten.add.Tensor)
+    assert cast.meta["amplite_out_dtype"] == torch.float16
+    assert add.meta["amplite_precision"]["dtype"] == torch.float16, add.meta["amplite_precision"]
+
+
+@pytest.mark.parametrize("partner_first", [True, False])
+def test_cast_after_data_movement_merges_with_the_existing_cast(partner_first: bool) -> None:
+    def both(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if partner_first:
+            return x.half() * 2, x.t().half() * 3
+        t = x.t().half() * 3
+        return x.half() * 2, t
+
+    x = torch.randn(3, 4)
+    gm = export_eval(Fn(both), x)
+    result = CleanupCasts()(gm)
+    gm.recompile()
+    casts = [n for n in gm.graph.nodes if cast_dtype(n) is not None]
+    assert len(casts) == 1 and result.counters["moved_above_data_movement"] == 1, (casts, result.counters)
+    gm.graph.lint()
+    got = gm(x)
+    assert torch.equal(got[0], x.half() * 2) and torch.equal(got[1], x.t().half() * 3)
+
+
+def test_two_movable_casts_in_one_graph_both_move() -> None:
+    x, y = torch.randn(3, 4), torch.randn(5, 2)
+    gm = export_eval(Fn(lambda x, y: (x.half() + 1, x.t().half() * 3, y.half() - 1, y.t().half() * 2)), x, y)
+    result = CleanupCasts()(gm)
+    gm.recompile()
+    assert result.counters["moved_above_data_movement"] == 2, result.counters
+    assert len([n for n in gm.graph.nodes if cast_dtype(n) is not None]) == 2
+    assert torch.equal(gm(x, y)[3], y.t().half() * 2)
