@@ -283,6 +283,15 @@ def splice(doc: str, part: str, mark: str = MARK) -> str:
     return doc[:start] + part + "\n" + doc[end:]
 
 
+def write_part(part: str, mark: str) -> None:
+    """Put ``part`` into bench/RESULTS.md's "Training" and bench/results-train.md (which the harness copies
+    back into RESULTS.md when it rewrites it)."""
+    for name in ("RESULTS.md", "results-train.md"):
+        path = ROOT / "bench" / name
+        doc = "\n" + (path.read_text() if path.exists() else "## Training\n")
+        path.write_text(splice(doc, part, mark)[1:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
@@ -333,8 +342,7 @@ def main() -> None:
     if args.write:
         out = JSON_OUT.with_name("results-train-big-compiled.json") if only_compiled else JSON_OUT
         out.write_text(json.dumps({"meta": meta, "rows": list(rows.values()), "rounds": rounds}, indent=1) + "\n")
-        path = ROOT / "bench" / "RESULTS.md"
-        path.write_text(splice(path.read_text(), text, mark))
+        write_part(text, mark)
 
 
 if __name__ == "__main__":

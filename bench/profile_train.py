@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from bench.bench_train_big import build, splice  # noqa: E402
+from bench.bench_train_big import build, write_part  # noqa: E402
 
 VARIANTS = ["autocast", "amplite-O1", "amplite-O2"]
 MARK = "### Where the time goes (bench/profile_train.py)"
@@ -207,8 +207,7 @@ def main() -> None:
     text = render(rows, meta)
     print(text)
     if args.write:
-        path = ROOT / "bench" / "RESULTS.md"
-        path.write_text(splice(path.read_text(), text, MARK))
+        write_part(text, MARK)
 
 
 if __name__ == "__main__":
