@@ -326,7 +326,8 @@ def main() -> None:
     if args.write:
         results = ROOT / "bench" / "RESULTS.md"
         results.write_text(splice(results.read_text(), section))
-        (ROOT / "bench" / "results-train.md").write_text(section)
+        saved = ROOT / "bench" / "results-train.md"  # the harness copies it back; keep its ### parts
+        saved.write_text(splice("\n" + (saved.read_text() if saved.exists() else ""), section)[1:])
         payload = {"meta": meta, "rows": [r | {"model": m, "variant": v} for (m, v), r in rows.items()]}
         (ROOT / "bench" / "results-train.json").write_text(json.dumps(payload, indent=1) + "\n")
 

@@ -60,6 +60,7 @@ VARIANTS = ["fp32", "autocast", "amplite-O1", "amplite-O2", "all-bf16", "compile
 VOCAB, SEQ, BATCH = 8192, 256, 4
 JSON_OUT = ROOT / "bench" / "results-train-big.json"
 MARK = "### Training at >= 20 M parameters (bench/bench_train_big.py)"
+MARK_COMPILED = "### Training at >= 20 M parameters, compiled (bench/bench_train_big.py, compiled variants only)"
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -245,9 +246,9 @@ def targets(rows: dict[tuple[str, str], dict[str, Any]]) -> list[tuple[str, str,
     return out
 
 
-def render(rows: dict[tuple[str, str], dict[str, Any]], meta: dict[str, Any]) -> str:
-    """The markdown part for bench/RESULTS.md."""
-    lines = [MARK, "", f"`{meta['command']}` on {meta['date']}, {meta['machine']}, {meta['wall_s'] / 60:.1f} min; "
+def render(rows: dict[tuple[str, str], dict[str, Any]], meta: dict[str, Any], mark: str = MARK) -> str:
+    """The markdown part for bench/RESULTS.md (under ``mark``)."""
+    lines = [mark, "", f"`{meta['command']}` on {meta['date']}, {meta['machine']}, {meta['wall_s'] / 60:.1f} min; "
              f"load average {meta['load_before']} at the start, {meta['load_after']} at the end. One process per "
              f"(model, variant), variants interleaved, medians of {meta['rounds']} rounds; step time = median of "
              f"{meta['steps']} steps after {meta['warmup']} warm-up steps (forward, loss, backward, AdamW, zero_grad); "
@@ -280,6 +281,15 @@ def splice(doc: str, part: str, mark: str = MARK) -> str:
     nxt = [i for i in (doc.find("\n### ", start + 1), doc.find("\n## ", start + 1)) if i >= 0]
     end = min(nxt) + 1 if nxt else len(doc)
     return doc[:start] + part + "\n" + doc[end:]
+
+
+def write_part(part: str, mark: str) -> None:
+    """Put ``part`` into bench/RESULTS.md's "Training" and bench/results-train.md (which the harness copies
+    back into RESULTS.md when it rewrites it)."""
+    for name in ("RESULTS.md", "results-train.md"):
+        path = ROOT / "bench" / name
+        doc = "\n" + (path.read_text() if path.exists() else "## Training\n")
+        path.write_text(splice(doc, part, mark)[1:])
 
 
 def main() -> None:
@@ -325,12 +335,14 @@ def main() -> None:
             "load_after": [round(x, 2) for x in os.getloadavg()],
             "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
                        f"{torch.get_num_threads()} threads"}  # fmt: skip
-    text = render(rows, meta)
+    only_compiled = all(v.startswith("compiled") for v in args.variants.split(","))
+    mark = MARK_COMPILED if only_compiled else MARK  # a compiled-only run gets its own part (and JSON)
+    text = render(rows, meta, mark)
     print(text)
     if args.write:
-        JSON_OUT.write_text(json.dumps({"meta": meta, "rows": list(rows.values()), "rounds": rounds}, indent=1) + "\n")
-        path = ROOT / "bench" / "RESULTS.md"
-        path.write_text(splice(path.read_text(), text))
+        out = JSON_OUT.with_name("results-train-big-compiled.json") if only_compiled else JSON_OUT
+        out.write_text(json.dumps({"meta": meta, "rows": list(rows.values()), "rounds": rounds}, indent=1) + "\n")
+        write_part(text, mark)
 
 
 if __name__ == "__main__":

@@ -31,18 +31,24 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from bench.bench_train_big import build, splice  # noqa: E402
+from bench.bench_train_big import build, write_part  # noqa: E402
 
 VARIANTS = ["autocast", "amplite-O1", "amplite-O2"]
 MARK = "### Where the time goes (bench/profile_train.py)"
 CASTS = ("aten::_to_copy", "aten::copy_")
 REGIONS = ("forward", "backward", "optimizer", "refresh", "zero_grad")
+#: Matrix products and attention: the kernels whose speed is the CPU's, not amplite's (on a CPU without bf16
+#: dot-product instructions they dominate a bf16 step); everything else is where the variants differ.
+GEMMS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::linear", "aten::matmul",
+         "aten::_scaled_dot_product_flash_attention_for_cpu",
+         "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+         "aten::mkldnn_convolution", "aten::convolution_backward", "aten::baddbmm")  # fmt: skip
 
 
-def run_one(model_name: str, variant: str, steps: int, profiled: int = 2) -> dict[str, Any]:
+def run_one(model_name: str, variant: str, steps: int, profiled: int, warmup: int) -> dict[str, Any]:
     """Region times and op statistics of one variant."""
     warnings.filterwarnings("ignore")
-    model, batches, loss_fn = build(model_name, 2 + steps + profiled)
+    model, batches, loss_fn = build(model_name, warmup + steps + profiled)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     fwd, refresh_s = model, [0.0]
     if variant.startswith("amplite"):
@@ -59,8 +65,18 @@ def run_one(model_name: str, variant: str, steps: int, profiled: int = 2) -> dic
 
         opt.copies.refresh = timed_refresh  # type: ignore[method-assign]
 
+    saved: dict[int, int] = {}  # storage -> bytes of the tensors autograd saves for backward (last step)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.layout == torch.strided and t.device.type != "meta":
+            st = t.untyped_storage()
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
     def step(x: torch.Tensor, target: torch.Tensor, clock: Callable[[str], None]) -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "autocast"):
+        saved.clear()
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "autocast")
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
             loss = loss_fn(fwd(x), target)
         loss.item()
         clock("forward")
@@ -80,26 +96,28 @@ def run_one(model_name: str, variant: str, steps: int, profiled: int = 2) -> dic
         times[region].append(now - last[0])
         last[0] = now
 
-    for i, (x, target) in enumerate(batches[: 2 + steps]):
+    for i, (x, target) in enumerate(batches[: warmup + steps]):
         torch.manual_seed(i)
         last[0] = perf_counter()
         step(x, target, clock)
         times["refresh"].append(refresh_s[0])
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for x, target in batches[2 + steps :]:
+        for x, target in batches[warmup + steps :]:
             step(x, target, lambda _: None)
-    timed = range(2, 2 + steps)
+    timed = range(warmup, warmup + steps)
     events = prof.key_averages()
     total_us = sum(e.self_cpu_time_total for e in events)
     top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]
     casts = [e for e in events if e.key in CASTS]
     return {
         "variant": variant,
-        "ms": {r: 1000 * statistics.median(v[2:]) for r, v in times.items()},
+        "ms": {r: 1000 * statistics.median(v[warmup:]) for r, v in times.items()},
         "step_ms": 1000 * statistics.median(sum(times[r][i] for r in REGIONS if r != "refresh") for i in timed),
         "top": [(e.key, e.self_cpu_time_total / 1000 / profiled, e.count // profiled) for e in top],
         "casts": {e.key: (e.count // profiled, e.self_cpu_time_total / 1000 / profiled) for e in casts},
         "self_total_ms": total_us / 1000 / profiled,
+        "saved_mib": sum(saved.values()) / 2**20,
+        "gemm_ms": sum(e.self_cpu_time_total for e in events if e.key in GEMMS) / 1000 / profiled,
     }
 
 
@@ -116,6 +134,11 @@ def render(rows: list[dict[str, Any]], meta: str) -> str:
         cells = [f"{r['casts'].get(key, (0, 0.0))[0]} calls, {r['casts'].get(key, (0, 0.0))[1]:.0f} ms" for r in rows]
         lines.append(f"| `{key}` per step (profiled) | " + " | ".join(cells) + " |")
     lines.append("| profiled self CPU per step | " + " | ".join(f"{r['self_total_ms']:.0f} ms" for r in rows) + " |")
+    lines.append("| saved for backward (MiB, unique storages) | " + " | ".join(f"{r['saved_mib']:.1f}" for r in rows)
+                 + " |")  # fmt: skip
+    lines.append("| of which matmuls/attention | " + " | ".join(f"{r['gemm_ms']:.0f} ms" for r in rows) + " |")
+    lines.append("| everything else (casts, elementwise, norms, optimizer) | "
+                 + " | ".join(f"{r['self_total_ms'] - r['gemm_ms']:.0f} ms" for r in rows) + " |")  # fmt: skip
     lines += ["", "Top ops by self CPU time per step (profiled; ms, calls):", ""]
     lines += ["| # | " + " | ".join(names) + " |", "|---|" + "---|" * len(rows)]
     for i in range(max(len(r["top"]) for r in rows)):
@@ -132,11 +155,18 @@ def main() -> None:
     ap.add_argument("--model", default="gpt2")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--profiled", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=256, help="sequence length (GPT-2/BERT)")
+    ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    import bench.bench_train_big as big
+
+    big.SEQ, big.BATCH = args.seq, args.batch
     if args.one:
-        print(json.dumps(run_one(args.model, args.one, args.steps)))
+        print(json.dumps(run_one(args.model, args.one, args.steps, args.profiled, args.warmup)))
         return
     import os
     from datetime import datetime, timezone
@@ -144,22 +174,40 @@ def main() -> None:
     load_before = [round(x, 2) for x in os.getloadavg()]
     rows = []
     for v in args.variants.split(","):
-        cmd = [sys.executable, __file__, "--one", v, "--model", args.model, "--steps", str(args.steps)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--one",
+            v,
+            "--model",
+            args.model,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--profiled",
+            str(args.profiled),
+            "--seq",
+            str(args.seq),
+            "--batch",
+            str(args.batch),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True)
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     meta = (  # fmt: skip
-        f"`python bench/profile_train.py --model {args.model} --steps {args.steps}` on {when}, torch "
+        f"`python bench/profile_train.py {' '.join(sys.argv[1:])}` on {when} (seq {args.seq}, batch "
+        f"{args.batch}), torch "
         f"{torch.__version__}, {torch.get_num_threads()} threads; load average {load_before} at the start, "
         f"{[round(x, 2) for x in os.getloadavg()]} at the end. One process per variant; region times are "
-        f"medians of {args.steps} steps after 2 warm-up steps (perf_counter), the op tables come from 2 "
+        f"medians of {args.steps} steps after {args.warmup} warm-up steps (perf_counter), the op tables come from "
+        f"{args.profiled} "
         "further steps under torch.profiler (its overhead inflates them: compare columns, not absolutes)."
     )
     text = render(rows, meta)
     print(text)
     if args.write:
-        path = ROOT / "bench" / "RESULTS.md"
-        path.write_text(splice(path.read_text(), text, MARK))
+        write_part(text, MARK)
 
 
 if __name__ == "__main__":
