@@ -32,9 +32,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import amplite
-from bench.corpus import CASES
+from bench.corpus import CASES, CausalLogits, _hf, token_ids
 
 LOW = torch.bfloat16
+
+
+def gpt2_6l() -> tuple[torch.nn.Module, Any]:
+    """Issue 31's GPT-2-style model: GPT2LMHeadModel from config, 6 layers, d=512, 8 heads, 4 x 256 tokens."""
+    m = _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=50257, n_positions=1024, n_embd=512, n_layer=6,
+            n_head=8, attn_implementation="sdpa")
+    return CausalLogits(m).eval(), ((), {"input_ids": token_ids(50257, 4, 256),
+                                         "attention_mask": torch.ones(4, 256, dtype=torch.long)})
+
+
+#: Every model this benchmark knows: the corpus plus issue 31's GPT-2-style model.
+MODELS: dict[str, Callable[[], tuple[torch.nn.Module, Any]]] = {
+    **{k: c.build for k, c in CASES.items()}, "gpt2-6l": gpt2_6l}
 MODES = ("eager", "compile", "aoti")
 
 
@@ -73,7 +86,7 @@ def _time(fn: Callable[[], Any], reps: int) -> float:
 
 
 def bench_model(name: str, rounds: int, reps: int, log: Callable[[str], None]) -> dict[str, Any]:
-    model, inputs = CASES[name].build()
+    model, inputs = MODELS[name]()
     runs: dict[tuple[str, str], Callable[[], Any]] = {}
     compile_s: dict[str, float] = {}
     with torch.no_grad(), tempfile.TemporaryDirectory() as tmp:

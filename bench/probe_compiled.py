@@ -1,0 +1,92 @@
+"""Why is ``torch.compile`` of an amplite program slower than compiled autocast? (issue 31, step 1).
+
+Times and profiles, in one process, ``torch.compile`` of: the autocast model, amplite O2 ``ep.module()``,
+amplite O2's bare graph (no pre-forward hooks / guards fn / pytree), and the all-bf16 model.
+
+    python bench/probe_compiled.py --model gpt2-6l --threads 1 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import amplite
+from bench.bench_compiled import MODELS
+
+
+def _t(fn: Any, reps: int) -> float:
+    fn()
+    s = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - s) / reps * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="gpt2-6l")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--variants", default="")
+    a = p.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(a.threads)
+    model, (args, kwargs) = MODELS[a.model]()
+    fns: dict[str, Any] = {}
+
+    def autocast(*x: Any, **k: Any) -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(*x, **k)
+
+    with torch.no_grad():
+        fns["autocast"] = (autocast, kwargs)
+        o2 = amplite.convert(model, (args, kwargs), precision="bf16", level="O2", verify=False)
+        fns["O2 ep.module()"] = (o2.module(), kwargs)
+        o2u = amplite.convert(model, (args, kwargs), precision="bf16", level="O2", verify=False,
+                              fuse_contractions=False)
+        fns["O2 unfused ep.module()"] = (o2u.module(), kwargs)
+        low = copy.deepcopy(model).to(torch.bfloat16)
+        fns["all bf16"] = (low, kwargs)
+        if a.variants:
+            fns = {k: v for k, v in fns.items() if k in a.variants.split(",")}
+        runs = {}
+        for name, (fn, kw) in fns.items():
+            c = torch.compile(fn)
+            s = time.perf_counter()
+            c(**kw)
+            print(f"{name}: compile {time.perf_counter() - s:.1f} s", file=sys.stderr, flush=True)
+            runs[name] = (lambda c=c, kw=kw: c(**kw))
+            runs[name + " [eager]"] = (lambda f=fn, kw=kw: f(**kw))
+        samples: dict[str, list[float]] = {k: [] for k in runs}
+        for _ in range(a.rounds):
+            for k, f in runs.items():
+                samples[k].append(_t(f, a.reps))
+        for k, v in samples.items():
+            print(f"{k:32s} median {statistics.median(v):8.2f} ms  min {min(v):8.2f}  all {[round(x, 1) for x in v]}")
+        if a.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            for k in fns:
+                f = runs[k]
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    for _ in range(3):
+                        f()
+                print(f"\n===== {k} (3 calls)")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+if __name__ == "__main__":
+    main()
