@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -103,7 +104,7 @@ def bench_model(name: str, rounds: int, reps: int, log: Callable[[str], None]) -
                 compile_s[f"{vname} aoti"] = time.perf_counter() - start
                 package = torch._inductor.aoti_load_package(path)
                 runs[(vname, "aoti")] = lambda fn=package, a=args, k=kwargs: fn(*a, **k)
-            log(f"  {name}: {vname} ready")
+            log(f"  {name}: {vname} ready ({time.strftime('%H:%M:%S')})")
         samples: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
         for _ in range(rounds):  # interleaved: each variant once per round
             for key, fn in runs.items():
@@ -157,14 +158,28 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
-    results = []
+    results: list[dict[str, Any]] = []
+    failed: dict[str, str] = {}
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    load = [round(x, 2) for x in os.getloadavg()]
+
+    def write() -> None:  # after every model: a run stopped part-way keeps what it measured
+        if args.out:
+            args.out.write_text(json.dumps({
+                "results": results, "ratios": [ratios(r) for r in results], "failed": failed,
+                "torch": torch.__version__, "threads": args.threads, "started": started, "load_start": load,
+                "load_now": [round(x, 2) for x in os.getloadavg()], "models": args.models.split(","),
+            }, indent=1))  # fmt: skip
+
     for name in args.models.split(","):
-        results.append(bench_model(name, args.rounds, args.reps, lambda s: print(s, file=sys.stderr)))
+        try:
+            results.append(bench_model(name, args.rounds, args.reps, lambda s: print(s, file=sys.stderr)))
+        except Exception as exc:  # one model failing must not lose the others
+            failed[name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+            print(f"  {name}: FAILED {failed[name]}", file=sys.stderr)
+        write()
     table = markdown(results)
     print(table)
-    if args.out:
-        args.out.write_text(json.dumps({"results": results, "ratios": [ratios(r) for r in results],
-                                        "torch": torch.__version__, "threads": args.threads}, indent=1))  # fmt: skip
     if args.markdown:
         args.markdown.write_text(table + "\n")
 

@@ -41,8 +41,11 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--variants", default="")
+    p.add_argument("--fused", action="store_true")
     a = p.parse_args()
     warnings.filterwarnings("ignore")
+    if a.profile:
+        torch._inductor.config.cpp.enable_kernel_profile = True  # before compiling: kernels named in the profile
     torch.set_num_threads(a.threads)
     model, (args, kwargs) = MODELS[a.model]()
     fns: dict[str, Any] = {}
@@ -55,9 +58,13 @@ def main() -> None:
         fns["autocast"] = (autocast, kwargs)
         o2 = amplite.convert(model, (args, kwargs), precision="bf16", level="O2", verify=False)
         fns["O2 ep.module()"] = (o2.module(), kwargs)
-        o2u = amplite.convert(model, (args, kwargs), precision="bf16", level="O2", verify=False,
-                              fuse_contractions=False)
-        fns["O2 unfused ep.module()"] = (o2u.module(), kwargs)
+        bare = o2.program.module(check_guards=False)
+        bare.validate_inputs = False  # no pre-forward input check, no guards fn: the graph alone
+        fns["O2 bare graph"] = (bare, kwargs)
+        if a.fused:
+            o2f = amplite.convert(model, (args, kwargs), precision="bf16", level="O2", verify=False,
+                                  fuse_contractions=True)
+            fns["O2 fused ep.module()"] = (o2f.module(), kwargs)
         low = copy.deepcopy(model).to(torch.bfloat16)
         fns["all bf16"] = (low, kwargs)
         if a.variants:
@@ -71,9 +78,10 @@ def main() -> None:
             runs[name] = (lambda c=c, kw=kw: c(**kw))
             runs[name + " [eager]"] = (lambda f=fn, kw=kw: f(**kw))
         samples: dict[str, list[float]] = {k: [] for k in runs}
-        for _ in range(a.rounds):
+        for r in range(a.rounds):
             for k, f in runs.items():
                 samples[k].append(_t(f, a.reps))
+                print(f"round {r} {k}: {samples[k][-1]:.2f} ms", file=sys.stderr, flush=True)
         for k, v in samples.items():
             print(f"{k:32s} median {statistics.median(v):8.2f} ms  min {min(v):8.2f}  all {[round(x, 1) for x in v]}")
         if a.profile:
