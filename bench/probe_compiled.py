@@ -23,6 +23,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import amplite
 from bench.bench_compiled import MODELS
+from bench.corpus import CausalLogits, _hf, token_ids
+
+
+def gpt2_tiny() -> tuple[torch.nn.Module, Any]:
+    """GPT-2's graph at toy size (1 layer, d=64, 2 x 16 tokens): per-call overhead, not kernels, dominates."""
+    m = _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=1000, n_positions=64, n_embd=64, n_layer=1, n_head=2,
+            attn_implementation="sdpa")
+    return CausalLogits(m).eval(), ((), {"input_ids": token_ids(1000, 2, 16),
+                                         "attention_mask": torch.ones(2, 16, dtype=torch.long)})
+
+
+PROBES = {**MODELS, "gpt2-tiny": gpt2_tiny}
 
 
 def _t(fn: Any, reps: int) -> float:
@@ -47,7 +59,7 @@ def main() -> None:
     if a.profile:
         torch._inductor.config.cpp.enable_kernel_profile = True  # before compiling: kernels named in the profile
     torch.set_num_threads(a.threads)
-    model, (args, kwargs) = MODELS[a.model]()
+    model, (args, kwargs) = PROBES[a.model]()
     fns: dict[str, Any] = {}
 
     def autocast(*x: Any, **k: Any) -> Any:
