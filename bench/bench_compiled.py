@@ -8,7 +8,7 @@ issue 31: compiled amplite O2 ≤ 1.0× compiled autocast and ≤ 1.05× the com
 likewise, amplite O1 ≤ 1.0× autocast.
 
     python bench/bench_compiled.py --models fx-mlp,fx-transformer,fx-causal --rounds 5
-    python bench/bench_compiled.py --models gpt2 --rounds 3 --out bench/results-compiled.json
+    python bench/bench_compiled.py --models gpt2-6l --threads 1 --rounds 3 --out bench/results-compiled-models.json
 
 Prints a Markdown table; ``--out`` also writes the JSON and ``--markdown`` the table to a file.
 """

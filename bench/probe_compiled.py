@@ -67,28 +67,29 @@ def main() -> None:
             return model(*x, **k)
 
     with torch.no_grad():
-        fns["autocast"] = (autocast, kwargs)
+        fns["autocast"] = (autocast, (args, kwargs))
         o2 = amplite.convert(model, (args, kwargs), precision="bf16", level="O2", verify=False)
-        fns["O2 ep.module()"] = (o2.module(), kwargs)
+        fns["O2 ep.module()"] = (o2.module(), (args, kwargs))
         bare = o2.program.module(check_guards=False)
         bare.validate_inputs = False  # no pre-forward input check, no guards fn: the graph alone
-        fns["O2 bare graph"] = (bare, kwargs)
+        fns["O2 bare graph"] = (bare, (args, kwargs))
         if a.fused:
             o2f = amplite.convert(model, (args, kwargs), precision="bf16", level="O2", verify=False,
                                   fuse_contractions=True)
-            fns["O2 fused ep.module()"] = (o2f.module(), kwargs)
+            fns["O2 fused ep.module()"] = (o2f.module(), (args, kwargs))
         low = copy.deepcopy(model).to(torch.bfloat16)
-        fns["all bf16"] = (low, kwargs)
+        low_args = tuple(x.to(torch.bfloat16) if x.is_floating_point() else x for x in args)
+        fns["all bf16"] = (low, (low_args, kwargs))
         if a.variants:
             fns = {k: v for k, v in fns.items() if k in a.variants.split(",")}
         runs = {}
-        for name, (fn, kw) in fns.items():
+        for name, (fn, (pos, kw)) in fns.items():
             c = torch.compile(fn)
             s = time.perf_counter()
-            c(**kw)
+            c(*pos, **kw)
             print(f"{name}: compile {time.perf_counter() - s:.1f} s", file=sys.stderr, flush=True)
-            runs[name] = (lambda c=c, kw=kw: c(**kw))
-            runs[name + " [eager]"] = (lambda f=fn, kw=kw: f(**kw))
+            runs[name] = (lambda c=c, pos=pos, kw=kw: c(*pos, **kw))
+            runs[name + " [eager]"] = (lambda f=fn, pos=pos, kw=kw: f(*pos, **kw))
         samples: dict[str, list[float]] = {k: [] for k in runs}
         for r in range(a.rounds):
             for k, f in runs.items():
