@@ -8,7 +8,7 @@ issue 31: compiled amplite O2 ≤ 1.0× compiled autocast and ≤ 1.05× the com
 likewise, amplite O1 ≤ 1.0× autocast.
 
     python bench/bench_compiled.py --models fx-mlp,fx-transformer,fx-causal --rounds 5
-    python bench/bench_compiled.py --models gpt2 --rounds 3 --out bench/results-compiled.json
+    python bench/bench_compiled.py --models gpt2-6l --threads 1 --rounds 3 --out bench/results-compiled-models.json
 
 Prints a Markdown table; ``--out`` also writes the JSON and ``--markdown`` the table to a file.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -32,9 +33,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import amplite
-from bench.corpus import CASES
+from bench.corpus import CASES, CausalLogits, _hf, token_ids
 
 LOW = torch.bfloat16
+
+
+def gpt2_6l() -> tuple[torch.nn.Module, Any]:
+    """Issue 31's GPT-2-style model: GPT2LMHeadModel from config, 6 layers, d=512, 8 heads, 4 x 256 tokens."""
+    m = _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=50257, n_positions=1024, n_embd=512, n_layer=6,
+            n_head=8, attn_implementation="sdpa")
+    return CausalLogits(m).eval(), ((), {"input_ids": token_ids(50257, 4, 256),
+                                         "attention_mask": torch.ones(4, 256, dtype=torch.long)})
+
+
+#: Every model this benchmark knows: the corpus plus issue 31's GPT-2-style model.
+MODELS: dict[str, Callable[[], tuple[torch.nn.Module, Any]]] = {
+    **{k: c.build for k, c in CASES.items()}, "gpt2-6l": gpt2_6l}
 MODES = ("eager", "compile", "aoti")
 
 
@@ -73,7 +87,7 @@ def _time(fn: Callable[[], Any], reps: int) -> float:
 
 
 def bench_model(name: str, rounds: int, reps: int, log: Callable[[str], None]) -> dict[str, Any]:
-    model, inputs = CASES[name].build()
+    model, inputs = MODELS[name]()
     runs: dict[tuple[str, str], Callable[[], Any]] = {}
     compile_s: dict[str, float] = {}
     with torch.no_grad(), tempfile.TemporaryDirectory() as tmp:
@@ -90,7 +104,7 @@ def bench_model(name: str, rounds: int, reps: int, log: Callable[[str], None]) -
                 compile_s[f"{vname} aoti"] = time.perf_counter() - start
                 package = torch._inductor.aoti_load_package(path)
                 runs[(vname, "aoti")] = lambda fn=package, a=args, k=kwargs: fn(*a, **k)
-            log(f"  {name}: {vname} ready")
+            log(f"  {name}: {vname} ready ({time.strftime('%H:%M:%S')})")
         samples: dict[tuple[str, str], list[float]] = {key: [] for key in runs}
         for _ in range(rounds):  # interleaved: each variant once per round
             for key, fn in runs.items():
@@ -144,14 +158,28 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
-    results = []
+    results: list[dict[str, Any]] = []
+    failed: dict[str, str] = {}
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    load = [round(x, 2) for x in os.getloadavg()]
+
+    def write() -> None:  # after every model: a run stopped part-way keeps what it measured
+        if args.out:
+            args.out.write_text(json.dumps({
+                "results": results, "ratios": [ratios(r) for r in results], "failed": failed,
+                "torch": torch.__version__, "threads": args.threads, "started": started, "load_start": load,
+                "load_now": [round(x, 2) for x in os.getloadavg()], "models": args.models.split(","),
+            }, indent=1))  # fmt: skip
+
     for name in args.models.split(","):
-        results.append(bench_model(name, args.rounds, args.reps, lambda s: print(s, file=sys.stderr)))
+        try:
+            results.append(bench_model(name, args.rounds, args.reps, lambda s: print(s, file=sys.stderr)))
+        except Exception as exc:  # one model failing must not lose the others
+            failed[name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+            print(f"  {name}: FAILED {failed[name]}", file=sys.stderr)
+        write()
     table = markdown(results)
     print(table)
-    if args.out:
-        args.out.write_text(json.dumps({"results": results, "ratios": [ratios(r) for r in results],
-                                        "torch": torch.__version__, "threads": args.threads}, indent=1))  # fmt: skip
     if args.markdown:
         args.markdown.write_text(table + "\n")
 

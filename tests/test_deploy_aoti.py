@@ -9,12 +9,12 @@ every artifact is built once per module (module-scoped fixtures) and shared by t
   ``amplite::contract`` fusion and without, saved as ``.pt2`` and as a package, and ``torch.compile``-d.
 
 One fresh process then loads every package and every ``.pt2`` and compares them (the MLP on another batch
-size, through its dynamic dimension). The planted-wrong-package test compiles one more (tiny) package.
+size, through its dynamic dimension). The planted-wrong-package test compiles nothing: it converts the MLP
+with other weights and has AOTInductor write ``mlp_cli``'s package in its place.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -180,22 +180,34 @@ def test_packages_match_the_pt2_in_a_fresh_process(
     assert got[jobs[0][0]][2][0] == 7  # the MLP package took batch 7 (exported with 4)
 
 
-def test_planted_wrong_package_fails_verification(mlp_pt2: Path, tmp_path: Path, cli, monkeypatch) -> None:
-    """The verification runs the written package: a package built from wrong weights exits 1."""
-    from amplite.deploy import aoti
+def test_planted_wrong_package_fails_verification(
+    mlp_cli: tuple[Any, Path], tmp_path: Path, cli, monkeypatch
+) -> None:
+    """The verification runs the written package: a package built from other weights exits 1.
 
-    real = aoti._decompose_contractions
+    The MLP with its weights scaled by 1.5 is converted; AOTInductor is made to write the package it built for
+    the original MLP (``mlp_cli``: same signature, other weights) - no second compile. The ``.pt2`` is right,
+    the package is not, and only the package's verification can tell.
+    """
+    import shutil
 
-    def planted(program):
-        program, n = real(program)
-        wrong = copy.deepcopy(program)
-        for name, value in wrong.state_dict.items():
+    import torch._inductor
+
+    model, (args, kwargs) = make("mlp")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
             if name.endswith("weight"):
-                wrong.state_dict[name] = torch.nn.Parameter(value.detach() * 1.5, requires_grad=False)
-        return wrong, n
+                param.mul_(1.5)
+    src = tmp_path / "scaled.pt2"
+    torch.export.save(torch.export.export(model, args, kwargs), str(src))
+    built_elsewhere = mlp_cli[1] / "mlp.bf16.aoti.pt2"
 
-    monkeypatch.setattr(aoti, "_decompose_contractions", planted)
-    res = cli("convert", mlp_pt2, "--precision", "bf16", "--format", "aoti", "-o", tmp_path / "bad.pt2")
+    def planted(program: Any, package_path: str, **_kw: Any) -> str:
+        shutil.copyfile(built_elsewhere, package_path)
+        return package_path
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", planted)
+    res = cli("convert", src, "--precision", "bf16", "--format", "aoti", "-o", tmp_path / "bad.pt2")
     assert res.exit_code == 1, res.stderr
     report = json.loads((tmp_path / "bad.report.json").read_text())
     assert report["verification_aoti"]["passed"] is False
