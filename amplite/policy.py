@@ -55,6 +55,22 @@ class Level(str, Enum):
 PRECISIONS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 Mode = Literal["low", "fp32", "follow"]
+_NAMES = {dtype: name for name, dtype in PRECISIONS.items()}
+
+
+def precision_dtype(precision: str | torch.dtype) -> torch.dtype:
+    """``"fp16"``/``"bf16"`` or the dtype itself, as the dtype (``ConfigError`` for anything else: FP32 is not
+    a low precision)."""
+    if isinstance(precision, torch.dtype) and precision in _NAMES:
+        return precision
+    if isinstance(precision, str) and precision.strip().lower() in PRECISIONS:
+        return PRECISIONS[precision.strip().lower()]
+    raise ConfigError(f"unknown precision {precision!r}", f"use one of: {', '.join(PRECISIONS)}")
+
+
+def precision_name(dtype: torch.dtype) -> str:
+    """``fp16`` or ``bf16`` for a low dtype."""
+    return _NAMES[precision_dtype(dtype)]
 
 
 class RuleSource(str, Enum):
@@ -201,10 +217,7 @@ class PrecisionPolicy:
     module_prefix: str = ""
 
     def __post_init__(self) -> None:
-        dtype = PRECISIONS.get(self.precision) if isinstance(self.precision, str) else self.precision
-        if dtype not in PRECISIONS.values():
-            raise ConfigError(f"unknown precision {self.precision!r}", f"use one of: {', '.join(PRECISIONS)}")
-        object.__setattr__(self, "precision", dtype)
+        object.__setattr__(self, "precision", precision_dtype(self.precision))
 
     @property
     def low_dtype(self) -> torch.dtype:
@@ -263,9 +276,7 @@ class PrecisionPolicy:
         list and follows its input (O1/O2), unless a reader is FP32 (an RMSNorm's ``x.pow(2).mean()``)."""
         if not self._mixed or not cleared or any_reader_fp32 or current.source is not RuleSource.OP_TABLE:
             return current
-        if current.mode != "fp32":
-            return current
-        return Decision("follow", cleared, RuleSource.RANGE)
+        return Decision("follow", cleared, RuleSource.RANGE) if current.mode == "fp32" else current
 
     def for_normaliser(self, current: Decision, feeds_fp32: bool) -> Decision:
         """An ``amax``-like op (exact in any dtype) that feeds an FP32 op directly or through one op stays
@@ -279,9 +290,7 @@ class PrecisionPolicy:
         between ``mean`` and ``rsqrt``) stays FP32: running it low costs two casts and a rounding."""
         if self.level is not Level.O2 or not bridges_fp32 or current.source is not RuleSource.LEVEL:
             return current
-        if current.mode != "low":
-            return current
-        return Decision("fp32", "fp32-island-bridge", RuleSource.STRUCTURE)
+        return Decision("fp32", "fp32-island-bridge", RuleSource.STRUCTURE) if current.mode == "low" else current
 
     @staticmethod
     def is_discrete_decision(op: str) -> bool:

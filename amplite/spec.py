@@ -21,22 +21,16 @@ from amplite.converter.tracing import parse_dynamic_dims
 from amplite.errors import ConfigError
 from amplite.ops.fusion_default import resolve as resolve_fuse
 from amplite.passes.range_guard import RangeRules
-from amplite.policy import LEVEL_ENV, PRECISIONS, Level, Override, PrecisionPolicy, make_overrides, resolve_level
-
-_NAMES = {dtype: name for name, dtype in PRECISIONS.items()}
-
-
-def precision_dtype(precision: str | torch.dtype) -> torch.dtype:
-    """``"fp16"``/``"bf16"`` or the dtype itself, as the dtype.
-
-    Raises:
-        ConfigError: For anything else (FP32 is not a low precision; O0 is the FP32 baseline).
-    """
-    if isinstance(precision, torch.dtype) and precision in _NAMES:
-        return precision
-    if isinstance(precision, str) and precision.strip().lower() in PRECISIONS:
-        return PRECISIONS[precision.strip().lower()]
-    raise ConfigError(f"unknown precision {precision!r}", f"use one of: {', '.join(PRECISIONS)}")
+from amplite.policy import (
+    LEVEL_ENV,
+    Level,
+    Override,
+    PrecisionPolicy,
+    make_overrides,
+    precision_dtype,
+    precision_name,
+    resolve_level,
+)
 
 
 @dataclass(frozen=True)
@@ -141,7 +135,7 @@ class ConvertSpec:
     @property
     def precision_name(self) -> str:
         """``fp16`` or ``bf16``."""
-        return _NAMES[self.precision]
+        return precision_name(self.precision)
 
     def policy(self) -> PrecisionPolicy:
         """The precision policy of this spec."""

@@ -16,7 +16,7 @@ from torch.export import ExportedProgram
 from amplite.converter.graph_stats import graph_stats, node_compute_dtype, weight_bytes
 from amplite.errors import LoadError
 from amplite.passes.graph_utils import cast_dtype, module_path, source_line
-from amplite.spec import precision_dtype
+from amplite.policy import precision_dtype
 
 
 def load_converted(converted: str | Path | ExportedProgram) -> ExportedProgram:
