@@ -17,9 +17,9 @@ from amplite.api import ConversionResult, convert
 from amplite.checkpoint import StreamedConversion, checkpoint_to_files, is_checkpoint_dir
 from amplite.converter import emit
 from amplite.errors import ConfigError, EmitError
+from amplite.levels import resolve_level
 from amplite.llm.checkpoint import generation_check
 from amplite.paths import derived_output, guard_outputs, same_path
-from amplite.policy import resolve_level
 from amplite.verify.compare import parse_tolerance
 
 

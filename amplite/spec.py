@@ -21,16 +21,8 @@ from amplite.converter.tracing import parse_dynamic_dims
 from amplite.errors import ConfigError
 from amplite.ops.fusion_default import resolve as resolve_fuse
 from amplite.passes.range_guard import RangeRules
-from amplite.policy import (
-    LEVEL_ENV,
-    Level,
-    Override,
-    PrecisionPolicy,
-    make_overrides,
-    precision_dtype,
-    precision_name,
-    resolve_level,
-)
+from amplite.levels import LEVEL_ENV, Level, precision_dtype, precision_name, resolve_level
+from amplite.policy import Override, PrecisionPolicy, make_overrides
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from amplite.errors import ConfigError
-from amplite.policy import Level, Override, PrecisionPolicy, make_overrides, resolve_level
+from amplite.levels import resolve_level
+from amplite.policy import Level, Override, PrecisionPolicy, make_overrides
 
 
 def policy(level: str = "O1", keep: tuple[str, ...] = (), low: tuple[str, ...] = ()) -> PrecisionPolicy:

@@ -188,7 +188,7 @@ def make_job(data: dict[str, Any], base: Path, line_of: Any, *, where: str) -> J
             where, line_of("precision"), "precision", f"unknown precision {precision!r}", "use fp16 or bf16"
         )
     if "level" not in values:  # as `amplite convert` does: $AMPLITE_LEVEL, else O1; fixed now for the hash
-        from amplite.policy import resolve_level
+        from amplite.levels import resolve_level
 
         values["level"] = resolve_level(None).value
     _check_policy(values, where, line_of)

@@ -28,8 +28,9 @@ from amplite.checkpoint.source import PREFIX, Checkpoint, example_inputs_for, it
 from amplite.converter.graph_stats import graph_stats
 from amplite.converter.pipeline import run_pipeline
 from amplite.errors import ConfigError
+from amplite.levels import LEVEL_ENV, resolve_level
 from amplite.passes.range_guard import RangeRules, weight_reason
-from amplite.policy import LEVEL_ENV, Level, PrecisionPolicy, make_overrides, resolve_level
+from amplite.policy import Level, PrecisionPolicy, make_overrides
 from amplite.report.document import pass_records, report_header
 
 __all__ = ["Progress", "StreamedConversion", "_no_progress", "_on_meta", "convert_checkpoint", "random_inputs"]

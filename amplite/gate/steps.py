@@ -11,7 +11,7 @@ import torch
 from torch.export import ExportedProgram
 
 from amplite.errors import ExportError, InputSpecError
-from amplite.policy import precision_dtype
+from amplite.levels import precision_dtype
 from amplite.verify import data as data_mod
 from amplite.verify import golden as golden_mod
 from amplite.verify.compare import DEFAULT_TOLERANCES, OutputMetrics, Tolerance, compare_batches

@@ -19,11 +19,12 @@ from torch import nn
 
 from amplite.api import convert
 from amplite.errors import ConfigError
+from amplite.levels import PRECISIONS, resolve_level
 from amplite.llm.generate import Runner, prepare
 from amplite.llm.metrics import LLMMetrics, default_eval_ids, default_prompts, llm_criteria, measure
 from amplite.llm.result import LLMProgram, LLMResult
 from amplite.llm.step import LMStep, amplite_attention, cache_shape
-from amplite.policy import PRECISIONS, Level, resolve_level
+from amplite.policy import Level
 from amplite.verify.criteria import Tolerance, parse_tolerance
 
 DYNAMIC_DIMS = {"input_ids": [0, 1], "attention_mask": [0, 1], "past_keys": [1, 3], "past_values": [1, 3]}

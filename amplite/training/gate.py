@@ -33,7 +33,7 @@ from amplite.converter.inputs import normalize_inputs
 from amplite.converter.loading import load_any
 from amplite.converter.tracing import summarize_exception
 from amplite.errors import ConfigError, InputSpecError
-from amplite.policy import LEVEL_ENV, precision_dtype, resolve_level
+from amplite.levels import LEVEL_ENV, precision_dtype, resolve_level
 from amplite.report.document import build_report
 from amplite.training.prepare import prepare_training
 from amplite.verify.numbers import decode_float, encode_float

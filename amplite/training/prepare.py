@@ -18,7 +18,8 @@ from torch import nn
 
 from amplite.converter.inputs import normalize_inputs
 from amplite.errors import ConfigError, InputSpecError
-from amplite.policy import Level, Override, PrecisionPolicy, make_overrides, resolve_level
+from amplite.levels import resolve_level
+from amplite.policy import Level, Override, PrecisionPolicy, make_overrides
 from amplite.training.lowcast import LowCopies
 from amplite.training.net import TrainingNet
 from amplite.training.optim import MixedPrecisionOptimizer, check_optimizer, warn_o3

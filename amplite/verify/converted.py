@@ -15,8 +15,8 @@ from torch.export import ExportedProgram
 
 from amplite.converter.graph_stats import graph_stats, node_compute_dtype, weight_bytes
 from amplite.errors import LoadError
+from amplite.levels import precision_dtype
 from amplite.passes.graph_utils import cast_dtype, module_path, source_line
-from amplite.policy import precision_dtype
 
 
 def load_converted(converted: str | Path | ExportedProgram) -> ExportedProgram:

@@ -1,0 +1,68 @@
+"""Levels and low precisions: the names users write (``O1``, ``bf16``) and what they resolve to.
+
+The vocabulary of :mod:`amplite.policy` (which re-exports it), kept apart so that the policy module holds the
+rules. :func:`precision_dtype` is the one place a precision name becomes a ``torch.dtype``.
+"""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+
+import torch
+
+from amplite.errors import ConfigError
+
+LEVEL_ENV = "AMPLITE_LEVEL"
+
+
+class Level(str, Enum):
+    """Optimisation levels, after apex amp's names."""
+
+    O0 = "O0"  # no conversion: the FP32 baseline
+    O1 = "O1"  # compute-bound ops low, FP32 list FP32, the rest follows its inputs; weights stay FP32
+    O2 = "O2"  # everything low except the FP32 list; weights used only in low precision stored low
+    O3 = "O3"  # everything low (speed baseline)
+
+
+PRECISIONS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+_NAMES = {dtype: name for name, dtype in PRECISIONS.items()}
+
+
+def precision_dtype(precision: str | torch.dtype) -> torch.dtype:
+    """``"fp16"``/``"bf16"`` or the dtype itself, as the dtype (``ConfigError`` for anything else: FP32 is not
+    a low precision)."""
+    if isinstance(precision, torch.dtype) and precision in _NAMES:
+        return precision
+    if isinstance(precision, str) and precision.strip().lower() in PRECISIONS:
+        return PRECISIONS[precision.strip().lower()]
+    raise ConfigError(f"unknown precision {precision!r}", f"use one of: {', '.join(PRECISIONS)}")
+
+
+def precision_name(dtype: torch.dtype) -> str:
+    """``fp16`` or ``bf16`` for a low dtype."""
+    return _NAMES[precision_dtype(dtype)]
+
+
+def resolve_level(level: str | Level | None) -> Level:
+    """Resolve the level: explicit argument > ``AMPLITE_LEVEL`` > O1.
+
+    Raises:
+        ConfigError: If the level (from either source) is not O0-O3.
+    """
+    source = "--level"
+    if level is None:
+        level = os.environ.get(LEVEL_ENV) or None
+        source = LEVEL_ENV
+    if level is None:
+        return Level.O1
+    if isinstance(level, Level):
+        return level
+    text = str(level).strip().upper()
+    if text in ("0", "1", "2", "3"):
+        text = "O" + text
+    try:
+        return Level(text)
+    except ValueError:
+        raise ConfigError(f"unknown level {level!r} (from {source})", "use one of O0, O1, O2, O3") from None
