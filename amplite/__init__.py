@@ -11,6 +11,7 @@ from amplite.api import ConversionResult, convert
 from amplite.batch import BatchResult, JobResult, convert_many, iter_convert_many
 from amplite.errors import AmpliteError
 from amplite.gate import CheckResult, check
+from amplite.options import ConvertOptions
 from amplite.policy import Level, PrecisionPolicy
 from amplite.spec import ConvertSpec
 from amplite.training import prepare_training
@@ -21,6 +22,7 @@ __all__ = [
     "BatchResult",
     "CheckResult",
     "ConversionResult",
+    "ConvertOptions",
     "ConvertSpec",
     "JobResult",
     "Level",

@@ -8,8 +8,6 @@ every package below it (converter, passes, ops, verify, report, onnx); none of t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -29,16 +27,16 @@ from amplite.converter.tracing import (
     static_batch_inputs,
     summarize_exception,
 )
-from amplite.errors import AmpliteError, ConfigError, InputSpecError, InternalError
+from amplite.errors import AmpliteError, InputSpecError, InternalError
 from amplite.estimate import estimate, get_profile
 from amplite.ops import backend_description
-from amplite.passes.range_guard import RangeRules
-from amplite.policy import Level, Override
+from amplite.options import ConvertOptions, Loading, Verification, keyword_signature
+from amplite.policy import Level
 from amplite.report.document import Report, build_report
 from amplite.result import ConversionResult
 from amplite.spec import ConvertSpec
 from amplite.verify.budget import fallback_search as search_budget
-from amplite.verify.compare import DEFAULT_TOLERANCES, Tolerance, compare, parse_tolerance, run_model
+from amplite.verify.compare import Tolerance, compare, parse_tolerance, run_model
 from amplite.verify.data import calibration_batches
 
 
@@ -46,136 +44,44 @@ def convert(
     model: nn.Module | ExportedProgram | str | Path,
     example_inputs: Any = None,
     *,
-    precision: str = "fp16",
-    level: str | Level | None = None,
-    keep_fp32: Sequence[str | Override] = (),
-    force_low: Sequence[str | Override] = (),
-    low_precision_io: bool = False,
-    dynamic_batch: bool = False,
-    dynamic_dims: Sequence[str] | Mapping[str, Sequence[int]] = (),
-    fuse_contractions: bool | str = "auto",
-    trust_pickle: bool = False,
-    model_factory: str | None = None,
-    import_modules: Sequence[str] = (),
-    verify: bool = True,
-    tolerance: Tolerance | None = None,
-    range_rules: bool | None = None,
-    data_max: float = RangeRules.data_max,
-    max_reduction_depth: int | None = RangeRules.max_reduction_depth,
-    range_percentile: float | None = None,
-    calibration: Iterable[Any] | str | Path | None = None,
-    fallback_search: bool = False,
-    max_trials: int | None = None,
+    options: ConvertOptions | None = None,
     reference_outputs: Any = None,
-    fold_batchnorm: bool = True,
-    gpu_profile: str = ConvertSpec.gpu_profile,
+    **changes: Any,
 ) -> ConversionResult:
     """Convert a model to mixed precision ahead of time and verify it.
 
-    The body is the pipeline: resolve the configuration, load the model, run the FP32 reference,
-    export and rewrite (:func:`amplite.converter.pipeline.run_pipeline`), verify, build the report, and
-    (when asked and needed) search the accuracy budget.
+    The body is the pipeline: resolve the options, load the model, run the FP32 reference, export and
+    rewrite (:func:`amplite.converter.pipeline.run_pipeline`), verify, build the report, and (when asked and
+    needed) search the accuracy budget.
 
     Args:
         model: An ``nn.Module``, an ``ExportedProgram``, or a path to a model file.
         example_inputs: Tensor, tuple (positional), dict (keyword, e.g. for ``transformers`` models) or
             ``(args, kwargs)``. Optional for a ``.pt2`` that stores its example inputs.
-        precision: ``fp16`` or ``bf16``.
-        level: ``O0``-``O3``; None reads ``AMPLITE_LEVEL``, else O1.
-        keep_fp32: Patterns to keep in FP32 (``op:``, ``module:``, ``node:`` or unprefixed), or
-            ``amplite.policy.Override`` rules carrying their own source (the budget search's pins).
-        force_low: Patterns to force into low precision.
-        low_precision_io: Graph inputs and outputs in the low dtype too.
-        dynamic_batch: Make dim 0 of every input dynamic.
-        dynamic_dims: More dynamic dims, by input name: ``["ids:1"]`` (``NAME:DIM[,DIM]``) or
-            ``{"ids": [1]}`` (e.g. a sequence length). A dim the model fixes is an error.
-        fuse_contractions: Fuse matmul chains into ``amplite::contract`` after the precision passes: ``auto``
-            (off until a GPU measurement shows it faster; see ``amplite.ops.fusion_default``), ``on``/``off``
-            or a bool.
-        trust_pickle: Allow unpickling (runs code from the file): a whole pickled module, pickled entries
-            of a .pt2. Without it a .pt2 is loaded only if nothing in it needs unpickling beyond tensors
-            (see ``docs/security.md``).
-        model_factory: ``module:callable`` building the model for a state-dict file.
-        import_modules: Modules to import before loading (custom-op libraries, packages registering the
-            pytree types of a .pt2's inputs/outputs).
-        verify: Compare the converted model with the FP32 one on the example inputs.
-        tolerance: Verification thresholds (default: by precision, see ``amplite.verify.compare``).
-        range_rules: Keep FP32 what calibrated ranges say would overflow or lose precision (None: on at
-            O1/O2, off at O0/O3, the speed baseline). See ``amplite.passes.range_guard``.
-        data_max: Largest |activation| kept in fp16 by the range rules.
-        max_reduction_depth: Longest reduction the range rules allow in low precision.
-        range_percentile: Judge the activation range rule on this percentile of |value| per node (e.g. 99.99)
-            instead of the maximum (off by default; costs one ``kthvalue`` per node in calibration).
-        calibration: Batches (each like ``example_inputs``) for the range rules, a directory of batch files
-            (as ``check --data``: ``--calib DIR``) or ``"module:function"`` yielding batches
-            (``--calib-loader``); default the example inputs.
-        fallback_search: When verification fails the tolerance, search for the fewest nodes to move back to
-            FP32 (ranked by their isolated error, then bisected); see ``amplite.verify.budget``.
-        max_trials: Bound on the search's conversions (default 2·log2(candidates) + 10).
+        options: The conversion options as one value (default: the defaults).
         reference_outputs: The FP32 model's outputs on ``example_inputs`` when already known (skips that run).
-        fold_batchnorm: Fold inference-mode BatchNorm into the preceding convolution (removes the FP32
-            island and its casts around each conv; the model must be in eval mode, as for any export).
-        gpu_profile: GPU whose roofline the report's time estimate uses (``amplite.estimate.PROFILES``:
-            H100, H200, A100, L4, RTX4090). The estimate is labelled as one; it measures nothing.
+        **changes: Options by name, over ``options``: every field of :class:`amplite.ConvertOptions`
+            (``precision="bf16"``, ``level="O2"``, ``keep_fp32=["op:softmax"]``, ``tolerance=...``; the
+            signature ``help(amplite.convert)`` shows lists them all, with their defaults).
 
     Returns:
         The converted program, its report and the inputs used. The user's model is not modified. For a
         transformers checkpoint directory (``config.json`` + safetensors shards) the conversion is planned
-        from metadata and returned as ``amplite.checkpoint.StreamedConversion``: ``.report``, ``.save(path)``
-        (the CLI's writer and output guard), ``save_safetensors``,
-        ``save_pt2`` and ``verify`` stream the weights (see docs/big-models.md).
+        from metadata and returned as ``amplite.checkpoint.StreamedConversion``: ``.report``, ``.save(path)``,
+        ``save_safetensors``, ``save_pt2`` and ``verify`` stream the weights (see docs/big-models.md).
 
     Raises:
         AmpliteError: For every problem with the inputs, the file or the options (one-line message).
     """
-    spec = ConvertSpec.build(
-        precision=precision, level=level, keep_fp32=keep_fp32, force_low=force_low,
-        low_precision_io=low_precision_io, dynamic_batch=dynamic_batch, dynamic_dims=dynamic_dims,
-        fuse_contractions=fuse_contractions, range_rules=range_rules, data_max=data_max,
-        max_reduction_depth=max_reduction_depth, range_percentile=range_percentile,
-        fold_batchnorm=fold_batchnorm, gpu_profile=gpu_profile,
-    )  # fmt: skip
+    opts = ConvertOptions.of(options, **changes)
+    spec = opts.spec()
     if isinstance(model, (str, Path)) and is_checkpoint_dir(model):  # streamed: never materialised
-        return convert_checkpoint(
-            model, example_inputs, precision=spec.precision_name, level=spec.level, keep_fp32=keep_fp32,
-            force_low=force_low, low_precision_io=low_precision_io, range_rules=range_rules,
-        )  # fmt: skip
-    check = Verification(verify, tolerance, fallback_search, max_trials)
-    loading = Loading(trust_pickle, model_factory, import_modules)
-    batches = calibration_batches(calibration)
-    return convert_spec(model, example_inputs, spec, check, loading, batches, reference_outputs)
+        return convert_checkpoint(model, example_inputs, options=opts)
+    batches = calibration_batches(opts.calibration)
+    return convert_spec(model, example_inputs, spec, opts.verification(), opts.loading(), batches, reference_outputs)
 
 
-@dataclass(frozen=True)
-class Verification:
-    """What to check after converting: on/off, the tolerance, and the accuracy-budget search."""
-
-    enabled: bool = True
-    tolerance: Tolerance | None = None  # None: the precision's default
-    fallback_search: bool = False
-    max_trials: int | None = None
-
-    def check(self) -> None:
-        """Refuse settings that contradict each other (one-line ``ConfigError``)."""
-        if self.fallback_search and not self.enabled:
-            raise ConfigError("the accuracy-budget search needs verification", "drop --no-verify (verify=False)")
-        if self.max_trials is not None and self.max_trials < 2:
-            raise ConfigError(
-                f"max_trials={self.max_trials} is too small", "allow at least 2 (the worst node alone, then all)"
-            )
-
-    def resolved(self, spec: ConvertSpec) -> Tolerance | None:
-        """The tolerance verification judges by, or None when verification does not run."""
-        return (self.tolerance or DEFAULT_TOLERANCES[spec.precision_name]) if self.enabled else None
-
-
-@dataclass(frozen=True)
-class Loading:
-    """How to read a model file (a live module or program ignores these)."""
-
-    trust_pickle: bool = False
-    model_factory: str | None = None
-    import_modules: Sequence[str] = ()
+convert.__signature__ = keyword_signature(convert, after="options")  # type: ignore[attr-defined]
 
 
 def convert_spec(

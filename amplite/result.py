@@ -6,6 +6,7 @@ on demand, ``onnx``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
@@ -18,6 +19,7 @@ from amplite.converter import emit
 from amplite.converter.pipeline import PipelineOutput
 from amplite.converter.tracing import Inputs
 from amplite.report.document import Report
+from amplite.report.schema import report_json
 from amplite.verify.compare import Tolerance
 
 
@@ -48,6 +50,14 @@ class ConversionResult:
     def passed(self) -> bool | None:
         """Whether verification passed (None if it did not run)."""
         return self.report.passed
+
+    def recorded_conversion(self) -> dict[str, Any]:
+        """What a saved .pt2 records of its conversion (``extra/amplite.json``): the report's ``config``, the
+        amplite version and the verification verdict. ``check --converted`` reads it back."""
+        from amplite.version import __version__
+
+        return {"amplite": __version__, "config": json.loads(report_json(self.report.data["config"])),
+                "passed": self.report.passed}  # fmt: skip
 
     def save(
         self,
@@ -88,7 +98,7 @@ class ConversionResult:
         elif fmt == "aoti":
             out, entry = self._save_aoti(path)
         else:
-            out = emit.save_program(self.program, path)
+            out = emit.save_program(self.program, path, self.recorded_conversion())
             entry = {"format": "pt2", "path": str(out), "bytes": out.stat().st_size}
         self.report.data["timings"][f"save_{fmt}"] = round(perf_counter() - start, 4)
         saved = [e for e in self.report.data.get("outputs", []) if e["path"] != entry["path"]]

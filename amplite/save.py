@@ -19,8 +19,8 @@ from amplite.converter import emit
 from amplite.errors import ConfigError, EmitError
 from amplite.levels import resolve_level
 from amplite.llm.checkpoint import generation_check
+from amplite.options import ConvertOptions
 from amplite.paths import derived_output, guard_outputs, same_path
-from amplite.verify.compare import parse_tolerance
 
 
 @dataclass
@@ -74,11 +74,11 @@ def convert_to_files(
     external_data: bool = False,
     opset: int | None = None,
     onnx_layernorm: str = "off",
-    tolerance: list[str] | None = None,
     verify_max_memory: float | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     inputs_file: str | Path | None = None,
-    **conversion: Any,
+    options: ConvertOptions | None = None,
+    **changes: Any,
 ) -> SavedConversion:
     """Convert ``model`` and write the converted model(s) and report.json.
 
@@ -91,36 +91,36 @@ def convert_to_files(
         external_data: ONNX weights in a ``.data`` file.
         opset: ONNX opset.
         onnx_layernorm: ONNX LayerNorm mode (see ``ConversionResult.save``).
-        tolerance: Tolerance specs (``sqnr>=45``...); when given, a failing plan triggers the accuracy-budget
-            search.
         verify_max_memory: Checkpoint directories: bound (GB) on the weights block-wise verification holds.
         progress: Checkpoint directories: called as ``(step, bytes done, bytes total)`` on long steps.
         inputs_file: The file ``example_inputs`` were read from, if any (no output may overwrite it).
-        **conversion: Every other :func:`amplite.convert` keyword.
+        options: The conversion options; a ``tolerance`` given (``sqnr>=45``...) also turns on the
+            accuracy-budget search, so that a failing plan is repaired rather than written.
+        **changes: Options by name, over ``options`` (as for :func:`amplite.convert`).
 
     Raises:
         AmpliteError: Bad options or an unwritable destination (raised before converting); an output that
             is an input or another output, or a default name that would replace a file amplite did not write.
     """
-    precision = conversion.get("precision", "fp16")
+    opts = ConvertOptions.of(options, **changes)
+    precision = opts.precision_name
     if is_checkpoint_dir(model):
         # -o is a directory here (replaced as a whole): a directory output, not a file one as well.
-        guard_outputs(_inputs(model, inputs_file, conversion.get("calibration")), [("--report", report)],
+        guard_outputs(_inputs(model, inputs_file, opts.calibration), [("--report", report)],
                       [("-o", output)])  # fmt: skip
-        tol = parse_tolerance(tolerance, precision) if tolerance else None
+        tol = opts.verification().tolerance
         # token_agreement / ppl_delta criteria: the written directory is also checked on generation
-        generation = generation_check(model, tol, precision) if conversion.get("verify", True) else None
+        generation = generation_check(model, tol, precision) if opts.verify else None
         conv, written, report_path = checkpoint_to_files(
-            model, example_inputs, output=output, formats=formats, report=report, tolerance=tol,
+            model, example_inputs, output=output, formats=formats, report=report, options=opts,
             verify_max_memory=verify_max_memory, progress=progress or (lambda *_: None), check_more=generation,
-            **conversion,
         )  # fmt: skip
         return SavedConversion(conv, written, report_path)  # type: ignore[arg-type]
-    dest = Path(output) if output is not None else default_output(model, precision, conversion.get("level"))
+    dest = Path(output) if output is not None else default_output(model, precision, opts.level)
     emit.check_writable(dest)
     targets = emit.plan_outputs(dest, formats)
     report_path = Path(report) if report is not None else dest.with_name(dest.stem + ".report.json")
-    _guard(model, inputs_file, conversion.get("calibration"), targets, report_path, external_data,
+    _guard(model, inputs_file, opts.calibration, targets, report_path, external_data,
            derived=output is None, derived_report=report is None)  # fmt: skip
     if (opset is not None or external_data or onnx_layernorm != "off") and "onnx" not in dict(targets):
         raise ConfigError("--opset, --external-data and --onnx-layernorm apply to ONNX output",
@@ -133,10 +133,9 @@ def convert_to_files(
     for _fmt, path in targets:
         emit.check_writable(path)
     emit.check_writable(report_path)
-    if tolerance:
-        conversion["tolerance"] = parse_tolerance(tolerance, precision)
-        conversion["fallback_search"] = True
-    result = convert(model, example_inputs, **conversion)
+    if opts.tolerance:
+        opts = ConvertOptions.of(opts, tolerance=opts.verification().tolerance, fallback_search=True)
+    result = convert(model, example_inputs, options=opts)
     written: list[Path] = []
     try:
         for fmt, path in targets:

@@ -19,9 +19,9 @@ import torch
 
 from amplite.converter.tracing import parse_dynamic_dims
 from amplite.errors import ConfigError
+from amplite.levels import LEVEL_ENV, Level, precision_dtype, precision_name, resolve_level
 from amplite.ops.fusion_default import resolve as resolve_fuse
 from amplite.passes.range_guard import RangeRules
-from amplite.levels import LEVEL_ENV, Level, precision_dtype, precision_name, resolve_level
 from amplite.policy import Override, PrecisionPolicy, make_overrides
 
 

@@ -31,7 +31,8 @@ def test_error_hints_keep_bracketed_text(cli, tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[defaults]\nlevl = "O2"\n[[model]]\npath = "a.pt2"\n')
     res = cli("batch", bad, "-o", tmp_path / "out")
-    assert "unknown key 'levl'" in res.stderr and "max_memory_gb (see docs/batch.md)" in " ".join(res.stderr.split())
+    joined = " ".join(res.stderr.split())
+    assert "unknown key 'levl'" in res.stderr and "did you mean 'level'?" in joined and "(see docs/batch.md)" in joined
 
 
 def test_summary_line_keeps_brackets_in_paths(cli, tmp_path: Path) -> None:

@@ -232,7 +232,10 @@ def test_cli_options_are_defaults_the_manifest_overrides(tmp_path: Path, monkeyp
     from amplite.batch import defaults_from_options
 
     monkeypatch.chdir(tmp_path)
-    opts = defaults_from_options(precision="bf16", inputs_file="in.pt", keep_fp32=["op:mm*"], verify=False)
+    from amplite import ConvertOptions
+
+    given = ConvertOptions.of(precision="bf16", keep_fp32=["op:mm*"], verify=False)
+    opts = defaults_from_options(given, inputs_file="in.pt")
     assert opts == {"precision": "bf16", "inputs_file": str(tmp_path / "in.pt"), "keep_fp32": ["op:mm*"],
                     "verify": False}  # fmt: skip
     sub = tmp_path / "zoo"

@@ -25,6 +25,8 @@ from amplite.batch.runner import (
 from amplite.batch.signals import BatchTerminated, sigterm_stops_batch
 from amplite.batch.sources import jobs_from_paths
 from amplite.batch.summary import BatchResult, JobResult, MergeError
+from amplite.errors import ConfigError
+from amplite.options import ConvertOptions
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -50,42 +52,41 @@ __all__ = [
 
 
 def defaults_from_options(
+    conversion: ConvertOptions | None = None,
     *,
-    precision: str | None = None,
-    level: str | None = None,
     inputs: Sequence[str] = (),
     inputs_file: str | Path | None = None,
-    keep_fp32: Sequence[str] = (),
-    force_low: Sequence[str] = (),
-    model_factory: str | None = None,
-    trust_pickle: bool = False,
-    dynamic_batch: bool = False,
-    low_precision_io: bool = False,
-    fuse_contractions: bool | str | None = None,
-    verify: bool = True,
 ) -> dict[str, Any]:
-    """The shared settings of ``amplite batch``'s options, keeping only those given (so that a manifest's
-    own values win); ``inputs_file`` is made absolute (manifest paths are relative to the manifest).
-    ``fuse_contractions`` ``auto``/None is resolved here, where the batch is launched (manifests hold bools)."""
-    if fuse_contractions is not None:
-        from amplite.ops.fusion_default import resolve
+    """The shared settings of ``amplite batch``'s options as manifest values, keeping only those given (so
+    that a manifest's own values win).
 
-        fuse_contractions = resolve(fuse_contractions)[0]
-    given: dict[str, Any] = {
-        "precision": precision,
-        "level": level,
-        "inputs": list(inputs) or None,
-        "inputs_file": str(Path(inputs_file).resolve()) if inputs_file else None,
-        "keep_fp32": list(keep_fp32) or None,
-        "force_low": list(force_low) or None,
-        "model_factory": model_factory,
-        "trust_pickle": trust_pickle or None,
-        "dynamic_batch": dynamic_batch or None,
-        "low_precision_io": low_precision_io or None,
-        "fuse_contractions": fuse_contractions or None,
-        "verify": False if not verify else None,
-    }
-    return {k: v for k, v in given.items() if v is not None}
+    Every conversion option a manifest has (a field of ``ConvertOptions`` with a manifest kind) maps to the
+    key of its name; ``calibration`` to ``calib`` (a directory) or ``calib_loader`` (``module:function``).
+    ``inputs_file`` and ``calib`` are made absolute (manifest paths are relative to the manifest);
+    ``fuse_contractions`` ``auto`` is resolved here, where the batch is launched (manifests hold bools).
+
+    Raises:
+        ConfigError: An option a batch cannot take (a tolerance object, calibration batches in memory).
+    """
+    from amplite.ops.fusion_default import resolve
+
+    described = ConvertOptions.described()
+    given: dict[str, Any] = {}
+    for name, value in (conversion or ConvertOptions()).given().items():
+        if name == "calibration" and isinstance(value, (str, Path)):
+            key = "calib" if isinstance(value, Path) or ":" not in str(value) else "calib_loader"
+            given[key] = str(Path(value).resolve()) if key == "calib" else value
+        elif described[name].kind in ("none", "tolerance"):
+            raise ConfigError(f"batch defaults cannot hold {name}={value!r}", "set it in the manifest instead")
+        elif name == "fuse_contractions":
+            given[name] = resolve(value)[0]
+        else:
+            given[name] = list(value) if isinstance(value, (list, tuple)) else value
+    if inputs:
+        given["inputs"] = list(inputs)
+    if inputs_file:
+        given["inputs_file"] = str(Path(inputs_file).resolve())
+    return given
 
 
 def load_jobs(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from difflib import get_close_matches
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from amplite.batch.keys_table import (
     check_value,
 )
 from amplite.errors import ConfigError
+from amplite.options import ConvertOptions
 
 try:
     import tomllib
@@ -35,9 +37,14 @@ class ManifestError(ConfigError):
     """The manifest (or the batch's source or options) is invalid; the batch does not start."""
 
 
+_DEFAULT = ConvertOptions.default
+
+
 @dataclass(frozen=True)
 class Job:
-    """One model to convert and its settings (the keyword arguments of ``amplite.convert``).
+    """One model to convert and its settings: the manifest's keys (``keys_table.JOB_KEYS``), the conversion
+    options among them with ``amplite.ConvertOptions``' defaults (``fuse_contractions`` resolved to a bool,
+    ``level`` fixed when the manifest is read, ``calib``/``calib_loader`` for ``calibration``).
 
     Attributes:
         name: Output sub-directory name, unique in the batch.
@@ -63,12 +70,12 @@ class Job:
     fuse_contractions: bool = False
     dynamic_dims: tuple[str, ...] = ()
     range_rules: bool | None = None
-    data_max: float = 512.0
-    max_reduction_depth: int = 4096
+    data_max: float = _DEFAULT("data_max")
+    max_reduction_depth: int = _DEFAULT("max_reduction_depth")
     fold_batchnorm: bool = True
     calib: str | None = None
     calib_loader: str | None = None
-    gpu_profile: str = "H100"
+    gpu_profile: str = _DEFAULT("gpu_profile")
     import_modules: tuple[str, ...] = ()
     range_percentile: float | None = None
     verify: bool = True
@@ -159,7 +166,7 @@ def make_job(data: dict[str, Any], base: Path, line_of: Any, *, where: str) -> J
                 where,
                 line_of(key),
                 None,
-                f"unknown key {key!r}",
+                f"unknown key {key!r}" + "".join(f", did you mean {m!r}?" for m in get_close_matches(key, JOB_KEYS, 1)),
                 f"use one of: {', '.join(JOB_KEYS)} (see docs/batch.md)",
             )
     values: dict[str, Any] = {}

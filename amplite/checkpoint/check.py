@@ -13,22 +13,22 @@ from pathlib import Path
 from typing import Any
 
 from amplite.checkpoint.convert import StreamedConversion, _on_meta, convert_checkpoint
+from amplite.options import ConvertOptions
 from amplite.verify.compare import parse_tolerance
-
-_PASSED = ("precision", "level", "keep_fp32", "force_low", "low_precision_io", "range_rules")
 
 
 def check_checkpoint(
     path: str | Path, example_inputs: Any = None, *, tolerance: Any = None,
-    check_more: Callable[[dict[str, Any], Path], list[str]] | None = None, **convert_opts: Any,
+    check_more: Callable[[dict[str, Any], Path], list[str]] | None = None, options: ConvertOptions | None = None,
+    **changes: Any,
 ) -> tuple[StreamedConversion, list[str]]:
     """Convert, write to a temporary directory, verify block by block; the conversion and failure reasons.
 
-    Only the conversion options a streamed checkpoint has are used (as for ``amplite.convert(DIR)``).
+    The conversion options are those of ``amplite.convert(DIR)`` (any other one given is refused).
     ``check_more(report data, written directory)`` then runs on the written directory (the generation check)
     and returns its failure reasons.
     """
-    conv = convert_checkpoint(path, example_inputs, **{k: convert_opts[k] for k in _PASSED if k in convert_opts})
+    conv = convert_checkpoint(path, example_inputs, options=ConvertOptions.of(options, **changes))
     precision = conv.data["config"]["precision"]
     tol = parse_tolerance(list(tolerance or ()), precision) if not hasattr(tolerance, "criteria") else tolerance
     real = example_inputs if example_inputs is not None and not _on_meta(example_inputs) else None

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import os
 import resource
-from collections.abc import Sequence
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -29,6 +28,7 @@ from amplite.converter.graph_stats import graph_stats
 from amplite.converter.pipeline import run_pipeline
 from amplite.errors import ConfigError
 from amplite.levels import LEVEL_ENV, resolve_level
+from amplite.options import ConvertOptions
 from amplite.passes.range_guard import RangeRules, weight_reason
 from amplite.policy import Level, PrecisionPolicy, make_overrides
 from amplite.report.document import pass_records, report_header
@@ -60,26 +60,30 @@ def convert_checkpoint(
     path: str | Path,
     example_inputs: Any = None,
     *,
-    precision: str = "fp16",
-    level: str | Level | None = None,
-    keep_fp32: Sequence[str] = (),
-    force_low: Sequence[str] = (),
-    low_precision_io: bool = False,
-    range_rules: bool | None = None,
+    options: ConvertOptions | None = None,
     progress: Progress = _no_progress,
+    **changes: Any,
 ) -> StreamedConversion:
     """Plan the conversion of a checkpoint directory from its config and weight metadata.
 
     Args:
         path: A directory with ``config.json`` and sharded (or single) ``*.safetensors``.
         example_inputs: ``(args, kwargs)`` for tracing (default: ``input_ids`` of shape (1, 8)); moved to meta.
-        precision, level, keep_fp32, force_low, low_precision_io: As for :func:`amplite.convert`.
-        range_rules: Apply the fp16 weight rules on streamed statistics (None: at O1/O2).
+        options: The conversion options; those a streamed directory uses are precision, level, keep_fp32,
+            force_low, low_precision_io and range_rules (the fp16 weight rules on streamed statistics, None: at
+            O1/O2); verify and tolerance apply to its verification. Any other option given is refused.
         progress: Called as ``(step, bytes done, bytes total)`` while reading shards.
+        **changes: Options by name, over ``options`` (as for :func:`amplite.convert`).
 
     Returns:
         The planned conversion; ``save_safetensors`` / ``save_pt2`` write it by streaming.
+
+    Raises:
+        ConfigError: An option that does not apply to a checkpoint directory, or a bad value.
     """
+    opts = ConvertOptions.of(options, **changes).only_for("checkpoint")  # before any work
+    precision, level, keep_fp32, force_low = opts.precision_name, opts.level, opts.keep_fp32, opts.force_low
+    low_precision_io, range_rules = opts.low_precision_io, opts.range_rules
     timings: dict[str, float] = {}
     start = perf_counter()
     ckpt = open_checkpoint(path)

@@ -31,13 +31,8 @@ from amplite.checkpoint.outputs import (
 )
 from amplite.converter import emit
 from amplite.errors import ConfigError
+from amplite.options import ConvertOptions
 from amplite.report.schema import write_report
-
-#: amplite.convert keywords that mean nothing for a streamed checkpoint (with their defaults).
-_NOT_APPLICABLE = {"dynamic_batch": False, "dynamic_dims": [], "fuse_contractions": "auto", "trust_pickle": False,
-                   "model_factory": None, "fold_batchnorm": True, "calibration": None,
-                   "fallback_search": False}  # fmt: skip
-_PASSED = ("precision", "level", "keep_fp32", "force_low", "low_precision_io", "range_rules")
 
 
 def checkpoint_to_files(
@@ -47,12 +42,11 @@ def checkpoint_to_files(
     output: str | Path | None = None,
     formats: str | None = None,
     report: str | Path | None = None,
-    verify: bool = True,
     verify_max_memory: float | None = None,
-    tolerance: Any = None,
     progress: Progress = _no_progress,
     check_more: Callable[[dict[str, Any], Path], Any] | None = None,
-    **conversion: Any,
+    options: ConvertOptions | None = None,
+    **changes: Any,
 ) -> tuple[StreamedConversion, list[Path], Path]:
     """Convert a checkpoint directory and write its outputs and report.json.
 
@@ -66,13 +60,11 @@ def checkpoint_to_files(
     Raises:
         AmpliteError: A bad directory, option or destination (before anything is written).
     """
-    for key, default in _NOT_APPLICABLE.items():
-        if key in conversion and conversion[key] not in (default, None) and not (default == [] and not conversion[key]):
-            raise ConfigError(f"{key} does not apply to a checkpoint directory",
-                              "drop it (checkpoints are streamed from their shards)")  # fmt: skip
+    opts = ConvertOptions.of(options, **changes).only_for("checkpoint")  # before any work
+    verify, tolerance = opts.verify, opts.verification().tolerance
     src = Path(source)
-    precision = conversion.get("precision", "fp16")
-    level = checkpoint_level(conversion.get("level")).value
+    precision = opts.precision_name
+    level = checkpoint_level(opts.level).value
     targets = plan_checkpoint_outputs(src, output, formats, precision, level)
     check_outputs(targets)
     first = targets[0][1]
@@ -82,8 +74,7 @@ def checkpoint_to_files(
     if verify and check_more is not None and not any(f == "safetensors" for f, _ in targets):
         raise ConfigError("token_agreement/ppl_delta are measured on the safetensors output, and none is written",
                           "add it: --format safetensors,pt2 (or -o DIR)")  # fmt: skip
-    conv = convert_checkpoint(src, example_inputs, progress=progress, **{k: conversion[k] for k in _PASSED
-                                                                        if k in conversion})  # fmt: skip
+    conv = convert_checkpoint(src, example_inputs, options=opts, progress=progress)
     if verify and verify_max_memory is not None:  # refused before anything is written
         check_verify_memory(conv, verify_max_memory)
     written: list[Path] = []

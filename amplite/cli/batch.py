@@ -9,22 +9,13 @@ import typer
 from rich.markup import escape
 
 from amplite.cli.app import _run, app
-from amplite.cli.options import (
-    DebugOpt,
-    DynOpt,
-    FactoryOpt,
-    FuseOpt,
-    InputOpt,
-    InputsFile,
-    IoOpt,
-    KeepOpt,
-    LowOpt,
-    TrustOpt,
-)
+from amplite.cli.options import DebugOpt, InputOpt, InputsFile, conversion_options
 from amplite.cli.output import err, out
+from amplite.options import ConvertOptions
 
 
 @app.command()
+@conversion_options
 def batch(
     sources: Annotated[
         list[str],
@@ -37,26 +28,21 @@ def batch(
     resume: Annotated[bool, typer.Option("--resume", help="Skip models already converted alike.")] = False,
     shard: Annotated[str | None, typer.Option("--shard", help="Run shard i/n of the models (0-based i).")] = None,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="Plain lines instead of a live display.")] = False,
-    precision: Annotated[str | None, typer.Option("--precision", "-p", help="Default precision.")] = None,
-    level: Annotated[str | None, typer.Option("--level", "-l", help="Default level.")] = None,
     input: InputOpt = [],  # noqa: B006
     inputs: InputsFile = None,
-    keep_fp32: KeepOpt = [],  # noqa: B006
-    force_low: LowOpt = [],  # noqa: B006
-    model_factory: FactoryOpt = None,
-    trust_pickle: TrustOpt = False,
     trust_code: Annotated[
         bool,
         typer.Option("--trust-code", help="Let the manifest name code to run: model_factory, import_modules, "
                      "calib_loader."),
     ] = False,
-    dynamic_batch: DynOpt = False,
-    low_precision_io: IoOpt = False,
-    fuse_contractions: FuseOpt = None,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip numeric verification.")] = False,
     debug: DebugOpt = False,
+    *,
+    conversion: ConvertOptions,
 ) -> None:
-    """Convert many models, each in its own worker process; `amplite batch merge DIR...` joins shard summaries."""
+    """Convert many models, each in its own worker process; `amplite batch merge DIR...` joins shard summaries.
+
+    The conversion options set every model's default; a manifest's [defaults] and entries override them."""
 
     def body() -> int:
         from amplite.batch import BatchTerminated, defaults_from_options, merge_shards, run_batch
@@ -69,12 +55,8 @@ def batch(
         else:
             if len(sources) != 1:
                 raise ConfigError(f"batch takes one manifest, directory or glob, got {len(sources)}", "quote the glob")
-            defaults = defaults_from_options(
-                precision=precision, level=level, inputs=input, inputs_file=inputs, keep_fp32=keep_fp32,
-                force_low=force_low, model_factory=model_factory, trust_pickle=trust_pickle,
-                dynamic_batch=dynamic_batch, low_precision_io=low_precision_io,
-                fuse_contractions=fuse_contractions, verify=not no_verify,
-            )  # fmt: skip
+            options = ConvertOptions.of(conversion, verify=False) if no_verify else conversion
+            defaults = defaults_from_options(options, inputs=input, inputs_file=inputs)
             try:  # SIGTERM (preemption, CI timeouts) stops the batch as Ctrl-C does, summary written
                 result = run_batch(sources[0], out_dir, defaults=defaults, jobs=jobs, timeout=timeout,
                                    fail_fast=fail_fast, resume=resume, shard=shard, trust_code=trust_code,

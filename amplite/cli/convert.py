@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from amplite.cli.app import _inputs, _run, app
 from amplite.cli.options import DebugOpt, InputOpt, InputsFile, ModelArg, ToleranceOpt, conversion_options
 from amplite.cli.output import byte_progress, print_plan, print_summary
+from amplite.options import ConvertOptions
 
 
 @app.command()
@@ -45,7 +46,7 @@ def convert(
     ] = None,
     debug: DebugOpt = False,
     *,
-    conversion: dict[str, Any],
+    conversion: ConvertOptions,
 ) -> None:
     """Convert MODEL (a model file or a transformers checkpoint directory) to mixed precision, verify it and
     write the model (.pt2, .onnx, or a safetensors directory) and a JSON report."""
@@ -56,9 +57,9 @@ def convert(
         with byte_progress() as progress:
             saved = convert_to_files(
                 model, _inputs(input, inputs), output=output, formats=format, report=report,
-                external_data=external_data, opset=opset, onnx_layernorm=onnx_layernorm, tolerance=tolerance,
+                external_data=external_data, opset=opset, onnx_layernorm=onnx_layernorm, tolerance=tolerance or None,
                 verify=not no_verify, max_trials=max_trials, verify_max_memory=verify_max_memory,
-                progress=progress, inputs_file=inputs, **conversion,
+                progress=progress, inputs_file=inputs, options=conversion,
             )  # fmt: skip
         print_summary(saved.result.report.data, saved.written, saved.report_path)
         return saved.exit_code
@@ -75,14 +76,14 @@ def inspect(
     only: Annotated[str | None, typer.Option("--only", help="Show only low, fp32 or follow nodes.")] = None,
     debug: DebugOpt = False,
     *,
-    conversion: dict[str, Any],
+    conversion: ConvertOptions,
 ) -> None:
     """Print the precision plan (node, op, dtype, reason) without writing any file."""
 
     def body() -> int:
         from amplite.api import convert as convert_model
 
-        result = convert_model(model, _inputs(input, inputs), verify=False, **conversion)
+        result = convert_model(model, _inputs(input, inputs), verify=False, options=conversion)
         print_plan(result.report.data, only)
         return 0
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.markup import escape
@@ -24,6 +24,7 @@ from amplite.cli.options import (
     loading_options,
 )
 from amplite.cli.output import out, print_check
+from amplite.options import ConvertOptions
 
 
 @app.command()
@@ -54,7 +55,7 @@ def check(
     inputs: InputsFile = None,
     debug: DebugOpt = False,
     *,
-    conversion: dict[str, Any],
+    conversion: ConvertOptions,
 ) -> None:
     """CI accuracy gate: convert (or load --converted), verify on data, compare with golden/baseline.
 
@@ -70,7 +71,7 @@ def check(
             baseline=baseline, baseline_margin_db=baseline_margin, tolerance=tolerance or None, data=data,
             data_loader=data_loader, random_batches=random_batches, input_specs=input, max_batches=max_batches,
             layerwise=not no_layerwise, grad=grad, loss=loss, report_dir=report, junit=junit, name=name,
-            train_steps=train_steps, lr=lr, inputs_file=inputs, **conversion,
+            train_steps=train_steps, lr=lr, inputs_file=inputs, options=conversion,
         )  # fmt: skip
         publish_github_summary(res.report.data)
         print_check(res)
@@ -93,7 +94,7 @@ def golden(
     max_batches: MaxBatchOpt = 64,
     debug: DebugOpt = False,
     *,
-    conversion: dict[str, Any],
+    conversion: ConvertOptions,
 ) -> None:
     """Save inputs and FP32 reference outputs (safetensors + metadata) for `check --golden`."""
 
@@ -103,7 +104,7 @@ def golden(
         path = make_golden(
             model, _inputs(input, inputs), output=output, update=update_golden, data=data, data_loader=data_loader,
             random_batches=random_batches, input_specs=input, max_batches=max_batches, inputs_file=inputs,
-            **conversion,
+            options=conversion,
         )  # fmt: skip
         out.print(escape(f"wrote golden references to {path}"))
         return 0

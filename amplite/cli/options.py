@@ -10,8 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
-from amplite.errors import AmpliteError, ConfigError
-from amplite.spec import ConvertSpec, RangeSpec
+from amplite.errors import AmpliteError
+from amplite.options import ConvertOptions, calibration_source
 
 ModelArg = Annotated[Path, typer.Argument(help="Model file: .pt2, TorchScript, state dict or pickled module.")]
 Precision = Annotated[
@@ -23,40 +23,13 @@ InputOpt = Annotated[
     list[str], typer.Option("--input", help="NAME:SHAPE:DTYPE[lo,hi), e.g. ids:2x128:int64[0,30522). Repeatable.")
 ]
 InputsFile = Annotated[Path | None, typer.Option("--inputs", help="Inputs file (torch.save, .npz, .safetensors).")]
-KeepOpt = Annotated[list[str], typer.Option("--keep-fp32", help="Keep FP32: op:, module:, node: or any glob.")]
-LowOpt = Annotated[list[str], typer.Option("--force-low", help="Force low precision (same patterns).")]
-TrustOpt = Annotated[bool, typer.Option("--trust-pickle", help="Allow unpickling (runs code from the file).")]
-FactoryOpt = Annotated[str | None, typer.Option("--model-factory", help="module:callable for a state dict.")]
-ImportOpt = Annotated[
-    list[str],
-    typer.Option("--import", help="Import MODULE first (custom-op library, pytree types of a .pt2). Repeatable."),
-]
-DynOpt = Annotated[bool, typer.Option("--dynamic-batch", help="Make dim 0 of every input dynamic.")]
-DynDimOpt = Annotated[
-    list[str],
-    typer.Option("--dynamic-dim", help="NAME:DIM[,DIM]: make these dims of input NAME dynamic (ids:1). Repeatable."),
-]
 CalibOpt = Annotated[
     Path | None, typer.Option("--calib", help="Directory of calibration batches for the range rules (as --data).")
 ]
 CalibLoaderOpt = Annotated[
     str | None, typer.Option("--calib-loader", help="module:function yielding calibration batches.")
 ]
-IoOpt = Annotated[bool, typer.Option("--low-precision-io", help="Inputs and outputs in the low dtype too.")]
-FuseOpt = Annotated[
-    bool | None,
-    typer.Option(
-        "--fuse-contractions/--no-fuse-contractions",
-        help="Fuse matmul chains into amplite::contract (default auto: off until a GPU run shows a gain).",
-    ),
-]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show full tracebacks.")]
-RangeOpt = Annotated[
-    bool | None,
-    typer.Option("--range-rules/--no-range-rules", help="Keep FP32 what calibrated ranges flag (default: O1/O2)."),
-]
-DataMaxOpt = Annotated[float, typer.Option("--data-max", help="Largest |activation| kept in fp16.")]
-DepthOpt = Annotated[int, typer.Option("--max-reduction-depth", help="Longest reduction kept in low precision.")]
 DataOpt = Annotated[Path | None, typer.Option("--data", help="Directory of input batches (.pt/.npz/.safetensors).")]
 LoaderOpt = Annotated[str | None, typer.Option("--data-loader", help="module:function yielding batches.")]
 RandomOpt = Annotated[int, typer.Option("--random-batches", help="Extra seeded random batches from --input.")]
@@ -66,81 +39,47 @@ ToleranceOpt = Annotated[
     list[str],
     typer.Option("--tolerance", help="Accuracy contract: sqnr>=45, top1>=0.999, logits:max_abs<=1e-2 (repeatable)."),
 ]
-GpuProfileOpt = Annotated[
-    str, typer.Option("--gpu-profile", help="GPU for the report's time estimate: H100, H200, A100, L4, RTX4090.")
-]
-PercentileOpt = Annotated[
-    float | None,
-    typer.Option("--range-percentile", help="Judge the activation range rule on this percentile of |x| (99.99)."),
-]
-NoFoldOpt = Annotated[
-    bool, typer.Option("--no-fold-batchnorm", help="Keep BatchNorm (FP32) instead of folding it into convs.")
-]
 
-#: The conversion options, defined once: every command that converts (convert, inspect, check) takes them
-#: through :func:`conversion_options`. Each maps to the ``amplite.convert`` keyword of the same name, except
-#: ``no_fold_batchnorm`` (``fold_batchnorm=not ...``). Defaults with a value are read from the spec's own
-#: (``amplite.spec``); an option left at None is not passed (``--precision`` unset lets ``check --converted``
-#: infer it from the file).
-CONVERSION_PARAMS: tuple[inspect.Parameter, ...] = tuple(
-    inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation)
-    for name, annotation, default in (
-        ("precision", Precision, None),
-        ("level", LevelOpt, None),
-        ("keep_fp32", KeepOpt, []),
-        ("force_low", LowOpt, []),
-        ("trust_pickle", TrustOpt, False),
-        ("model_factory", FactoryOpt, None),
-        ("import_modules", ImportOpt, []),
-        ("dynamic_batch", DynOpt, False),
-        ("dynamic_dims", DynDimOpt, []),
-        ("low_precision_io", IoOpt, False),
-        ("fuse_contractions", FuseOpt, None),
-        ("range_rules", RangeOpt, None),
-        ("data_max", DataMaxOpt, RangeSpec.data_max),
-        ("max_reduction_depth", DepthOpt, RangeSpec.max_reduction_depth),
-        ("range_percentile", PercentileOpt, None),
-        ("no_fold_batchnorm", NoFoldOpt, False),
-        ("calib", CalibOpt, None),
-        ("calib_loader", CalibLoaderOpt, None),
-        ("gpu_profile", GpuProfileOpt, ConvertSpec.gpu_profile),
-    )
+
+def _param(name: str, annotation: Any, default: Any) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation)
+
+
+#: The conversion options every converting command (convert, inspect, check) takes: the fields of
+#: ``amplite.ConvertOptions`` that have CLI flags, spelled as their metadata says, plus calibration's two
+#: spellings (``--calib DIR``, ``--calib-loader module:function``). Nothing here lists an option by name.
+CONVERSION_PARAMS: tuple[inspect.Parameter, ...] = (
+    *(
+        _param(name, Annotated[o.cli_type, typer.Option(*o.flags, help=o.help)], o.cli_default)
+        for name, o in ConvertOptions.described().items()
+        if o.flags
+    ),
+    _param("calib", CalibOpt, None),
+    _param("calib_loader", CalibLoaderOpt, None),
 )
-#: CLI options whose ``amplite.convert`` keyword has another name (``calib``/``calib_loader`` both feed
-#: ``calibration``: a directory, or a ``module:function`` string).
-API_NAMES = {"no_fold_batchnorm": "fold_batchnorm", "calib": "calibration", "calib_loader": "calibration"}
-#: The conversion options that only load and trace the model: what ``amplite golden`` takes.
-LOADING_NAMES = ("trust_pickle", "model_factory", "import_modules", "dynamic_batch", "dynamic_dims")
-LOADING_PARAMS = tuple(p for p in CONVERSION_PARAMS if p.name in LOADING_NAMES)
+#: What ``amplite golden`` takes: the options that read and trace the model (the FP32 reference's).
+LOADING_PARAMS = tuple(
+    p for p in CONVERSION_PARAMS if "reference" in getattr(ConvertOptions.described().get(p.name), "paths", ())
+)
 
 
-def to_api(values: dict[str, Any]) -> dict[str, Any]:
-    """CLI conversion option values -> ``amplite.convert`` keyword arguments."""
-    kwargs = dict(values)
-    if kwargs.get("precision") is None:  # the API's default, or what check --converted reads from the file
-        kwargs.pop("precision", None)
-    if "fuse_contractions" in kwargs and kwargs["fuse_contractions"] is None:
-        kwargs["fuse_contractions"] = "auto"
-    if "no_fold_batchnorm" in kwargs:
-        kwargs["fold_batchnorm"] = not kwargs.pop("no_fold_batchnorm")
-    for key in ("keep_fp32", "force_low", "dynamic_dims", "import_modules"):
-        if key in kwargs:
-            kwargs[key] = list(kwargs[key])
-    calib, loader = kwargs.pop("calib", None), kwargs.pop("calib_loader", None)
-    if calib is not None and loader is not None:
-        raise ConfigError("--calib and --calib-loader are both given", "pass one source of calibration batches")
-    if calib is not None or loader is not None:
-        kwargs["calibration"] = Path(calib) if calib is not None else loader
-    return kwargs
+def to_api(values: dict[str, Any]) -> ConvertOptions:
+    """CLI conversion option values -> :class:`amplite.ConvertOptions` (an option left at None is not given:
+    the API's default applies, and ``check --converted`` reads the precision from the file)."""
+    calibration = calibration_source(values.get("calib"), values.get("calib_loader"))
+    given = {k: v for k, v in values.items() if k not in ("calib", "calib_loader") and v is not None}
+    if calibration is not None:
+        given["calibration"] = calibration
+    return ConvertOptions.of(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
 
 
 def conversion_options(
     command: Callable[..., Any], params: tuple[inspect.Parameter, ...] = CONVERSION_PARAMS
 ) -> Callable[..., Any]:
-    """Give a command every conversion option; they reach it as one ``conversion`` dict of API keywords.
+    """Give a command every conversion option; they reach it as one ``conversion: ConvertOptions`` value.
 
-    The command declares ``conversion: dict`` as its last keyword instead of the options themselves, so a
-    new conversion option added to :data:`CONVERSION_PARAMS` appears on every converting command at once.
+    The command declares ``conversion`` as its last keyword instead of the options themselves, so a new
+    field of ``amplite.ConvertOptions`` with CLI flags appears on every converting command at once.
     """
     names = {p.name for p in params}
     own = [

@@ -5,11 +5,13 @@ Nothing partial is ever left at the destination: on any error the temp file is r
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.export import ExportedProgram
@@ -112,8 +114,14 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     return p
 
 
-def save_program(program: ExportedProgram, path: str | Path) -> Path:
-    """Write an ExportedProgram as a .pt2 archive, atomically.
+#: The archive entry (``<root>/extra/amplite.json``) recording how a converted .pt2 was made: ``{"amplite":
+#: version, "config": the report's config}``. JSON only; read back by :func:`read_conversion`.
+CONVERSION_ENTRY = "amplite.json"
+_MAX_CONVERSION_BYTES = 1 << 20
+
+
+def save_program(program: ExportedProgram, path: str | Path, conversion: Mapping[str, Any] | None = None) -> Path:
+    """Write an ExportedProgram as a .pt2 archive, atomically; ``conversion`` (JSON-able) is recorded in it.
 
     Re-export records each node's provenance (``from_node``) from the graph amplite rewrote; it serves
     the in-memory analysis, but in the file it would grow the graph JSON by about a quarter, so it is
@@ -124,10 +132,60 @@ def save_program(program: ExportedProgram, path: str | Path) -> Path:
         if "from_node" in node.meta:
             saved[node] = node.meta.pop("from_node")
     try:
-        return atomic_write(path, lambda tmp: torch.export.save(program, tmp))
+        extra = {CONVERSION_ENTRY: json.dumps(conversion, allow_nan=False)} if conversion is not None else None
+        return atomic_write(path, lambda tmp: torch.export.save(program, tmp, extra_files=extra))
     finally:
         for node, value in saved.items():
             node.meta["from_node"] = value
+
+
+def read_conversion(path: str | Path) -> dict[str, Any] | None:
+    """What :func:`save_program` recorded in a .pt2 (None for a file amplite did not convert, or an older one).
+
+    Reads one JSON entry of at most 1 MiB with ``json.loads``; nothing in it is evaluated.
+
+    Raises:
+        LoadError: The entry is there but is not a JSON object with a ``config`` object.
+    """
+    import zipfile
+
+    from amplite.errors import LoadError
+
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = [n for n in zf.namelist() if n.count("/") == 2 and n.endswith(f"/extra/{CONVERSION_ENTRY}")]
+            if len(names) != 1 or zf.getinfo(names[0]).file_size > _MAX_CONVERSION_BYTES:
+                return None
+            value = json.loads(zf.read(names[0]).decode("utf-8"))
+    except (OSError, zipfile.BadZipFile, ValueError, UnicodeDecodeError, RecursionError):
+        value = None
+    config = value.get("config") if isinstance(value, dict) else None
+    if not isinstance(config, dict) or any(not _RECORDED[k](v) for k, v in config.items() if k in _RECORDED):
+        raise LoadError(f"{str(path)!r}: its extra/{CONVERSION_ENTRY} is not the record amplite writes",
+                        "re-convert the model with amplite convert")  # fmt: skip
+    # only the keys amplite writes, of the types it writes, reach a report
+    return {"amplite": str(value.get("amplite", "")), "config": {k: v for k, v in config.items() if k in _RECORDED}}
+
+
+def _strings(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+#: The recorded config keys read back, each with its check.
+_RECORDED: dict[str, Callable[[Any], bool]] = {
+    "precision": lambda v: v in ("fp16", "bf16"),
+    "level": lambda v: v in ("O0", "O1", "O2", "O3"),
+    "level_source": lambda v: isinstance(v, str),
+    "keep_fp32": _strings,
+    "force_low": _strings,
+    "low_precision_io": lambda v: isinstance(v, bool),
+    "dynamic_batch": lambda v: isinstance(v, bool),
+    "dynamic_dims": lambda v: isinstance(v, dict) and all(isinstance(d, list) for d in v.values()),
+    "fuse_contractions": lambda v: isinstance(v, bool),
+    "fuse_contractions_reason": lambda v: isinstance(v, str),
+    "range_rules": lambda v: v is None or isinstance(v, dict),
+    "fold_batchnorm": lambda v: isinstance(v, bool),
+}
 
 
 def write_text(path: str | Path, text: str) -> Path:

@@ -8,6 +8,5 @@ verdict. Layer: above ``save``/``training``/``api`` (docs/architecture.md).
 
 from amplite.gate.outputs import CheckResult, publish_github_summary, write_reports
 from amplite.gate.run import check, make_golden
-from amplite.gate.steps import LOAD_KEYS
 
-__all__ = ["LOAD_KEYS", "CheckResult", "check", "make_golden", "publish_github_summary", "write_reports"]
+__all__ = ["CheckResult", "check", "make_golden", "publish_github_summary", "write_reports"]

@@ -18,13 +18,13 @@ from amplite.checkpoint.source import is_checkpoint_dir
 from amplite.errors import ConfigError
 from amplite.gate import steps
 from amplite.gate.outputs import CheckResult, finish, model_name, prepare_outputs, read_paths
+from amplite.options import ConvertOptions
 from amplite.paths import guard_outputs
 from amplite.verify import data as data_mod
 from amplite.verify import golden as golden_mod
 from amplite.verify.compare import Tolerance, parse_tolerance
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
-_NOT_CONVERT_OPTIONS = {"model", "example_inputs", "verify", "tolerance"}
 
 
 def make_golden(
@@ -39,32 +39,24 @@ def make_golden(
     input_specs: Sequence[str] = (),
     max_batches: int = 64,
     inputs_file: str | Path | None = None,
-    **load_opts: Any,
+    options: ConvertOptions | None = None,
+    **changes: Any,
 ) -> Path:
     """``amplite golden``: save inputs and FP32 reference outputs under ``output`` (see ``golden``).
+
+    Of the conversion options (``options``, ``**changes``) only those that read and trace the model apply.
 
     Raises:
         AmpliteError: Bad model, inputs or directory (the directory exists without ``update``, or it is
             or holds one of the inputs: it is replaced as a whole).
     """
     guard_outputs(read_paths(model, inputs_file, data), [], [("-o", output)])
-    ref = steps.reference(model, example_inputs, load_opts)
+    ref = steps.reference(model, example_inputs, ConvertOptions.of(options, **changes).only_for("reference"))
     gm = ref.original.module()
     batches = data_mod.select_batches(ref.inputs, data, data_loader, random_batches, input_specs, max_batches)
     fitted = [(label, data_mod.fit_inputs(gm, b, label)) for label, b in batches]
     src = {"path": ref.report.data["source"]["path"], "format": ref.report.data["source"]["format"]}
     return golden_mod.save_golden(output, gm, fitted, source=src, update=update)
-
-
-def _check_options(opts: dict[str, Any]) -> None:
-    """Every ``amplite.convert`` option is a ``check`` option too; anything else is a mistake."""
-    import inspect
-
-    from amplite.api import convert
-
-    known = set(inspect.signature(convert).parameters) - _NOT_CONVERT_OPTIONS
-    if set(opts) - known:
-        raise ConfigError(f"unknown option(s) {sorted(set(opts) - known)}", f"use {', '.join(sorted(known))}")
 
 
 def check(
@@ -91,7 +83,8 @@ def check(
     train_steps: int = 0,
     lr: float = 1e-3,
     inputs_file: str | Path | None = None,
-    **convert_opts: Any,
+    options: ConvertOptions | None = None,
+    **changes: Any,
 ) -> CheckResult:
     """Convert ``model`` (or load ``converted``), verify it on data and judge it.
 
@@ -116,24 +109,26 @@ def check(
         train_steps: Instead of verifying outputs, train an FP32 and an amplite copy this many steps and gate
             on ``train_loss_gap`` (:mod:`amplite.training.gate`). lr: Their AdamW learning rate.
         inputs_file: The file ``example_inputs`` were read from, if any (no output may overwrite it).
-        **convert_opts: ``amplite.convert`` options (precision, level, keep_fp32, ...).
+        options: The conversion options (:class:`amplite.ConvertOptions`; its ``tolerance`` and ``verify`` are
+            this function's own: ``tolerance`` above).
+        **changes: Conversion options by name, over ``options`` (precision, level, keep_fp32, ...).
 
     Raises:
         AmpliteError: Bad model, inputs, data, golden directory, baseline or options (exit 2).
     """
-    _check_options(convert_opts)
+    opts = ConvertOptions.of(options, **changes)
     out_dir = _guard_files(model, inputs_file, data, converted, baseline, golden, update_golden, report_dir, junit,
-                           convert_opts.get("calibration"))  # fmt: skip
+                           opts.calibration)  # fmt: skip
     if isinstance(model, (str, Path)) and is_checkpoint_dir(model):
         _refuse_for_checkpoint({"--converted": converted, "--golden": golden, "--baseline": baseline, "--data": data,
                                 "--data-loader": data_loader, "--random-batches": random_batches, "--grad": grad,
                                 "--train-steps": train_steps})  # fmt: skip
-        return _check_checkpoint(model, example_inputs, tolerance, out_dir, junit, name, convert_opts)
+        return _check_checkpoint(model, example_inputs, tolerance, out_dir, junit, name, opts)
     if train_steps:
         if converted is not None or golden is not None or baseline is not None:
             raise ConfigError("--train-steps trains the model itself", "drop --converted, --golden and --baseline")
         return _check_training(model, example_inputs, train_steps, lr, data, data_loader, max_batches, tolerance,
-                               out_dir, junit, name, convert_opts)  # fmt: skip
+                               out_dir, junit, name, opts)  # fmt: skip
     gold = golden_mod.load_golden(golden) if golden is not None and not update_golden else None
     early = None
     if gold is None and (data is not None or data_loader is not None or (random_batches and input_specs)):
@@ -144,7 +139,7 @@ def check(
         parse_tolerance(tolerance)  # fail on a bad criterion before any work
     base_line = golden_mod.load_baseline(baseline)
     timings: dict[str, float] = {}
-    pair = steps.pair(model, example_inputs, converted, convert_opts, gold, golden, timings)
+    pair = steps.pair(model, example_inputs, converted, opts, gold, golden, timings)
     tol = tolerance if isinstance(tolerance, Tolerance) else parse_tolerance(tolerance or (), pair.precision)
     batches = early or data_mod.select_batches(pair.example, data, data_loader, random_batches, input_specs,
                                                max_batches)  # fmt: skip
@@ -163,7 +158,7 @@ def check(
     if layerwise:
         steps.layerwise(report, pair, batches[0][1], timings)
     if grad:
-        steps.gradients(report, pair, batches[0][1], loss, converted is None, convert_opts, timings)
+        steps.gradients(report, pair, batches[0][1], loss, converted is None, opts, timings)
     reasons = steps.failures(metrics) + steps.regressions(report, base_line, baseline_margin_db)
     if grad:
         from amplite.verify.gradcheck import failure_reasons
@@ -202,15 +197,15 @@ def _check_checkpoint(
     out_dir: Path | None,
     junit: str | Path | None,
     name: str | None,
-    opts: dict[str, Any],
+    opts: ConvertOptions,
 ) -> CheckResult:
     """``check DIR`` for a transformers checkpoint directory: streamed conversion and block-wise verification."""
     from amplite.checkpoint.check import check_checkpoint
     from amplite.llm.checkpoint import generation_check
 
     # token_agreement / ppl_delta criteria: the written directory is also checked on generation
-    generation = generation_check(model, tolerance, opts.get("precision", "fp16"))
-    conv, reasons = check_checkpoint(model, example, tolerance=tolerance, check_more=generation, **opts)
+    generation = generation_check(model, tolerance, opts.precision_name)
+    conv, reasons = check_checkpoint(model, example, tolerance=tolerance, check_more=generation, options=opts)
     return finish(copy.deepcopy(conv.data), reasons, [], name or Path(model).name, out_dir, junit)
 
 
@@ -226,14 +221,13 @@ def _check_training(
     out_dir: Path | None,
     junit: str | Path | None,
     name: str | None,
-    opts: dict[str, Any],
+    opts: ConvertOptions,
 ) -> CheckResult:
     """``check --train-steps``: the training gate (amplite.training.gate), reported like any check."""
     from amplite.training.gate import train_check
 
     batches = data_mod.select_batches(None, data, loader, 0, (), max_batches) if data or loader else []
     described = data_mod.describe(None, data, loader, 0, len(batches)) if batches else "example inputs"
-    keys = ("precision", "level", "keep_fp32", "force_low", "trust_pickle", "model_factory")
     report, reasons = train_check(model, example, batches, steps=steps, lr=lr, tolerance=tolerance,
-                                  inputs_description=described, **{k: opts[k] for k in keys if k in opts})  # fmt: skip
+                                  inputs_description=described, options=opts)  # fmt: skip
     return finish(report, reasons, [], name or model_name(model, report), out_dir, junit)

@@ -4,29 +4,30 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 from time import perf_counter
 from typing import Any
 
 import torch
 from torch.export import ExportedProgram
 
-from amplite.errors import ExportError, InputSpecError
+from amplite.converter.emit import read_conversion
+from amplite.errors import ConfigError, ExportError, InputSpecError
 from amplite.levels import precision_dtype
+from amplite.options import ConvertOptions
 from amplite.verify import data as data_mod
 from amplite.verify import golden as golden_mod
 from amplite.verify.compare import DEFAULT_TOLERANCES, OutputMetrics, Tolerance, compare_batches
 from amplite.verify.converted import infer_precision, load_converted, report_for_converted
 
 OTHER_MODEL = "this golden directory was made from another model: pass the right --golden or regenerate it"
-#: The ``amplite.convert`` options that only load and trace: what the FP32 reference export takes.
-LOAD_KEYS = ("trust_pickle", "model_factory", "import_modules", "dynamic_batch", "dynamic_dims")
 
 
-def reference(model: Any, example: Any, opts: dict[str, Any]) -> Any:
+def reference(model: Any, example: Any, options: ConvertOptions) -> Any:
     """The FP32 program of ``model`` (an O0 "conversion" exports and loads it, and nothing more)."""
     from amplite.api import convert
 
-    return convert(model, example, level="O0", verify=False, **{k: opts[k] for k in LOAD_KEYS if k in opts})
+    return convert(model, example, options=options.for_reference())
 
 
 @dataclass
@@ -49,7 +50,7 @@ class Pair:
         return precision_dtype(self.precision)
 
 
-def pair(model: Any, example_inputs: Any, converted: Any, convert_opts: dict[str, Any], gold: Any, golden: Any,
+def pair(model: Any, example_inputs: Any, converted: Any, options: ConvertOptions, gold: Any, golden: Any,
           timings: dict[str, float]) -> Pair:  # fmt: skip
     """Convert ``model`` now, or export it and load ``converted``; golden inputs that do not fit say so."""
     start = perf_counter()
@@ -57,24 +58,38 @@ def pair(model: Any, example_inputs: Any, converted: Any, convert_opts: dict[str
         if converted is None:
             from amplite.api import convert
 
-            result = convert(model, example_inputs, verify=False, **convert_opts)
+            result = convert(model, example_inputs, options=options, verify=False)
         else:
-            result = reference(model, example_inputs, convert_opts)
+            result = reference(model, example_inputs, options)
     except (InputSpecError, ExportError) as exc:
         if gold is None or example_inputs is not gold.batches[0][1]:
             raise
         raise golden_mod.GoldenError(f"the inputs in golden directory {str(golden)!r} do not fit the model: "
                                      f"{exc.problem}", OTHER_MODEL) from exc  # fmt: skip
     if converted is None:
-        pair = Pair(result.original, result.program, copy.deepcopy(result.report.data),
-                     convert_opts.get("precision", "fp16"), result.inputs)  # fmt: skip
+        pair = Pair(result.original, result.program, copy.deepcopy(result.report.data), options.precision_name,
+                    result.inputs)  # fmt: skip
     else:
         conv_prog = load_converted(converted)
-        precision = convert_opts.get("precision") or infer_precision(conv_prog)
-        report = report_for_converted(result.report.data, conv_prog, converted, precision)
+        recorded = read_conversion(converted) if isinstance(converted, (str, Path)) else None
+        precision = _converted_precision(options, recorded, conv_prog, converted)
+        report = report_for_converted(result.report.data, conv_prog, converted, precision, recorded)
         pair = Pair(result.original, conv_prog, report, precision, result.inputs)
     timings["convert"] = perf_counter() - start
     return pair
+
+
+def _converted_precision(options: ConvertOptions, recorded: dict[str, Any] | None, program: ExportedProgram,
+                         path: Any) -> str:  # fmt: skip
+    """The low precision of a converted file: what it records (a different ``--precision`` is an error), else
+    the one given, else what its graph computes in."""
+    written = recorded["config"].get("precision") if recorded else None
+    if written is not None and options.precision is not None and options.precision_name != written:
+        raise ConfigError(f"--precision {options.precision_name} does not match {str(path)!r}, converted to {written}",
+                          "drop --precision: check reads the converted file's own")  # fmt: skip
+    if options.precision is not None:
+        return options.precision_name
+    return written or infer_precision(program)
 
 
 def update_golden(golden: Any, pair: Pair, batches: list) -> Any:
@@ -133,7 +148,7 @@ def layerwise(report: dict[str, Any], pair: Pair, first: Any, timings: dict[str,
 
 
 def gradients(report: dict[str, Any], pair: Pair, first: Any, loss: Any, converted_now: bool,
-               convert_opts: dict[str, Any], timings: dict[str, float]) -> None:  # fmt: skip
+               options: ConvertOptions, timings: dict[str, float]) -> None:  # fmt: skip
     """Compare parameter gradients of one backward pass (``gradients`` section)."""
     from amplite.verify.gradcheck import gradient_check
 
@@ -141,7 +156,7 @@ def gradients(report: dict[str, Any], pair: Pair, first: Any, loss: Any, convert
     if converted_now and any(p["name"] == "fold_batchnorm" and p["modified"] for p in report["passes"]):
         from amplite.api import convert  # folded BatchNorm has no parameters to train: check it unfolded
 
-        unfolded = convert(pair.ref_prog, pair.example, verify=False, **{**convert_opts, "fold_batchnorm": False})
+        unfolded = convert(pair.ref_prog, pair.example, verify=False, options=options, fold_batchnorm=False)
         grad_gm = unfolded.program.module()
     report["gradients"] = gradient_check(pair.ref_gm, grad_gm, data_mod.fit_inputs(pair.ref_gm, first, "batch 0"),
                                          data_mod.fit_inputs(grad_gm, first, "batch 0"), loss=loss,

@@ -34,6 +34,7 @@ from amplite.converter.loading import load_any
 from amplite.converter.tracing import summarize_exception
 from amplite.errors import ConfigError, InputSpecError
 from amplite.levels import LEVEL_ENV, precision_dtype, resolve_level
+from amplite.options import ConvertOptions
 from amplite.report.document import build_report
 from amplite.training.prepare import prepare_training
 from amplite.verify.numbers import decode_float, encode_float
@@ -110,17 +111,16 @@ def train_check(
     *,
     steps: int,
     lr: float = 1e-3,
-    precision: str = "fp16",
-    level: str | None = None,
-    keep_fp32: Sequence[str] = (),
-    force_low: Sequence[str] = (),
     tolerance: Sequence[str] | None = None,
-    trust_pickle: bool = False,
-    model_factory: str | None = None,
     seed: int = 0,
     inputs_description: str = "example inputs",
+    options: ConvertOptions | None = None,
+    **changes: Any,
 ) -> tuple[dict[str, Any], list[str]]:
     """Run the training gate.
+
+    Of the conversion options (``options``, ``**changes``) training uses the precision, the level, the
+    override patterns and how to read the model file; any other one given is refused (it would be ignored).
 
     Returns:
         The report document (with its ``training`` section) and the failure reasons (empty: pass).
@@ -132,8 +132,11 @@ def train_check(
         raise ConfigError(f"--train-steps {steps} must be at least 1", "pass the number of steps to train")
     if not lr > 0:
         raise ConfigError(f"--lr {lr} must be positive", "pass a learning rate such as 1e-3")
+    opts = ConvertOptions.of(options, **changes).only_for("training")
+    precision, level, keep_fp32, force_low = opts.precision_name, opts.level, opts.keep_fp32, opts.force_low
     gap_limit = parse_gap(tolerance)
-    loaded = load_any(model, trust_pickle=trust_pickle, model_factory=model_factory)
+    loaded = load_any(model, trust_pickle=opts.trust_pickle, model_factory=opts.model_factory,
+                      import_modules=opts.import_modules)  # fmt: skip
     if loaded.module is None:
         raise InputSpecError(
             f"a {loaded.kind} file holds no trainable module", "pass a state dict with --model-factory or a module"

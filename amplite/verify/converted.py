@@ -71,8 +71,11 @@ def infer_level(program: ExportedProgram, precision: str) -> str:
     return "O2" if all_bytes and low_bytes * 2 >= all_bytes else "O1"
 
 
-def report_for_converted(base: dict[str, Any], conv: ExportedProgram, path: Any, precision: str) -> dict[str, Any]:
-    """A report for a converted file: the reference's facts plus what the converted graph shows."""
+def report_for_converted(base: dict[str, Any], conv: ExportedProgram, path: Any, precision: str,
+                         recorded: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """A report for a converted file: the reference's facts plus what the converted graph shows; its
+    ``config`` is what the file records of its conversion (``recorded``, from ``emit.read_conversion``), else
+    what the graph shows (precision, inferred level)."""
     report = copy.deepcopy(base)
     low = precision_dtype(precision)
     plan = []
@@ -94,11 +97,13 @@ def report_for_converted(base: dict[str, Any], conv: ExportedProgram, path: Any,
                 "reason": "as found in the converted file",
             }
         )
+    found = {"level": infer_level(conv, precision), "level_source": "inferred from the converted file"}
+    if recorded is not None:
+        found = {**recorded["config"], "level_source": "recorded in the converted file"}
     report["config"] = {
         **report["config"],
+        **found,
         "precision": precision,
-        "level": infer_level(conv, precision),
-        "level_source": "inferred from the converted file",
         "converted": str(path) if not isinstance(path, ExportedProgram) else "program",
     }
     report["plan"] = plan
