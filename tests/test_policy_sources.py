@@ -122,3 +122,49 @@ def test_no_control_flow_reads_a_reason_string() -> None:
             ):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_passes_use_only_declared_meta_keys() -> None:
+    """Every ``amplite_*`` node.meta key is declared in ``amplite/passes/meta.py``; none is spelled as a string
+    anywhere else, so a pass cannot read a key no pass writes (or write one that no one documents)."""
+    from amplite.passes import meta
+
+    root = Path(amplite.__file__).parent
+    declared = set(meta.KEYS)
+    assert all(k.startswith("amplite_") for k in declared)
+    offenders = []
+    for path in root.rglob("*.py"):
+        if path.name == "meta.py" and path.parent.name == "passes":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in declared:
+                offenders.append(f"{path.relative_to(root)}:{node.lineno}: {node.value!r}")
+            # a subscript or .get/.pop of node.meta with an undeclared amplite_ key
+            if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+                key = node.slice.value
+                if isinstance(key, str) and key.startswith("amplite_") and ast.unparse(node.value).endswith("meta"):
+                    offenders.append(f"{path.relative_to(root)}:{node.lineno}: undeclared {key!r}")
+    assert not offenders, offenders
+
+
+def test_the_precision_annotation_has_its_declared_fields() -> None:
+    """annotate_precision writes one PrecisionAnnotation per computing node: exactly the declared fields, with
+    a dtype for every float op and a rule that names a RuleSource."""
+    from typing import get_type_hints
+
+    from amplite.passes.annotate_precision import AnnotatePrecision
+    from amplite.passes.meta import PRECISION_KEY, PrecisionAnnotation
+    from amplite.converter.pipeline import strip_export_checks
+
+    model, inputs = make("mlp")
+    gm = torch.export.export(model, *inputs, strict=False).module()
+    strip_export_checks(gm)
+    AnnotatePrecision(PrecisionPolicy("fp16", Level.O1))(gm)
+    entries = [n.meta[PRECISION_KEY] for n in gm.graph.nodes if PRECISION_KEY in n.meta]
+    assert len(entries) >= 3
+    fields = set(get_type_hints(PrecisionAnnotation))
+    assert fields == {"mode", "dtype", "reason", "rule"}
+    for e in entries:
+        assert set(e) == fields and e["mode"] in ("low", "fp32", "follow")
+        assert RuleSource(e["rule"]) in RuleSource and isinstance(e["reason"], str) and e["reason"]
+    assert {e["dtype"] for e in entries if e["mode"] == "low"} == {torch.float16}

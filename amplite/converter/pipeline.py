@@ -39,6 +39,7 @@ from amplite.passes.fold_batchnorm import FOLDED_PREFIX, FoldBatchNorm
 from amplite.passes.graph_utils import module_path, retype, source_line
 from amplite.passes.guard_constants import GuardConstants, SaturateFills
 from amplite.passes.insert_casts import InsertCasts
+from amplite.passes.meta import PRECISION_KEY
 from amplite.passes.range_guard import RangeGuard, RangeRules
 from amplite.passes.store_low_params import StoreLowPrecisionParams
 from amplite.policy import Level, PrecisionPolicy
@@ -320,7 +321,7 @@ def collect_plan(gm: torch.fx.GraphModule) -> list[dict[str, Any]]:
     """The precision decision of every planned node, in graph order."""
     plan = []
     for node in gm.graph.nodes:
-        decision = node.meta.get("amplite_precision")
+        decision = node.meta.get(PRECISION_KEY)
         if decision is None or node.target is operator.getitem:
             continue
         dtype = decision["dtype"]

@@ -25,6 +25,7 @@ from amplite import op_tables
 from amplite.errors import ConfigError
 from amplite.passes.base import PassResult
 from amplite.passes.graph_utils import cast_dtype, dtypes_of, fake_value, is_float_tensor, module_path
+from amplite.passes.meta import OUT_DTYPE_KEY, PRECISION_KEY, RANGE_KEY, RANGE_LOW_KEY, PrecisionAnnotation
 from amplite.policy import Decision, Level, PrecisionPolicy, RuleSource
 
 _NORMALISERS = frozenset(op_tables.NORMALISER_OPS)
@@ -98,7 +99,7 @@ class AnnotatePrecision:
                 )
             else:
                 out_dtype[node] = self._plan_node(node, decisions.get(node), out_dtype, counters)
-            node.meta["amplite_out_dtype"] = out_dtype[node]
+            node.meta[OUT_DTYPE_KEY] = out_dtype[node]
         return PassResult(gm, False, counters)
 
     def _decisions(self, gm: torch.fx.GraphModule) -> dict[torch.fx.Node, Decision]:
@@ -112,12 +113,12 @@ class AnnotatePrecision:
             site = (op, module_path(node), node.name)
             sites.append(site)
             # range_guard's flag (meta['amplite_range']); pins still win
-            decisions[node] = self.policy.for_range(self.policy.decide(*site), node.meta.get("amplite_range", ""))
+            decisions[node] = self.policy.for_range(self.policy.decide(*site), node.meta.get(RANGE_KEY, ""))
         if self.policy.level is not Level.O0:
             _refuse_unmatched(self.policy, sites)
         for node, dec in list(decisions.items()):  # the graph facts each rule needs; the policy decides
             fp32_reader = any(decisions.get(u, _NONE).mode == "fp32" for u in node.users)
-            decisions[node] = self.policy.for_small_pow(dec, node.meta.get("amplite_range_low", ""), fp32_reader)
+            decisions[node] = self.policy.for_small_pow(dec, node.meta.get(RANGE_LOW_KEY, ""), fp32_reader)
         for node, dec in list(decisions.items()):
             if op_tables.op_name(node.target) in _NORMALISERS:
                 decisions[node] = self.policy.for_normaliser(dec, self._feeds_fp32(node, decisions))
@@ -202,7 +203,7 @@ class AnnotatePrecision:
             dimensioned = [out_dtype[a] for a in inputs if out_dtype[a].is_floating_point and fake_value(a).dim()]
             pool = dimensioned or float_in
             compute = _widest(pool) if pool else None
-        node.meta["amplite_precision"] = {"mode": mode, "dtype": compute, "reason": reason, "rule": source.value}
+        node.meta[PRECISION_KEY] = PrecisionAnnotation(mode=mode, dtype=compute, reason=reason, rule=source.value)
         counters[f"nodes:{mode}"] += 1
         if compute is not None:
             counters[f"compute:{str(compute).removeprefix('torch.')}"] += 1

@@ -64,6 +64,7 @@ from amplite.passes.contraction_rules import (
 )
 from amplite.passes.einsum_equation import ModeTable, NotFusable, Operand
 from amplite.passes.graph_utils import cast_dtype, fake_value, make_cast, value_dtype
+from amplite.passes.meta import CONTRACT_KEY
 
 # Rules, constants and ``Rejection`` live in ``contraction_rules`` (the mode types in ``einsum_equation``);
 # they stay importable from here.
@@ -305,7 +306,7 @@ class FuseContractions:
             absorbed = [n.name for t in (plan["a"], plan["b"]) for n in t.chain] + [
                 n.name for n in plan["tail"]
             ]
-            fused.meta["amplite_contract"] = {"rule": rule.name, "absorbed": absorbed}
+            fused.meta[CONTRACT_KEY] = {"rule": rule.name, "absorbed": absorbed}
             out = (
                 fused
                 if eq.out_shape == node_shape(last)

@@ -11,6 +11,7 @@ import torch
 import torch.fx
 
 from amplite.passes.einsum_modes import NotFusable, Size
+from amplite.passes.meta import CAST_KEY
 
 aten = torch.ops.aten
 
@@ -141,7 +142,7 @@ def make_cast(graph: torch.fx.Graph, value: torch.fx.Node, dtype: torch.dtype) -
     for key in ("nn_module_stack", "stack_trace"):
         if key in value.meta:
             node.meta[key] = value.meta[key]
-    node.meta["amplite_cast"] = True
+    node.meta[CAST_KEY] = True
     return node
 
 

@@ -37,6 +37,7 @@ import torch.fx
 from amplite import op_tables
 from amplite.passes.base import PassResult
 from amplite.passes.graph_utils import cast_dtype, fake_value, is_float_tensor, source_line
+from amplite.passes.meta import PRECISION_KEY, RANGE_KEY, SATURATE_KEY
 
 _EXTREME = 2.0**120  # |v| at least this: the model meant "the end of the dtype", not a magnitude
 _MAX_CONSTANT_NUMEL = 4096  # larger lifted tensors are data (tables, weights): the weight rules see them
@@ -112,7 +113,7 @@ class GuardConstants:
             bad = [s for s in _scalar_slots(node) if math.isfinite(s[2]) and abs(s[2]) > self.limit]
             saturable = op in _CLAMPS or (op in _FILLS | _CREATION and all(abs(v) >= _EXTREME for *_, v in bad))
             if bad and saturable:
-                node.meta["amplite_saturate"] = [(w, k) for w, k, _ in bad]
+                node.meta[SATURATE_KEY] = [(w, k) for w, k, _ in bad]
                 counters["marked_for_saturation"] += 1
             elif bad and op in _CREATION:
                 for user in node.users:  # the constant is an FP32 tensor: its low readers would get ±Inf
@@ -129,8 +130,8 @@ class GuardConstants:
         return PassResult(gm, False, counters)
 
     def _flag(self, node: torch.fx.Node, reason: str, counters: Counter[str]) -> None:
-        if "amplite_range" not in node.meta:  # a range rule's reason, when there is one, stays
-            node.meta["amplite_range"] = reason + f">{self.limit:.5g}"
+        if RANGE_KEY not in node.meta:  # a range rule's reason, when there is one, stays
+            node.meta[RANGE_KEY] = reason + f">{self.limit:.5g}"
             counters["kept_fp32:range:constant"] += 1
 
 
@@ -151,7 +152,7 @@ class SaturateFills:
         counters: Counter[str] = Counter()
         done: list[dict[str, Any]] = []
         for node in gm.graph.nodes:
-            slots = node.meta.pop("amplite_saturate", None)
+            slots = node.meta.pop(SATURATE_KEY, None)
             if not slots or not self._computes_low(node):
                 continue
             op = op_tables.op_name(node.target) or str(node.target)
@@ -169,12 +170,12 @@ class SaturateFills:
 
     def _computes_low(self, node: torch.fx.Node) -> bool:
         """The node (a creation op: one of its consumers) reads or writes the constant in the low dtype."""
-        plan = node.meta.get("amplite_precision") or {}
+        plan = node.meta.get(PRECISION_KEY) or {}
         if plan.get("dtype") == self.low_dtype:
             return True
         if op_tables.op_name(node.target) in _CREATION:
             for user in node.users:
-                if (user.meta.get("amplite_precision") or {}).get("dtype") == self.low_dtype:
+                if (user.meta.get(PRECISION_KEY) or {}).get("dtype") == self.low_dtype:
                     return True
                 val = fake_value(node)
                 if cast_dtype(user) == self.low_dtype and isinstance(val, torch.Tensor):

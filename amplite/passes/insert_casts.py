@@ -22,6 +22,7 @@ from torch.fx.node import map_arg
 from amplite import op_tables
 from amplite.passes.base import PassResult
 from amplite.passes.graph_utils import dtypes_of, fake_value, make_cast, retype
+from amplite.passes.meta import OUT_DTYPE_KEY, PRECISION_KEY
 
 _PROMOTING = frozenset(op_tables.PROMOTING_OPS)
 
@@ -62,8 +63,8 @@ class InsertCasts:
                 self._cast_outputs(node, new_dtype, original, cast_of)
                 continue
             original[node] = dtypes_of(fake_value(node))
-            new_dtype[node] = node.meta.get("amplite_out_dtype", original[node])
-            plan = node.meta.get("amplite_precision")
+            new_dtype[node] = node.meta.get(OUT_DTYPE_KEY, original[node])
+            plan = node.meta.get(PRECISION_KEY)
             if node.op == "call_function" and plan and plan["dtype"] is not None:
                 compute, follow = plan["dtype"], plan["mode"] == "follow"
                 promotes = follow and compute == torch.float32 and op_tables.op_name(node.target) in _PROMOTING

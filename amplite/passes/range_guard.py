@@ -46,6 +46,7 @@ import torch.fx
 from amplite import op_tables
 from amplite.passes.base import PassResult
 from amplite.passes.graph_utils import cast_dtype, fake_value
+from amplite.passes.meta import RANGE_KEY, RANGE_LOW_KEY
 
 FP16_MAX = 65504.0
 FP16_FLUSH = 2.0**-24  # below half of the smallest subnormal a value rounds to zero (or to 2^-24)
@@ -175,10 +176,10 @@ class RangeGuard:
             reason = reason or (self._underflow(node) if fp16 else None)  # a weight's flush is the cause: say it
             reason = reason or self._depth(node)
             if reason:
-                node.meta["amplite_range"] = reason
+                node.meta[RANGE_KEY] = reason
                 counters["kept_fp32:" + reason.split(" ")[0]] += 1
             elif self._small_pow(node, fp16):
-                node.meta["amplite_range_low"] = SMALL_POW
+                node.meta[RANGE_LOW_KEY] = SMALL_POW
                 counters["low_ok:small-integer-pow"] += 1
         return PassResult(gm, False, counters)
 
