@@ -55,3 +55,20 @@ def test_module_names_the_way_to_a_module_and_bad_formats_are_refused(ckpt: Path
     with pytest.raises(ConfigError, match="onnx"):
         result.save(tmp_path / "m.onnx", format="onnx")
     assert not (tmp_path / "m.onnx").exists()
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("fuse_contractions", True), ("dynamic_batch", True), ("data_max", 100.0), ("calibration", "x")],
+)
+def test_an_option_a_streamed_directory_would_ignore_is_refused(ckpt: Path, tmp_path: Path, option: str,
+                                                                value: object, cli) -> None:  # fmt: skip
+    """The API and the CLI refuse (one line, exit 2) what a checkpoint directory has no use for, naming it;
+    nothing is written."""
+    with pytest.raises(ConfigError, match=rf"{option} do\(es\) not apply to a checkpoint directory"):
+        amplite.convert(ckpt, **{option: value})
+    flag = {"fuse_contractions": ["--fuse-contractions"], "dynamic_batch": ["--dynamic-batch"],
+            "data_max": ["--data-max", "100"], "calibration": ["--calib", str(tmp_path)]}[option]  # fmt: skip
+    res = cli("convert", ckpt, "-o", tmp_path / "out", *flag)
+    assert res.exit_code == 2 and "not apply to a checkpoint directory" in res.stderr  # type: ignore[attr-defined]
+    assert not (tmp_path / "out").exists()

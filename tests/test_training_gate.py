@@ -69,8 +69,10 @@ def test_train_steps_rejects_inference_criteria():
     model, inputs = zoo.make("mlp")
     with pytest.raises(ConfigError, match="train_loss_gap"):
         amplite.check(model, inputs, train_steps=2, tolerance=["sqnr>=40"])
-    with pytest.raises(ConfigError, match="--train-steps trains the model itself"):
+    with pytest.raises(ConfigError, match=r"--golden .*not apply to --train-steps"):
         amplite.check(model, inputs, train_steps=2, golden="somewhere")
+    with pytest.raises(ConfigError, match=r"fuse_contractions .*not apply to --train-steps"):
+        amplite.check(model, inputs, train_steps=2, fuse_contractions=True)  # would be ignored: refused
 
 
 def _tiny_gpt2():

@@ -148,9 +148,9 @@ def layerwise(report: dict[str, Any], pair: Pair, first: Any, timings: dict[str,
 
 
 def gradients(report: dict[str, Any], pair: Pair, first: Any, loss: Any, converted_now: bool,
-               options: ConvertOptions, timings: dict[str, float]) -> None:  # fmt: skip
-    """Compare parameter gradients of one backward pass (``gradients`` section)."""
-    from amplite.verify.gradcheck import gradient_check
+               options: ConvertOptions, timings: dict[str, float]) -> list[str]:  # fmt: skip
+    """Compare parameter gradients of one backward pass (``gradients`` section); its failure reasons."""
+    from amplite.verify.gradcheck import failure_reasons, gradient_check
 
     grad_gm = pair.conv_gm
     if converted_now and any(p["name"] == "fold_batchnorm" and p["modified"] for p in report["passes"]):
@@ -163,6 +163,7 @@ def gradients(report: dict[str, Any], pair: Pair, first: Any, loss: Any, convert
                                          low_dtype=pair.low)  # fmt: skip
     report["gradients"]["graph"] = "unfolded BatchNorm" if grad_gm is not pair.conv_gm else "as converted"
     timings["gradients"] = report["gradients"]["seconds"]
+    return failure_reasons(report["gradients"])
 
 
 def failures(metrics: list[OutputMetrics]) -> list[str]:
