@@ -152,9 +152,9 @@ def test_the_precision_annotation_has_its_declared_fields() -> None:
     a dtype for every float op and a rule that names a RuleSource."""
     from typing import get_type_hints
 
+    from amplite.converter.pipeline import strip_export_checks
     from amplite.passes.annotate_precision import AnnotatePrecision
     from amplite.passes.meta import PRECISION_KEY, PrecisionAnnotation
-    from amplite.converter.pipeline import strip_export_checks
 
     model, inputs = make("mlp")
     gm = torch.export.export(model, *inputs, strict=False).module()
