@@ -204,6 +204,9 @@ class ConvertOptions:
     @classmethod
     def of(cls, options: ConvertOptions | None = None, **changes: Any) -> ConvertOptions:
         """``options`` (default: the defaults) with ``changes``; an unknown name is a one-line ``ConfigError``."""
+        if options is not None and not isinstance(options, ConvertOptions):
+            raise ConfigError(f"options= is a {type(options).__name__}, not ConvertOptions",
+                              "pass amplite.ConvertOptions(...), or the options as keywords")  # fmt: skip
         known = cls.names()
         unknown = sorted(set(changes) - set(known))
         if unknown:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import amplite
 from amplite import ConvertOptions
@@ -90,6 +91,18 @@ def test_the_convert_signature_lists_every_option_and_refuses_unknown_ones() -> 
         assert params[name].default == ConvertOptions.default(name), name
     with pytest.raises(ConfigError, match=r"unknown conversion option.*levl"):
         amplite.convert(None, None, levl="O2")
+    with pytest.raises(ConfigError, match="options= is a dict, not ConvertOptions"):
+        amplite.convert(None, None, options={"level": "O2"})
+    with pytest.raises(ConfigError, match="settings= is a dict, not CheckSettings"):
+        amplite.check(None, None, settings={"golden": "x"})
+
+
+def test_options_keywords_override_the_value_and_the_value_is_not_changed() -> None:
+    base = ConvertOptions(precision="bf16", level="O2")
+    merged = ConvertOptions.of(base, level="O1", keep_fp32=("op:softmax",))
+    assert (merged.precision, merged.level, merged.keep_fp32) == ("bf16", "O1", ("op:softmax",))
+    assert (base.level, base.keep_fp32) == ("O2", ())
+    assert merged.spec().level.value == "O1" and merged.spec().precision is torch.bfloat16
 
 
 def _manifest_sample(name: str) -> tuple[str, object]:

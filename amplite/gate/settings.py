@@ -74,6 +74,9 @@ class CheckSettings:
     ) -> tuple[CheckSettings, ConvertOptions]:
         """``check``'s keywords: its own (these fields: ``tolerance`` is the gate's) over ``settings``, the
         conversion options over ``options``; a name that is neither is a ``ConfigError``."""
+        if settings is not None and not isinstance(settings, CheckSettings):
+            raise ConfigError(f"settings= is a {type(settings).__name__}, not CheckSettings",
+                              "pass amplite.gate.CheckSettings(...), or the settings as keywords")  # fmt: skip
         own = {f.name for f in fields(cls)}
         mine = {k: v for k, v in changes.items() if k in own}
         return replace(settings or cls(), **mine), ConvertOptions.of(options, **{k: v for k, v in changes.items()
