@@ -28,6 +28,7 @@ import torch
 import amplite
 from amplite.verify.compare import DEFAULT_TOLERANCES, compare
 from fixtures.zoo import TEST_FIXTURES, make
+from tests.conftest import once_per_run
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = [
@@ -100,22 +101,12 @@ def fresh_results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     """Per fixture name: the conversion checks and the per-file results of ONE fresh process for all of them.
 
     Every fixture this session selected (``-m``/``-k`` respected) is converted and saved here, then a single
-    fresh process loads and runs every file (one Python start-up instead of one per fixture). Under
-    pytest-xdist the workers share it through a file lock: the first computes, the other reads the JSON.
+    fresh process loads and runs every file (one Python start-up instead of one per fixture); once per run,
+    shared by the xdist workers (:func:`tests.conftest.once_per_run`).
     """
     selected = {item.callspec.params["name"]: item.callspec.params["configs"] for item in request.session.items
                 if getattr(item, "originalname", None) == TEST and item.path == Path(__file__)}  # fmt: skip
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if worker is None:
-        return _convert_and_run(selected, tmp_path_factory.mktemp("roundtrip"))
-    from filelock import FileLock
-
-    shared = tmp_path_factory.getbasetemp().parent  # the run's directory, common to every xdist worker
-    done = shared / "roundtrip-results.json"
-    with FileLock(str(done) + ".lock"):
-        if not done.is_file():
-            done.write_text(json.dumps(_convert_and_run(selected, shared / "roundtrip")))
-    return json.loads(done.read_text())
+    return once_per_run(tmp_path_factory, "roundtrip", lambda folder: _convert_and_run(selected, folder))
 
 
 def _convert_and_run(selected: dict[str, list], tmp: Path) -> dict[str, Any]:
