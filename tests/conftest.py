@@ -53,7 +53,7 @@ def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, compute: C
     with FileLock(str(done) + ".lock"):
         if not done.is_file():
             folder = shared / name
-            folder.mkdir()
+            folder.mkdir(exist_ok=True)  # left by a worker whose compute raised: this one tries again
             done.write_text(json.dumps(compute(folder)))
     return json.loads(done.read_text())
 
