@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import operator
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -33,6 +35,27 @@ def model_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[callable]:
         return cache[name]
 
     yield get
+
+
+def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, compute: Callable[[Path], Any]) -> Any:
+    """``compute(folder)``'s JSON-able result, computed once per test run even under pytest-xdist.
+
+    Without xdist it is computed in a fresh temporary folder. Under xdist the workers share the run's
+    temporary root: the first to take the file lock computes and writes ``<name>.json``, the others read it.
+    For session fixtures whose work (conversions, one fresh process for many files) no worker should repeat.
+    """
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return compute(tmp_path_factory.mktemp(name))
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent  # the run's folder, common to every xdist worker
+    done = shared / f"{name}.json"
+    with FileLock(str(done) + ".lock"):
+        if not done.is_file():
+            folder = shared / name
+            folder.mkdir(exist_ok=True)  # left by a worker whose compute raised: this one tries again
+            done.write_text(json.dumps(compute(folder)))
+    return json.loads(done.read_text())
 
 
 class Cli:

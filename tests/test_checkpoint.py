@@ -184,9 +184,9 @@ def test_bad_checkpoints_exit_2_naming_the_file_and_leave_nothing(ckpt: Path, tm
     assert list(out.iterdir()) == []
 
 
-def test_verify_max_memory_too_small_is_refused_before_writing_a_report(ckpt: Path, tmp_path: Path) -> None:
-    proc = _run("convert", str(ckpt), "-o", str(tmp_path / "m"), "--verify-max-memory", "0.00001")
-    assert proc.returncode == 2 and "--verify-max-memory" in proc.stderr, proc.stderr
+def test_verify_max_memory_too_small_is_refused_before_writing_a_report(ckpt: Path, tmp_path: Path, cli) -> None:
+    res = cli("convert", ckpt, "-o", tmp_path / "m", "--verify-max-memory", "0.00001")  # in-process: exit 2 + line
+    assert res.exit_code == 2 and "--verify-max-memory" in res.stderr, res.stderr
     assert not (tmp_path / "m").exists() and not (tmp_path / "m.report.json").exists()
 
 
@@ -295,10 +295,10 @@ def test_a_bf16_source_is_never_up_cast(ckpt: Path, tmp_path: Path) -> None:
     assert json.loads((tmp_path / "o" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
-def test_pt2_only_output_is_verified_from_the_written_archive(ckpt: Path, tmp_path: Path) -> None:
-    proc = _run("convert", str(ckpt), "-o", str(tmp_path / "model.pt2"), "--precision", "bf16",
-                "--input", "input_ids:1x5:int64[0,256)")  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_pt2_only_output_is_verified_from_the_written_archive(ckpt: Path, tmp_path: Path, cli) -> None:
+    res = cli("convert", ckpt, "-o", tmp_path / "model.pt2", "--precision", "bf16",
+              "--input", "input_ids:1x5:int64[0,256)")  # in-process (the fresh-process CLI: `converted`)  # fmt: skip
+    assert res.exit_code == 0, res.stdout + res.stderr
     report = json.loads((tmp_path / "model.report.json").read_text())
     assert report["verification"]["passed"] and report["verification"]["outputs"][0]["sqnr_db"] > 35
     assert not list(tmp_path.glob(".*"))  # no staging left

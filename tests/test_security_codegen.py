@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ import torch
 from amplite.converter.pt2 import load_program
 from amplite.errors import LoadError
 from tests.test_security import P, json_edit, rebuild
-from tests.test_security_design import assert_refused, run_cli
+from tests.test_security_design import assert_refused_call, run_cli_many
 
 
 class WithKeyword(torch.nn.Module):
@@ -92,13 +93,26 @@ def test_calling_convention_is_checked_before_fx_generates_code(name: str, base:
         load_program(path)
 
 
-def test_cli_refuses_a_generated_code_payload_in_one_line(base: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def cli_calls(base: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, Any]]]:
+    """The CLI calls of the two tests below in ONE fresh memory-limited process (run_cli_many): (folder, results)."""
+    tmp_path = tmp_path_factory.mktemp("codegen_cli")
     marker = tmp_path / "pwned"
     payload = f"y':y, 'z':__import__('pathlib').Path({str(marker)!r}).touch(), 'w"
     path = rebuild(base, tmp_path / "kw.pt2", {P: _signature(_keyword_name(payload))})
-    res, wall = run_cli("convert", path, "-o", tmp_path / "out.pt2", cwd=tmp_path)
-    assert_refused(res, "in_spec")
-    assert wall < 60 and not marker.exists() and not (tmp_path / "out.pt2").exists()
+    long = "a" * 5000
+    calls: dict[str, list[object]] = {
+        "payload": ["convert", path, "-o", tmp_path / "out.pt2"],
+        "long-convert": ["convert", base, "-o", tmp_path / f"{long}.pt2"],
+        "long-inspect": ["inspect", tmp_path / f"{long}.pt2"],
+    }
+    return tmp_path, run_cli_many(calls, tmp_path)
+
+
+def test_cli_refuses_a_generated_code_payload_in_one_line(cli_calls: tuple) -> None:
+    tmp_path, got = cli_calls
+    assert_refused_call(got, "payload", "in_spec")  # within 60 s
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "out.pt2").exists()
 
 
 def test_the_untouched_file_still_loads_and_runs(base: Path) -> None:
@@ -107,14 +121,15 @@ def test_the_untouched_file_still_loads_and_runs(base: Path) -> None:
     torch.testing.assert_close(program.module()(x, y=y), torch.relu(x) + y)
 
 
-def test_names_the_os_refuses_are_input_errors(base: Path, tmp_path: Path) -> None:
+def test_names_the_os_refuses_are_input_errors(cli_calls: tuple) -> None:
+    tmp_path, got = cli_calls
     long = "a" * 5000
-    res, _ = run_cli("convert", base, "-o", tmp_path / f"{long}.pt2", cwd=tmp_path)
-    assert_refused(res, "File name too long")
-    assert f"{len(str(tmp_path / long)) + 4} characters)" in res.stderr
-    assert len(res.stderr) < 400  # the name is shortened, the line stays readable
-    res, _ = run_cli("inspect", tmp_path / f"{long}.pt2", cwd=tmp_path)
-    assert res.returncode == 2 and "internal error" not in res.stderr
+    assert_refused_call(got, "long-convert", "File name too long")
+    err = got["long-convert"]["err"]
+    assert f"{len(str(tmp_path / long)) + 4} characters)" in err
+    assert len(err) < 400  # the name is shortened, the line stays readable
+    res = got["long-inspect"]
+    assert res["rc"] == 2 and "internal error" not in res["err"]
 
 
 def test_checkpoint_index_naming_an_impossible_shard_is_refused(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sympy
@@ -54,6 +55,37 @@ def run_cli(*args: object, cwd: Path, timeout: float = 120) -> tuple[subprocess.
         capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout, preexec_fn=limit,
     )  # fmt: skip
     return res, time.monotonic() - start
+
+
+def run_cli_many(calls: dict[str, list[object]], cwd: Path, timeout: float = 240) -> dict[str, dict[str, Any]]:
+    """Several ``amplite`` calls in ONE fresh process under the memory limit (one start-up instead of one each).
+
+    Each call's exit code, stdout, stderr and seconds come back by key; the interpreter's own stderr (what the
+    imports printed before any call) is returned under ``"@startup"`` and must be empty.
+    """
+    from tests.test_security_io import _DRIVER
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (LIMIT, LIMIT))
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # as run_cli's
+    argv = json.dumps([[str(a) for a in call] for call in calls.values()])
+    proc = subprocess.run([sys.executable, "-c", _DRIVER, argv], capture_output=True, text=True, env=env, cwd=cwd,
+                          timeout=timeout, preexec_fn=limit)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.split("@@RESULTS@@", 1)[1])
+    return {**dict(zip(calls, results, strict=True)), "@startup": {"err": proc.stderr}}
+
+
+def assert_refused_call(got: dict[str, dict[str, Any]], key: str, needle: str) -> None:
+    """:func:`assert_refused` for call ``key`` of :func:`run_cli_many`, within 60 s."""
+    assert got["@startup"]["err"] == "", got["@startup"]["err"]  # nothing printed at start-up either
+    res = got[key]
+    assert res["rc"] == 2, (res["rc"], res["err"][-2000:])
+    assert res["err"].count("\n") == 1 and needle in res["err"], res["err"]
+    assert res["err"].startswith("error:"), res["err"]  # nothing (no warning) printed before the error
+    assert "Traceback" not in res["out"] + res["err"]
+    assert res["seconds"] < 60, res
 
 
 def assert_refused(res: subprocess.CompletedProcess, needle: str) -> None:
@@ -110,20 +142,63 @@ def test_grammar_builds_what_torch_writes() -> None:
     assert parse_sym_expr("s0*2 + 1") == 2 * sympy.Symbol("s0", integer=True) + 1  # infix, as older files
 
 
-@pytest.mark.parametrize("name", ["parenthesised callee", "huge power"])
-def test_hostile_size_expression_is_refused(name: str, base: Path, tmp_path: Path) -> None:
-    marker = tmp_path / "pwned"
-    expr = ESCAPES[name].replace(EXEC, f"(exec)({_chrs(f'open({str(marker)!r},chr(119))')})")
-    path = rebuild(base, tmp_path / "sym.pt2", {P: json_edit(first_size(expr))})
-    if name == "parenthesised callee":  # the threat is real: sympify runs it
-        with contextlib.suppress(Exception):
-            torch.export.load(str(path))
-        assert marker.exists()
-        marker.unlink()
-    for args in (("convert", path, "-o", tmp_path / "out.pt2"), ("inspect", path)):
-        res, wall = run_cli(*args, cwd=tmp_path)
-        assert_refused(res, "the size expression")
-        assert wall < 60 and not marker.exists() and not (tmp_path / "out.pt2").exists()
+HOSTILE_SIZES = ["parenthesised callee", "huge power"]
+WEIGHT_EDITS = {  # id: (edit of the weights' config, what the refusal says)
+    "stride0": (lambda doc: _stride0(doc), "is stored as torch.float32 [100000, 100000]"),
+    "shape": (lambda doc: _transposed(doc), "[4, 3] but the program uses it as torch.float32 [3, 4]"),
+    "dtype": (lambda doc: _as_int32(doc), "stored as torch.int32"),
+}
+
+
+@pytest.fixture(scope="module")
+def refusals(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The hostile files of the size-expression, weights and stride-0 tests, each in its own folder, and every
+    CLI call on them run in one fresh memory-limited process (:func:`run_cli_many`); ``"dirs"`` holds the
+    folders, ``"threat"`` whether torch's own loader ran the planted code (``"calls"``: the results by key)."""
+    root = tmp_path_factory.mktemp("refusals")
+    calls: dict[str, list[object]] = {}
+    dirs: dict[str, Path] = {}
+    threat: dict[str, bool] = {}
+    for i, name in enumerate(HOSTILE_SIZES):
+        d = dirs[f"size-{name}"] = root / f"size{i}"
+        d.mkdir()
+        marker = d / "pwned"
+        expr = ESCAPES[name].replace(EXEC, f"(exec)({_chrs(f'open({str(marker)!r},chr(119))')})")
+        path = rebuild(base, d / "sym.pt2", {P: json_edit(first_size(expr))})
+        if name == "parenthesised callee":  # the threat is real: sympify runs it
+            with contextlib.suppress(Exception):
+                torch.export.load(str(path))
+            threat[name] = marker.exists()
+            marker.unlink(missing_ok=True)
+        calls[f"size-{name}-convert"] = ["convert", path, "-o", d / "out.pt2"]
+        calls[f"size-{name}-inspect"] = ["inspect", path]
+    for case, (edit, _) in WEIGHT_EDITS.items():
+        d = dirs[f"weights-{case}"] = root / f"weights-{case}"
+        d.mkdir()
+        path = rebuild(base, d / "w.pt2", {W: json_edit(edit)})
+        calls[f"weights-{case}"] = ["convert", path, "-o", d / "out.pt2"]
+    d = dirs["stride0-view"] = root / "stride0-view"
+    d.mkdir()
+    path = rebuild(base, d / "w.pt2", {W: json_edit(_stride0), P: json_edit(_stride0_program)})
+    calls["stride0-view"] = ["convert", path, "-o", d / "out.pt2"]
+    from tests.test_security import saved
+
+    d = dirs["expanded"] = root / "expanded"
+    d.mkdir()
+    huge = torch.zeros(4).expand(300_000_000, 4)
+    path = rebuild(base, d / "s.pt2", {"data/sample_inputs/model.pt": lambda _: saved(((huge,), {}))})
+    calls["expanded"] = ["convert", path, "-o", d / "out.pt2"]
+    return {"calls": run_cli_many(calls, root), "dirs": dirs, "threat": threat}
+
+
+@pytest.mark.parametrize("name", HOSTILE_SIZES)
+def test_hostile_size_expression_is_refused(name: str, refusals: dict[str, Any]) -> None:
+    d = refusals["dirs"][f"size-{name}"]
+    if name == "parenthesised callee":
+        assert refusals["threat"][name]  # torch.export.load ran the planted code (the marker was written)
+    for call in ("convert", "inspect"):
+        assert_refused_call(refusals["calls"], f"size-{name}-{call}", "the size expression")
+    assert not (d / "pwned").exists() and not (d / "out.pt2").exists()
 
 
 def _chrs(text: str) -> str:
@@ -293,31 +368,16 @@ def _as_int32(doc: dict) -> None:
     doc["config"]["lin.weight"]["tensor_meta"]["dtype"] = _TORCH_TO_SERIALIZE_DTYPE[torch.int32].value
 
 
-@pytest.mark.parametrize(
-    ("edit", "needle"),
-    [(_stride0, "is stored as torch.float32 [100000, 100000]"),
-     (_transposed, "[4, 3] but the program uses it as torch.float32 [3, 4]"),
-     (_as_int32, "stored as torch.int32")],
-    ids=["stride0", "shape", "dtype"],
-)  # fmt: skip
-def test_weights_must_match_the_program(edit, needle: str, base: Path, tmp_path: Path) -> None:
-    path = rebuild(base, tmp_path / "w.pt2", {W: json_edit(edit)})
-    res, wall = run_cli("convert", path, "-o", tmp_path / "out.pt2", cwd=tmp_path)
-    assert_refused(res, needle)
-    assert wall < 60 and not (tmp_path / "out.pt2").exists()
+@pytest.mark.parametrize("case", list(WEIGHT_EDITS))
+def test_weights_must_match_the_program(case: str, refusals: dict[str, Any]) -> None:
+    assert_refused_call(refusals["calls"], f"weights-{case}", WEIGHT_EDITS[case][1])
+    assert not (refusals["dirs"][f"weights-{case}"] / "out.pt2").exists()
 
 
-def test_stride0_view_the_program_agrees_with_is_refused(base: Path, tmp_path: Path) -> None:
-    path = rebuild(base, tmp_path / "w.pt2", {W: json_edit(_stride0), P: json_edit(_stride0_program)})
-    res, wall = run_cli("convert", path, "-o", tmp_path / "out.pt2", cwd=tmp_path)
-    assert_refused(res, "stride-0 or overlapping view")
-    assert wall < 60 and not (tmp_path / "out.pt2").exists()
+def test_stride0_view_the_program_agrees_with_is_refused(refusals: dict[str, Any]) -> None:
+    assert_refused_call(refusals["calls"], "stride0-view", "stride-0 or overlapping view")
+    assert not (refusals["dirs"]["stride0-view"] / "out.pt2").exists()
 
 
-def test_expanded_example_input_is_refused(base: Path, tmp_path: Path) -> None:
-    from tests.test_security import saved
-
-    huge = torch.zeros(4).expand(300_000_000, 4)
-    path = rebuild(base, tmp_path / "s.pt2", {"data/sample_inputs/model.pt": lambda _: saved(((huge,), {}))})
-    res, _ = run_cli("convert", path, "-o", tmp_path / "out.pt2", cwd=tmp_path)
-    assert_refused(res, "stride-0 or overlapping view")
+def test_expanded_example_input_is_refused(refusals: dict[str, Any]) -> None:
+    assert_refused_call(refusals["calls"], "expanded", "stride-0 or overlapping view")

@@ -3,7 +3,8 @@ malformed user data, and what a manifest may do. Every hostile input is built he
 
 The CLI runs in a fresh process under a 3 GiB address-space limit (``RLIMIT_AS``). To keep the file fast on a
 loaded machine, :func:`run_many` starts one interpreter for many CLI calls (each call's stdout, stderr,
-exit code and seconds come back as JSON); a run that can crash the interpreter (migrate) gets its own.
+exit code and seconds come back as JSON; the five refusal tests share one, the module fixture ``batched``);
+a run that can crash the interpreter (migrate) gets its own.
 Every refusal must be: exit 2, exactly one line on stderr, no traceback, no warning, nothing written.
 """
 
@@ -17,6 +18,7 @@ import sys
 import time
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -96,6 +98,29 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def batched(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The CLI calls of the five refusal tests below, each test's files in its own folder, all run in ONE
+    fresh memory-limited interpreter (:func:`run_many`: one start-up instead of five). By test key:
+    (folder, what the test needs of its set-up, its calls' results); ``"calls"``: the calls by key."""
+    root = tmp_path_factory.mktemp("batched")
+    setups = {"hostile": _hostile_calls, "outputs": _outputs_calls, "defaults": _defaults_calls,
+              "batch": _batch_calls, "golden": _golden_calls}  # fmt: skip
+    calls: list[list[object]] = []
+    spans, context, by_key = {}, {}, {}
+    for key, setup in setups.items():
+        folder = root / key
+        folder.mkdir()
+        mine, extra = setup(model, folder)
+        spans[key] = (len(calls), len(calls) + len(mine))
+        calls += mine
+        context[key] = (folder, extra)
+        by_key[key] = mine
+    results = run_many(calls, root)
+    out: dict[str, Any] = {k: (*context[k], results[a:b]) for k, (a, b) in spans.items()}
+    return {**out, "calls": by_key}
+
+
 def _npy(descr: str, shape: tuple[int, ...], data: bytes = b"") -> bytes:
     header = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}"
     header += " " * (63 - (10 + len(header)) % 64) + "\n"
@@ -142,7 +167,7 @@ def hostile_inputs(d: Path) -> dict[str, Path]:
     return files
 
 
-def test_hostile_input_files_are_refused_in_bounded_time_and_memory(model: Path, tmp_path: Path) -> None:
+def _hostile_calls(model: Path, tmp_path: Path) -> tuple[list[list[object]], Any]:
     files = hostile_inputs(tmp_path / "in")
     names = list(files)
     calls = [["convert", model, "--inputs", files[n], "-o", tmp_path / f"{n}.pt2"] for n in names]
@@ -151,7 +176,11 @@ def test_hostile_input_files_are_refused_in_bounded_time_and_memory(model: Path,
     (data_dir / "a.pt").write_bytes(files["expand"].read_bytes())
     calls.append(["check", model, "--data", data_dir, "--report", tmp_path / "rep"])
     calls.append(["convert", model, "--calib", data_dir, "-o", tmp_path / "calib.pt2"])
-    results = run_many(calls, tmp_path)
+    return calls, names
+
+
+def test_hostile_input_files_are_refused_in_bounded_time_and_memory(batched: dict) -> None:
+    tmp_path, names, results = batched["hostile"]
     for name, res in zip([*names, "data", "calib"], results, strict=True):
         assert_refused(res, "inputs file", max_seconds=15)
         assert "amplite bug" not in res["err"], name
@@ -179,7 +208,7 @@ def _digest(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
-def test_outputs_never_overwrite_inputs_or_each_other(model: Path, tmp_path: Path) -> None:
+def _outputs_calls(model: Path, tmp_path: Path) -> tuple[list[list[object]], Any]:
     d = tmp_path / "w"
     d.mkdir()
     m = d / "m.pt2"
@@ -210,7 +239,12 @@ def test_outputs_never_overwrite_inputs_or_each_other(model: Path, tmp_path: Pat
         ["batch", zoo, "-o", zoo],
         ["batch", zoo, "-o", d / "zoo" / "m.pt2"],
     ]
-    results = run_many(calls, tmp_path)
+    return calls, (d, before)
+
+
+def test_outputs_never_overwrite_inputs_or_each_other(batched: dict) -> None:
+    _, (d, before), results = batched["outputs"]
+    calls = batched["calls"]["outputs"]
     expected = ["is the model", "is the model", "the same path", "is the model", "is the model",
                 "is the --inputs file", "is the model", "amplite did not write", "is the model", "the same path",
                 "holds the model", "not written by amplite", "is the model"]  # fmt: skip
@@ -221,10 +255,14 @@ def test_outputs_never_overwrite_inputs_or_each_other(model: Path, tmp_path: Pat
     assert not (d / "out.pt2").exists() and not list(d.glob("*.report.json"))
 
 
-def test_default_names_are_reused_only_for_amplite_s_own_output(model: Path, tmp_path: Path) -> None:
+def _defaults_calls(model: Path, tmp_path: Path) -> tuple[list[list[object]], Any]:
     m = tmp_path / "m.pt2"
     m.write_bytes(model.read_bytes())
-    first, again = run_many([["convert", m, "--no-verify"], ["convert", m, "--no-verify"]], tmp_path)
+    return [["convert", m, "--no-verify"], ["convert", m, "--no-verify"]], m
+
+
+def test_default_names_are_reused_only_for_amplite_s_own_output(batched: dict) -> None:
+    tmp_path, m, (first, again) = batched["defaults"]
     assert first["rc"] == 0 and again["rc"] == 0, (first, again)  # re-running replaces amplite's own output
     assert (tmp_path / "m.fp16.O1.pt2").is_file() and (tmp_path / "m.fp16.O1.report.json").is_file()
     (tmp_path / "m.fp16.O1.report.json").unlink()  # now nothing says amplite wrote m.fp16.O1.pt2
@@ -317,7 +355,7 @@ def test_a_manifest_cannot_name_code_without_trust_code(model: Path, tmp_path: P
     assert not (tmp_path / "pwned").exists()
 
 
-def test_batch_cli_refuses_code_in_a_manifest_and_malformed_user_data(model: Path, tmp_path: Path) -> None:
+def _batch_calls(model: Path, tmp_path: Path) -> tuple[list[list[object]], Any]:
     (tmp_path / "evil.py").write_text(EVIL.replace("MARKER", str(tmp_path / "pwned")))
     code = tmp_path / "code.toml"
     code.write_text(f'[[model]]\nname = "m"\npath = "{model}"\nimport_modules = ["evil"]\n')
@@ -332,7 +370,12 @@ def test_batch_cli_refuses_code_in_a_manifest_and_malformed_user_data(model: Pat
     calls = [["batch", code, "-o", tmp_path / "out"], ["batch", ints, "-o", tmp_path / "out"]]
     calls += [["batch", "merge", s, "-o", tmp_path / "merged"] for s in shards]
     calls.append(["batch", "merge", shards[0], "-o", shards[0]])  # the merged summary onto the shard's own
-    results = run_many(calls, tmp_path)
+    return calls, None
+
+
+def test_batch_cli_refuses_code_in_a_manifest_and_malformed_user_data(batched: dict) -> None:
+    tmp_path, _, results = batched["batch"]
+    results = list(results)
     assert_refused(results.pop(), "is the summary of shard")
     assert_refused(results[0], "--trust-code", "import_modules")
     assert_refused(results[1], "not a table")
@@ -342,7 +385,7 @@ def test_batch_cli_refuses_code_in_a_manifest_and_malformed_user_data(model: Pat
     assert not (tmp_path / "merged").exists()
 
 
-def test_golden_and_baseline_files_of_the_wrong_shape_are_refused(model: Path, tmp_path: Path) -> None:
+def _golden_calls(model: Path, tmp_path: Path) -> tuple[list[list[object]], Any]:
     from amplite.gate import make_golden
 
     gold = make_golden(model, (torch.randn(2, 4),), output=tmp_path / "gold")
@@ -374,7 +417,11 @@ def test_golden_and_baseline_files_of_the_wrong_shape_are_refused(model: Path, t
         baselines.append(b)
     calls = [["check", model, "--golden", d, "--no-layerwise"] for d in dirs]
     calls += [["check", model, "--baseline", b, "--no-layerwise"] for b in baselines]
-    results = run_many(calls, tmp_path)
+    return calls, (dirs, baselines)
+
+
+def test_golden_and_baseline_files_of_the_wrong_shape_are_refused(batched: dict) -> None:
+    _, (dirs, baselines), results = batched["golden"]
     for res in results[: len(dirs)]:
         assert_refused(res, "golden")
     assert "only plain file names" in results[0]["err"] and "is a symlink" in results[-len(baselines) - 1]["err"]
