@@ -239,7 +239,7 @@ class ConvertOptions:
         described = self.described()
         if unused := [n for n in self.given() if path not in described[n].paths]:
             what, fix = _PATH_TEXT[path]
-            raise ConfigError(f"{', '.join(unused)} do(es) not apply to {what}", fix)
+            raise ConfigError(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to {what}", fix)
         return self
 
     def spec(self) -> ConvertSpec:

@@ -134,9 +134,10 @@ def test_check_converted_bf16_file_is_judged_as_bf16(cli, tmp_path: Path) -> Non
     assert data["verification"]["tolerance"]["min_sqnr_db"] == 25.0  # bf16's default, not fp16's 40
     api = check(model, inputs, converted=conv, layerwise=False).report.data
     assert api["config"]["precision"] == "bf16" and api["config"]["level"] == "O2"
-    # an explicit --precision still wins
+    # a --precision that contradicts what the file records is refused (the report would misstate the file);
+    # a stricter bar is --tolerance
     res = cli("check", src, "--converted", conv, "-p", "fp16", "--report", tmp_path / "rep2", "--no-layerwise")
-    assert json.loads((tmp_path / "rep2/report.json").read_text())["config"]["precision"] == "fp16"
+    assert res.exit_code == 2 and "does not match" in res.stderr and not (tmp_path / "rep2").exists()
 
 
 def test_grad_on_a_batchnorm_cnn_compares_every_parameter(cli, tmp_path: Path) -> None:

@@ -91,7 +91,7 @@ class CheckSettings:
         """Refuse the settings in ``names`` (field -> flag) that are set, for a path that has no use for them."""
         given = [flag for field, flag in names.items() if getattr(self, field)]
         if given:
-            raise ConfigError(f"{', '.join(given)} do(es) not apply to {what}", fix)
+            raise ConfigError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply to {what}", fix)
 
     def batches(self, example: Any) -> list:
         """The data batches (from the example's shapes for random ones when no spec is given)."""
