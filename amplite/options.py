@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 
 from amplite.errors import ConfigError
-from amplite.levels import Level
+from amplite.levels import Level, precision_dtype, precision_name
 from amplite.passes.range_guard import RangeRules
 from amplite.policy import Override
 from amplite.spec import ConvertSpec
@@ -266,8 +266,6 @@ class ConvertOptions:
     @property
     def precision_name(self) -> str:
         """``fp16`` or ``bf16`` (``ConfigError`` for anything else)."""
-        from amplite.levels import precision_dtype, precision_name
-
         return precision_name(precision_dtype(self.precision)) if self.precision is not None else "fp16"
 
     def for_reference(self) -> ConvertOptions:

@@ -69,12 +69,13 @@ def defaults_from_options(
         ConfigError: An option a batch cannot take (a tolerance object, calibration batches in memory).
     """
     from amplite.ops.fusion_default import resolve
+    from amplite.verify.data import is_loader_spec
 
     described = ConvertOptions.described()
     given: dict[str, Any] = {}
     for name, value in (conversion or ConvertOptions()).given().items():
         if name == "calibration" and isinstance(value, (str, Path)):
-            key = "calib" if isinstance(value, Path) or ":" not in str(value) else "calib_loader"
+            key = "calib_loader" if is_loader_spec(value) else "calib"
             given[key] = str(Path(value).resolve()) if key == "calib" else value
         elif described[name].kind in ("none", "tolerance"):
             raise ConfigError(f"batch defaults cannot hold {name}={value!r}", "set it in the manifest instead")

@@ -89,6 +89,11 @@ def batches_from_loader(spec: str, max_batches: int = 64, option: str = "--data-
     return batches
 
 
+def is_loader_spec(source: str | Path) -> bool:
+    """Whether a calibration source names a ``module:function`` loader rather than a directory of batches."""
+    return not (isinstance(source, Path) or Path(source).is_dir() or ":" not in str(source))
+
+
 def calibration_batches(calibration: Any) -> list[Inputs] | None:
     """The range rules' calibration batches: given (an iterable of batches), read from a directory
     (``--calib DIR``, as ``--data``), or from a ``module:function`` loader (``--calib-loader``)."""
@@ -97,7 +102,7 @@ def calibration_batches(calibration: Any) -> list[Inputs] | None:
     if calibration is None:
         return None
     if isinstance(calibration, (str, Path)):
-        if isinstance(calibration, Path) or Path(calibration).is_dir() or ":" not in str(calibration):
+        if not is_loader_spec(calibration):
             return [b for _, b in batches_from_dir(calibration, option="--calib")]
         return [b for _, b in batches_from_loader(str(calibration), option="--calib-loader")]
     return [b for b in map(normalize_inputs, calibration) if b is not None]
