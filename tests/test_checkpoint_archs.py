@@ -52,7 +52,6 @@ def test_moe_experts_are_stored_low_at_o2(tmp_path: Path) -> None:
 
 
 def test_tied_weights_are_stored_once_in_the_pt2(tmp_path: Path) -> None:
-
     run_one("gpt2", "bf16", "O2", tmp_path)
     pt2 = tmp_path / "gpt2.bf16.O2.pt2"
     with zipfile.ZipFile(pt2) as zf:
