@@ -256,10 +256,11 @@ def test_from_file_overwrite_runs_with_torch_and_is_refused(base: Path, tmp_path
     torch.export.load(str(path)).module()(torch.randn(2, 4))
     assert victim.read_bytes() == b"B" * 8  # the threat is real
     victim.write_bytes(b"A" * 8)
-    for args in (("convert", path, "-o", tmp_path / "out.pt2"), ("inspect", path),
-                 ("check", path, "--report", tmp_path / "report")):  # fmt: skip
-        res, _ = run_cli(*args, cwd=tmp_path)
-        assert_refused(res, "aten::from_file")
+    calls = {"convert": ["convert", path, "-o", tmp_path / "out.pt2"], "inspect": ["inspect", path],
+             "check": ["check", path, "--report", tmp_path / "report"]}  # fmt: skip
+    got = run_cli_many(calls, cwd=tmp_path)
+    for key in calls:
+        assert_refused_call(got, key, "aten::from_file")
     assert victim.read_bytes() == b"A" * 8 and not (tmp_path / "out.pt2").exists()
 
 
