@@ -134,7 +134,7 @@ class StreamedConversion:
         Raises:
             ConfigError: A bad format or an existing output directory / unwritable path.
         """
-        from amplite.checkpoint.outputs import _remove, check_outputs, plan_checkpoint_outputs, write_outputs
+        from amplite.checkpoint.outputs import _remove, _size, check_outputs, plan_checkpoint_outputs, write_outputs
 
         level = str(self.data.get("config", {}).get("level", "O2"))
         precision = str(self.data.get("config", {}).get("precision", "fp16"))
@@ -147,7 +147,7 @@ class StreamedConversion:
             for p in written:
                 _remove(p)
             raise
-        fresh = [{"format": f, "path": str(p)} for f, p in targets]
+        fresh = [{"format": f, "path": str(p), "bytes": _size(p)} for f, p in targets]
         # earlier saves stay listed, as for a module's result
         self.report.attach((self.report.section(Outputs) or Outputs.of([])).with_entries(*fresh))
         if verify:
