@@ -131,6 +131,9 @@ class Report:
         other._header, other._sections = self._header, dict(self._sections)
         return other
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Report:
+        return self.copy()
+
     @property
     def passed(self) -> bool | None:
         """Verification verdict (None when verification was skipped)."""

@@ -51,6 +51,12 @@ class Section:
         """The section's JSON value: a plain, writable copy."""
         return thaw(self.value)
 
+    def __copy__(self) -> Section:
+        return self  # immutable: a copy is the section itself
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Section:
+        return self
+
 
 def _rounded(seconds: Mapping[str, float]) -> dict[str, float]:
     return {k: round(float(v), 4) for k, v in seconds.items()}
