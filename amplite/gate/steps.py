@@ -15,11 +15,11 @@ from amplite.errors import ConfigError, ExportError, InputSpecError
 from amplite.levels import precision_dtype
 from amplite.options import ConvertOptions
 from amplite.report.document import Report
-from amplite.report.sections import Baseline, Gradients, Layerwise, Ranges
+from amplite.report.sections import Baseline, Config, Fp32Nodes, Gradients, Graph, Layerwise, Plan, Ranges, Weights
 from amplite.verify import data as data_mod
 from amplite.verify import golden as golden_mod
 from amplite.verify.compare import DEFAULT_TOLERANCES, OutputMetrics, Tolerance, compare_batches
-from amplite.verify.converted import infer_precision, load_converted, report_for_converted
+from amplite.verify.converted import converted_facts, infer_precision, load_converted
 
 OTHER_MODEL = "this golden directory was made from another model: pass the right --golden or regenerate it"
 
@@ -73,10 +73,22 @@ def pair(model: Any, example_inputs: Any, converted: Any, options: ConvertOption
         conv_prog = load_converted(converted)
         recorded = read_conversion(converted) if isinstance(converted, (str, Path)) else None
         precision = _converted_precision(options, recorded, conv_prog, converted)
-        report = Report(report_for_converted(result.report.data, conv_prog, converted, precision, recorded))
-        pair = Pair(result.original, conv_prog, report, precision, result.inputs)
+        facts = converted_facts(conv_prog, converted, precision, recorded)
+        pair = Pair(result.original, conv_prog, converted_report(result.report, facts), precision, result.inputs)
     timings["convert"] = perf_counter() - start
     return pair
+
+
+def converted_report(reference: Report, facts: Any) -> Report:
+    """The report of a converted file: the reference's sections, with what the converted file shows
+    (:class:`~amplite.verify.converted.ConvertedFacts`) in ``config``, ``plan``, ``fp32_nodes``, ``graph``
+    and ``weights``."""
+    ref = reference.data
+    report = reference.copy()
+    report.attach(Config.of({**ref["config"], **facts.config}))
+    report.attach(Plan.of(facts.plan)).attach(Fp32Nodes.of(facts.plan))
+    report.attach(Graph.of(ref["graph"]["before"], facts.graph_after))
+    return report.attach(Weights.of(ref["weights"]["bytes_before"], facts.weight_bytes))
 
 
 def _converted_precision(options: ConvertOptions, recorded: dict[str, Any] | None, program: ExportedProgram,
