@@ -33,6 +33,7 @@ from amplite.ops import backend_description
 from amplite.options import ConvertOptions, Loading, Verification, keyword_signature
 from amplite.policy import Level
 from amplite.report.document import Report, build_report
+from amplite.report.sections import Budget, Build, Estimate, Source
 from amplite.result import ConversionResult
 from amplite.spec import ConvertSpec
 from amplite.verify.budget import fallback_search as search_budget
@@ -130,8 +131,8 @@ def convert_spec(
             return convert_spec(program, inputs, chosen, Verification(tolerance=tolerance), Loading(), calibration,
                                 reference)  # fmt: skip
 
-        result = search_budget(result, spec, convert=again, max_trials=check.max_trials)
-        result.report.data["source"] = report.data["source"]
+        result, budget = search_budget(result, spec, convert=again, max_trials=check.max_trials)
+        result.report.attach(Budget.of(budget)).attach(report.section(Source))
     return result
 
 
@@ -230,9 +231,8 @@ def _report(
         tolerance=tolerance,
         timings=timings,
         warnings=warnings,
+        extra=(Estimate.of(predicted), Build.of(dict(out.build))),
     )
-    report.data["estimate"] = predicted
-    report.data["build"] = dict(out.build)
     return report
 
 

@@ -20,6 +20,7 @@ from amplite.converter.pipeline import PipelineOutput
 from amplite.converter.tracing import Inputs
 from amplite.report.document import Report
 from amplite.report.schema import report_json
+from amplite.report.sections import Outputs, Timings, VerificationAoti, VerificationOnnx
 from amplite.verify.compare import Tolerance
 
 
@@ -100,9 +101,9 @@ class ConversionResult:
         else:
             out = emit.save_program(self.program, path, self.recorded_conversion())
             entry = {"format": "pt2", "path": str(out), "bytes": out.stat().st_size}
-        self.report.data["timings"][f"save_{fmt}"] = round(perf_counter() - start, 4)
-        saved = [e for e in self.report.data.get("outputs", []) if e["path"] != entry["path"]]
-        self.report.data["outputs"] = [*saved, entry]
+        report = self.report
+        report.attach(report.section(Timings).add(**{f"save_{fmt}": perf_counter() - start}))
+        report.attach((report.section(Outputs) or Outputs.of([])).with_entries(entry))
         return out
 
     def _save_aoti(self, path: str | Path) -> tuple[Path, dict]:
@@ -111,7 +112,7 @@ class ConversionResult:
         package = package_aoti(self.program, path)
         if self.tolerance is not None and self.reference is not None:
             checked = verify_aoti(package.path, self.reference, self.inputs, self.tolerance)
-            self.report.data["verification_aoti"] = checked.to_dict()
+            self.report.attach(VerificationAoti.of(checked.to_dict()))
         return Path(package.path), package.to_dict()
 
     def _save_onnx(
@@ -133,5 +134,5 @@ class ConversionResult:
         out = Path(info.path)
         if self.tolerance is not None and self.reference is not None:
             checked = verify_onnx(out, self.reference, self.inputs, self.tolerance)
-            self.report.data["verification_onnx"] = checked.to_dict()
+            self.report.attach(VerificationOnnx.of(checked.to_dict()))
         return out, {"format": "onnx", **info.to_dict()}

@@ -115,7 +115,7 @@ def test_batch_writes_valid_reports(tmp_path: Path) -> None:
 
 def _valid_report() -> dict:
     model, inputs = zoo.make("mlp")
-    return amplite.convert(model, inputs, level="O1").report.data
+    return amplite.convert(model, inputs, level="O1").report.to_dict()  # a writable copy: the tests plant values
 
 
 def test_a_planted_invalid_report_fails_naming_the_key(tmp_path: Path) -> None:

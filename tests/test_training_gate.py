@@ -93,7 +93,7 @@ def test_train_gate_uses_the_models_own_loss_on_labelled_batches():
         ids = torch.randint(0, 64, (2, 12), generator=g)
         batches.append((f"b{i}", ((), {"input_ids": ids, "labels": ids})))
     report, reasons = train_check(model, None, batches, steps=8, lr=3e-3, precision="bf16", level="O2")
-    t = report["training"]
+    t = report.data["training"]
     assert t["loss"] == "the model's own loss", t["loss"]
     ref = copy.deepcopy(model).train()  # the FP32 curve is the model's language-model loss, and it falls
     torch.manual_seed(0)  # the gate's seed for step 0 (the same dropout mask)

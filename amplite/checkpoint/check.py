@@ -14,18 +14,19 @@ from typing import Any
 
 from amplite.checkpoint.convert import StreamedConversion, _on_meta, convert_checkpoint
 from amplite.options import ConvertOptions
+from amplite.report.document import Report
 from amplite.verify.compare import parse_tolerance
 
 
 def check_checkpoint(
     path: str | Path, example_inputs: Any = None, *, tolerance: Any = None,
-    check_more: Callable[[dict[str, Any], Path], list[str]] | None = None, options: ConvertOptions | None = None,
+    check_more: Callable[[Report, Path], list[str]] | None = None, options: ConvertOptions | None = None,
     **changes: Any,
 ) -> tuple[StreamedConversion, list[str]]:
     """Convert, write to a temporary directory, verify block by block; the conversion and failure reasons.
 
     The conversion options are those of ``amplite.convert(DIR)`` (any other one given is refused).
-    ``check_more(report data, written directory)`` then runs on the written directory (the generation check)
+    ``check_more(report, written directory)`` then runs on the written directory (the generation check)
     and returns its failure reasons.
     """
     conv = convert_checkpoint(path, example_inputs, options=ConvertOptions.of(options, **changes))
@@ -35,7 +36,7 @@ def check_checkpoint(
     with tempfile.TemporaryDirectory(prefix=".amplite-check.") as tmp:
         out = conv.save_safetensors(Path(tmp) / "converted")
         section = conv.verify(out, real, tolerance=tol)
-        more = check_more(conv.data, out) if check_more is not None else []
+        more = check_more(conv.report, out) if check_more is not None else []
     reasons = []
     for o in section["outputs"]:
         if not o["passed"]:

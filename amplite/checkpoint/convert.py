@@ -31,7 +31,8 @@ from amplite.levels import LEVEL_ENV, resolve_level
 from amplite.options import ConvertOptions
 from amplite.passes.range_guard import RangeRules, weight_reason
 from amplite.policy import Level, PrecisionPolicy, make_overrides
-from amplite.report.document import pass_records, report_header
+from amplite.report.document import build_report
+from amplite.report.sections import Source, WeightRules
 
 __all__ = ["Progress", "StreamedConversion", "_no_progress", "_on_meta", "convert_checkpoint", "random_inputs"]
 
@@ -107,28 +108,26 @@ def convert_checkpoint(
     dtypes = {name: t.dtype for name, t in [*out.converted.state_dict.items(), *out.converted.constants.items()]
               if isinstance(t, torch.Tensor)}  # fmt: skip
     dtypes.update(storage_dtypes(ckpt, keys, dtypes))
-    conv = StreamedConversion(ckpt, out, dtypes, buffers, keys)
     after = sum(math.prod(i.shape) * dtypes[n].itemsize for n, i in ckpt.tensors.items())
     applied = bool(flagged or use_rules)
-    conv.data = {
-        **report_header(),
-        "source": {"path": str(ckpt.path), "format": "checkpoint", "shards": len(ckpt.shards)},
-        "config": {"precision": precision, "level": lvl.value, "keep_fp32": list(keep_fp32),
-                   "force_low": list(force_low), "low_precision_io": low_precision_io,
-                   "range_rules": vars(RangeRules()) if applied else None,
-                   **({"range_rules_scope": "weights only (streamed statistics)"} if applied else {})},
-        "passes": pass_records(out.records),
-        "weight_rules": [{"module": m, "reason": r} for m, r in flagged.items()],
-        "graph": {"before": graph_stats(out.original.graph, policy.low_dtype),
-                  "after": graph_stats(out.converted.graph, policy.low_dtype)},
-        "weights": {"bytes_before": ckpt.total_bytes, "bytes_after": after,
-                    "ratio": round(after / ckpt.total_bytes, 4) if ckpt.total_bytes else 1.0},
-        "fp32_nodes": [p for p in out.plan if p["mode"] == "fp32"],
-        "plan": out.plan,
-        "warnings": storage_warnings(ckpt, keys, dtypes, lvl),
-        "timings": timings,
-    }  # fmt: skip
-    return conv
+    report = build_report(
+        source=Source.of(ckpt.path, "checkpoint", shards=len(ckpt.shards)),
+        config={"precision": precision, "level": lvl.value, "keep_fp32": list(keep_fp32),
+                "force_low": list(force_low), "low_precision_io": low_precision_io,
+                "range_rules": vars(RangeRules()) if applied else None,
+                **({"range_rules_scope": "weights only (streamed statistics)"} if applied else {})},
+        records=out.records,
+        plan=out.plan,
+        stats_before=graph_stats(out.original.graph, policy.low_dtype),
+        stats_after=graph_stats(out.converted.graph, policy.low_dtype),
+        weights=(ckpt.total_bytes, after),
+        metrics=None,
+        tolerance=None,
+        timings=timings,
+        warnings=storage_warnings(ckpt, keys, dtypes, lvl),
+        extra=(WeightRules.of(flagged),),
+    )  # fmt: skip
+    return StreamedConversion(ckpt, out, dtypes, buffers, keys, report)
 
 
 def _check_constants(program: ExportedProgram, keys: KeyMap, buffers: dict[str, torch.Tensor]) -> None:

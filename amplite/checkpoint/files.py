@@ -32,7 +32,8 @@ from amplite.checkpoint.outputs import (
 from amplite.converter import emit
 from amplite.errors import ConfigError
 from amplite.options import ConvertOptions
-from amplite.report.schema import write_report
+from amplite.report.document import Report
+from amplite.report.sections import Outputs, Streaming
 
 
 def checkpoint_to_files(
@@ -44,13 +45,13 @@ def checkpoint_to_files(
     report: str | Path | None = None,
     verify_max_memory: float | None = None,
     progress: Progress = _no_progress,
-    check_more: Callable[[dict[str, Any], Path], Any] | None = None,
+    check_more: Callable[[Report, Path], Any] | None = None,
     options: ConvertOptions | None = None,
     **changes: Any,
 ) -> tuple[StreamedConversion, list[Path], Path]:
     """Convert a checkpoint directory and write its outputs and report.json.
 
-    ``check_more(report data, safetensors directory)`` runs after block-wise verification (with ``verify``)
+    ``check_more(report, safetensors directory)`` runs after block-wise verification (with ``verify``)
     and may add to the report (``amplite.llm.checkpoint.GenerationCheck``: the generation check); it needs
     a safetensors output, which is checked before anything is converted.
 
@@ -87,15 +88,14 @@ def checkpoint_to_files(
             conv.verify(weights, real, tolerance=tolerance, max_memory_gb=verify_max_memory, progress=progress)
         streamed_peak = peak_rss_bytes()  # before check_more, which may load whole models
         if verify and check_more is not None:
-            check_more(conv.data, weights)
+            check_more(conv.report, weights)
     except BaseException:
         for path in written:
             _remove(path)
         raise
     finally:
         _restore_sigterm(previous)
-    conv.data["outputs"] = [{"format": f, "path": str(p), "bytes": _size(p)} for f, p in targets]
-    conv.data["streaming"] = {"peak_rss_bytes": streamed_peak, "largest_shard_bytes":
-                                conv.checkpoint.largest_shard_bytes, "shards": len(conv.checkpoint.shards)}  # fmt: skip
-    write_report(report_path, conv.data)
+    conv.report.attach(Outputs.of([{"format": f, "path": str(p), "bytes": _size(p)} for f, p in targets]))
+    conv.report.attach(Streaming.of(streamed_peak, conv.checkpoint.largest_shard_bytes, len(conv.checkpoint.shards)))
+    conv.report.save(report_path)
     return conv, written, report_path

@@ -7,7 +7,7 @@ weights, its plan, where each weight comes from) and what it does: write the out
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
@@ -23,6 +23,7 @@ from amplite.checkpoint.write import Pt2Weights, cast_tensor, write_pt2, write_s
 from amplite.converter.pipeline import PipelineOutput
 from amplite.errors import ConfigError
 from amplite.report.document import Report
+from amplite.report.sections import Outputs, Timings, Verification
 from amplite.verify.compare import DEFAULT_TOLERANCES, Tolerance
 
 Progress = Callable[[str, int, int], None]  # (step, bytes done, bytes total)
@@ -42,7 +43,8 @@ class StreamedConversion:
         dtypes: Tensor name -> storage dtype in the output.
         buffers: Real values of the buffers the model computes itself (not in the shards).
         keys: Which shard tensors make each model tensor (transformers' own mapping).
-        data: The report document (``report.json``); :attr:`report` wraps it.
+        report: The report (``report.data`` is report.json), built by :func:`~amplite.checkpoint.convert.
+            convert_checkpoint` from the same section builders as a module's.
     """
 
     checkpoint: Checkpoint
@@ -50,12 +52,12 @@ class StreamedConversion:
     dtypes: dict[str, torch.dtype]
     buffers: dict[str, torch.Tensor]
     keys: KeyMap
-    data: dict[str, Any] = field(default_factory=dict)
+    report: Report = field(default_factory=Report)
 
     @property
-    def report(self) -> Report:
-        """The report (``report.data`` is report.json)."""
-        return Report(self.data)
+    def data(self) -> Mapping[str, Any]:
+        """The report document (``report.json``), read-only: ``report.data``."""
+        return self.report.data
 
     @property
     def passed(self) -> bool | None:
@@ -132,7 +134,7 @@ class StreamedConversion:
         Raises:
             ConfigError: A bad format or an existing output directory / unwritable path.
         """
-        from amplite.checkpoint.outputs import _remove, check_outputs, plan_checkpoint_outputs, write_outputs
+        from amplite.checkpoint.outputs import _remove, _size, check_outputs, plan_checkpoint_outputs, write_outputs
 
         level = str(self.data.get("config", {}).get("level", "O2"))
         precision = str(self.data.get("config", {}).get("precision", "fp16"))
@@ -145,9 +147,9 @@ class StreamedConversion:
             for p in written:
                 _remove(p)
             raise
-        fresh = [{"format": f, "path": str(p)} for f, p in targets]
-        kept = [e for e in self.data.get("outputs", []) if e.get("path") not in {x["path"] for x in fresh}]
-        self.data["outputs"] = [*kept, *fresh]  # earlier saves stay listed, as for a module's result
+        fresh = [{"format": f, "path": str(p), "bytes": _size(p)} for f, p in targets]
+        # earlier saves stay listed, as for a module's result
+        self.report.attach((self.report.section(Outputs) or Outputs.of([])).with_entries(*fresh))
         if verify:
             self.verify(next((p for f, p in targets if f == "safetensors"), targets[0][1]), inputs, progress=progress)
         return written[0]
@@ -217,8 +219,8 @@ class StreamedConversion:
             tolerance or DEFAULT_TOLERANCES[precision],
             max_memory=max_memory_gb * 2**30 if max_memory_gb is not None else None, progress=progress,
         )  # fmt: skip
-        self.data["timings"]["verify"] = perf_counter() - start
-        self.data["verification"] = section
+        self.report.attach(self.report.section(Timings).add(verify=perf_counter() - start))
+        self.report.attach(Verification(section))  # verify_blockwise builds the block-wise section
         return section
 
 

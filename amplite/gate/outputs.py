@@ -10,6 +10,7 @@ from amplite.converter import emit
 from amplite.errors import ConfigError, EmitError
 from amplite.report.document import Report
 from amplite.report.schema import write_report
+from amplite.report.sections import Check
 from amplite.verify.compare import OutputMetrics
 
 
@@ -37,17 +38,16 @@ class CheckResult:
         return self.exit_code == 0
 
 
-def finish(report: dict[str, Any], reasons: list[str], metrics: list[OutputMetrics], name: str,
+def finish(report: Report, reasons: list[str], metrics: list[OutputMetrics], name: str,
             out_dir: Path | None, junit: str | Path | None) -> CheckResult:  # fmt: skip
     """The verdict (``check`` section, exit code) and the files, the same for every kind of check."""
-    code = 1 if reasons else 0
-    report["check"] = {"name": name, "passed": code == 0, "exit_code": code, "reasons": reasons}
-    res = CheckResult(code, Report(report), reasons, metrics)
-    res.files = write_outputs(res.report.data, out_dir, junit)
+    check = Check.of(name, reasons)
+    res = CheckResult(check.value["exit_code"], report.attach(check), reasons, metrics)
+    res.files = write_outputs(report, out_dir, junit)
     return res
 
 
-def write_reports(data: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+def write_reports(data: Report | dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
     """Write report.json, report.md and report.html into ``out_dir`` (each atomically)."""
     from amplite.report.html import render_html
     from amplite.report.markdown import render_markdown
@@ -65,7 +65,7 @@ def write_reports(data: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
     }
 
 
-def write_outputs(data: dict[str, Any], out_dir: Path | None, junit: str | Path | None) -> dict[str, Path]:
+def write_outputs(data: Report | dict[str, Any], out_dir: Path | None, junit: str | Path | None) -> dict[str, Path]:
     """The files every kind of check writes: the report trio into ``out_dir``, JUnit to ``junit``."""
     files: dict[str, Path] = {}
     if out_dir is not None:

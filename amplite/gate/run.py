@@ -6,7 +6,6 @@ failure or regression; 2 bad input (raised as :class:`~amplite.errors.AmpliteErr
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from amplite.gate.outputs import CheckResult, finish, model_name, prepare_output
 from amplite.gate.settings import CheckSettings, check_signature
 from amplite.options import ConvertOptions
 from amplite.paths import guard_outputs
+from amplite.report.sections import Golden, Timings, Verification
 from amplite.verify import data as data_mod
 from amplite.verify import golden as golden_mod
 from amplite.verify.compare import Tolerance, parse_tolerance
@@ -52,7 +52,7 @@ def make_golden(
     gm = ref.original.module()
     batches = data_mod.select_batches(ref.inputs, data, data_loader, random_batches, input_specs, max_batches)
     fitted = [(label, data_mod.fit_inputs(gm, b, label)) for label, b in batches]
-    src = {"path": ref.report.data["source"]["path"], "format": ref.report.data["source"]["format"]}
+    src = {k: ref.report.data["source"][k] for k in ("path", "format")}
     return golden_mod.save_golden(output, gm, fitted, source=src, update=update)
 
 
@@ -100,19 +100,16 @@ def check(
     batches = gold.batches if gold is not None else batches
     metrics, drift = steps.verify_batches(pair, batches, gold, tol, timings)
     report = pair.report
-    report["verification"] = {
-        "inputs": data_mod.describe(gold, s.data, s.data_loader, s.random_batches, len(batches)),
-        "batches": len(batches), "tolerance": {**vars(tol), "criteria": list(tol.criteria)},
-        "passed": all(m.passed for m in metrics), "outputs": [m.to_dict() for m in metrics],
-    }  # fmt: skip
+    described = data_mod.describe(gold, s.data, s.data_loader, s.random_batches, len(batches))
+    report.attach(Verification.of(metrics, tol, inputs=described, batches=len(batches)))
     if gold:
-        report["golden"] = steps.golden_section(gold, drift, pair.precision, s.update_golden)
+        report.attach(Golden.of(steps.golden_section(gold, drift, pair.precision, s.update_golden)))
     if s.layerwise:
         steps.layerwise(report, pair, batches[0][1], timings)
     grad = steps.gradients(report, pair, batches[0][1], s.loss, s.converted is None, opts, timings) if s.grad else []
     reasons = steps.failures(metrics) + steps.regressions(report, base_line, s.baseline_margin_db) + grad
-    report["timings"].update({k: round(v, 4) for k, v in timings.items()})
-    return finish(report, reasons, metrics, s.name or model_name(model, report), out_dir, s.junit)
+    report.attach(report.section(Timings).add(**timings))
+    return finish(report, reasons, metrics, s.name or model_name(model, report.data), out_dir, s.junit)
 
 
 check.__signature__ = check_signature(check)  # type: ignore[attr-defined]
@@ -144,7 +141,7 @@ def _check_checkpoint(model: str | Path, example: Any, s: CheckSettings, out_dir
     # token_agreement / ppl_delta criteria: the written directory is also checked on generation
     generation = generation_check(model, s.tolerance, opts.precision_name)
     conv, reasons = check_checkpoint(model, example, tolerance=s.tolerance, check_more=generation, options=opts)
-    return finish(copy.deepcopy(conv.data), reasons, [], s.name or Path(model).name, out_dir, s.junit)
+    return finish(conv.report.copy(), reasons, [], s.name or Path(model).name, out_dir, s.junit)
 
 
 def _check_training(model: Any, example: Any, s: CheckSettings, out_dir: Path | None,
@@ -158,4 +155,4 @@ def _check_training(model: Any, example: Any, s: CheckSettings, out_dir: Path | 
     described = data_mod.describe(None, s.data, s.data_loader, 0, len(batches)) if batches else "example inputs"
     report, reasons = train_check(model, example, batches, steps=s.train_steps, lr=s.lr, tolerance=s.tolerance,
                                   inputs_description=described, options=opts)  # fmt: skip
-    return finish(report, reasons, [], s.name or model_name(model, report), out_dir, s.junit)
+    return finish(report, reasons, [], s.name or model_name(model, report.data), out_dir, s.junit)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
@@ -15,10 +14,12 @@ from amplite.converter.emit import read_conversion
 from amplite.errors import ConfigError, ExportError, InputSpecError
 from amplite.levels import precision_dtype
 from amplite.options import ConvertOptions
+from amplite.report.document import Report
+from amplite.report.sections import Baseline, Config, Fp32Nodes, Gradients, Graph, Layerwise, Plan, Ranges, Weights
 from amplite.verify import data as data_mod
 from amplite.verify import golden as golden_mod
 from amplite.verify.compare import DEFAULT_TOLERANCES, OutputMetrics, Tolerance, compare_batches
-from amplite.verify.converted import infer_precision, load_converted, report_for_converted
+from amplite.verify.converted import converted_facts, infer_precision, load_converted
 
 OTHER_MODEL = "this golden directory was made from another model: pass the right --golden or regenerate it"
 
@@ -36,7 +37,7 @@ class Pair:
 
     ref_prog: ExportedProgram
     conv_prog: ExportedProgram
-    report: dict[str, Any]  # the check's own copy of the conversion report
+    report: Report  # the check's own copy of the conversion report (its sections are attached to it)
     precision: str
     example: Any
     ref_gm: Any = None
@@ -67,16 +68,27 @@ def pair(model: Any, example_inputs: Any, converted: Any, options: ConvertOption
         raise golden_mod.GoldenError(f"the inputs in golden directory {str(golden)!r} do not fit the model: "
                                      f"{exc.problem}", OTHER_MODEL) from exc  # fmt: skip
     if converted is None:
-        pair = Pair(result.original, result.program, copy.deepcopy(result.report.data), options.precision_name,
-                    result.inputs)  # fmt: skip
+        pair = Pair(result.original, result.program, result.report.copy(), options.precision_name, result.inputs)
     else:
         conv_prog = load_converted(converted)
         recorded = read_conversion(converted) if isinstance(converted, (str, Path)) else None
         precision = _converted_precision(options, recorded, conv_prog, converted)
-        report = report_for_converted(result.report.data, conv_prog, converted, precision, recorded)
-        pair = Pair(result.original, conv_prog, report, precision, result.inputs)
+        facts = converted_facts(conv_prog, converted, precision, recorded)
+        pair = Pair(result.original, conv_prog, converted_report(result.report, facts), precision, result.inputs)
     timings["convert"] = perf_counter() - start
     return pair
+
+
+def converted_report(reference: Report, facts: Any) -> Report:
+    """The report of a converted file: the reference's sections, with what the converted file shows
+    (:class:`~amplite.verify.converted.ConvertedFacts`) in ``config``, ``plan``, ``fp32_nodes``, ``graph``
+    and ``weights``."""
+    ref = reference.data
+    report = reference.copy()
+    report.attach(Config.of({**ref["config"], **facts.config}))
+    report.attach(Plan.of(facts.plan)).attach(Fp32Nodes.of(facts.plan))
+    report.attach(Graph.of(ref["graph"]["before"], facts.graph_after))
+    return report.attach(Weights.of(ref["weights"]["bytes_before"], facts.weight_bytes))
 
 
 def _converted_precision(options: ConvertOptions, recorded: dict[str, Any] | None, program: ExportedProgram,
@@ -95,7 +107,7 @@ def _converted_precision(options: ConvertOptions, recorded: dict[str, Any] | Non
 def update_golden(golden: Any, pair: Pair, batches: list) -> Any:
     """(Re)write the golden directory from the FP32 model on ``batches``, and read it back."""
     fitted = [(label, data_mod.fit_inputs(pair.ref_gm, b, label)) for label, b in batches]
-    src = {k: pair.report["source"][k] for k in ("path", "format")}
+    src = {k: pair.report.data["source"][k] for k in ("path", "format")}
     golden_mod.save_golden(golden, pair.ref_gm, fitted, source=src, update=True)
     return golden_mod.load_golden(golden)
 
@@ -134,7 +146,7 @@ def golden_section(gold: Any, drift: list, precision: str, updated: bool) -> dic
     }  # fmt: skip
 
 
-def layerwise(report: dict[str, Any], pair: Pair, first: Any, timings: dict[str, float]) -> None:
+def layerwise(report: Report, pair: Pair, first: Any, timings: dict[str, float]) -> None:
     """Localise the error node by node on the first batch (``layerwise`` and ``ranges`` sections)."""
     from amplite.verify.layerwise import analyze
     from amplite.verify.ranges import summarize
@@ -142,28 +154,28 @@ def layerwise(report: dict[str, Any], pair: Pair, first: Any, timings: dict[str,
     start = perf_counter()
     lw = analyze(pair.ref_gm, pair.conv_gm, data_mod.fit_inputs(pair.ref_gm, first, "batch 0"),
                  data_mod.fit_inputs(pair.conv_gm, first, "batch 0"), pair.low)  # fmt: skip
-    report["layerwise"] = lw.to_dict()
-    report["ranges"] = summarize({e.node: e.range for e in lw.nodes if e.range}, pair.low)
+    report.attach(Layerwise.of(lw.to_dict()))
+    report.attach(Ranges.of(summarize({e.node: e.range for e in lw.nodes if e.range}, pair.low)))
     timings["layerwise"] = perf_counter() - start
 
 
-def gradients(report: dict[str, Any], pair: Pair, first: Any, loss: Any, converted_now: bool,
+def gradients(report: Report, pair: Pair, first: Any, loss: Any, converted_now: bool,
                options: ConvertOptions, timings: dict[str, float]) -> list[str]:  # fmt: skip
     """Compare parameter gradients of one backward pass (``gradients`` section); its failure reasons."""
     from amplite.verify.gradcheck import failure_reasons, gradient_check
 
     grad_gm = pair.conv_gm
-    if converted_now and any(p["name"] == "fold_batchnorm" and p["modified"] for p in report["passes"]):
+    if converted_now and any(p["name"] == "fold_batchnorm" and p["modified"] for p in report.data["passes"]):
         from amplite.api import convert  # folded BatchNorm has no parameters to train: check it unfolded
 
         unfolded = convert(pair.ref_prog, pair.example, verify=False, options=options, fold_batchnorm=False)
         grad_gm = unfolded.program.module()
-    report["gradients"] = gradient_check(pair.ref_gm, grad_gm, data_mod.fit_inputs(pair.ref_gm, first, "batch 0"),
-                                         data_mod.fit_inputs(grad_gm, first, "batch 0"), loss=loss,
-                                         low_dtype=pair.low)  # fmt: skip
-    report["gradients"]["graph"] = "unfolded BatchNorm" if grad_gm is not pair.conv_gm else "as converted"
-    timings["gradients"] = report["gradients"]["seconds"]
-    return failure_reasons(report["gradients"])
+    found = gradient_check(pair.ref_gm, grad_gm, data_mod.fit_inputs(pair.ref_gm, first, "batch 0"),
+                           data_mod.fit_inputs(grad_gm, first, "batch 0"), loss=loss, low_dtype=pair.low)  # fmt: skip
+    found["graph"] = "unfolded BatchNorm" if grad_gm is not pair.conv_gm else "as converted"
+    report.attach(Gradients.of(found))
+    timings["gradients"] = found["seconds"]
+    return failure_reasons(found)
 
 
 def failures(metrics: list[OutputMetrics]) -> list[str]:
@@ -176,13 +188,12 @@ def failures(metrics: list[OutputMetrics]) -> list[str]:
     ]  # fmt: skip
 
 
-def regressions(report: dict[str, Any], base_line: dict[str, Any] | None, margin_db: float) -> list[str]:
+def regressions(report: Report, base_line: dict[str, Any] | None, margin_db: float) -> list[str]:
     """Compare with an accepted baseline report (``baseline`` section); one line per regression."""
     if base_line is None:
         return []
-    golden_mod.check_baseline_matches(report, base_line)
-    regressions = golden_mod.compare_baseline(report["verification"]["outputs"], base_line, margin_db)
-    report["baseline"] = {"margin_db": margin_db, "regressions": regressions, "passed": not regressions,
-                          "created": base_line.get("created")}  # fmt: skip
+    golden_mod.check_baseline_matches(report.data, base_line)
+    regressions = golden_mod.compare_baseline(report.data["verification"]["outputs"], base_line, margin_db)
+    report.attach(Baseline.of(margin_db, regressions, base_line.get("created")))
     return [f"{r['output']}: {r['metric']} regressed from {r['baseline']} to {r['current']} (limit {r['limit']})"
             for r in regressions]  # fmt: skip

@@ -34,6 +34,8 @@ from amplite.llm.metrics import (
     reference_run,
 )
 from amplite.llm.step import LMStep, amplite_attention
+from amplite.report.document import Report
+from amplite.report.sections import Llm, Verification
 from amplite.verify.criteria import Criterion, Tolerance, parse_criterion, parse_tolerance
 
 #: What the report says was run as the converted model.
@@ -59,18 +61,19 @@ class GenerationCheck:
     eval_ids: torch.Tensor | None = None
     metrics: LLMMetrics | None = field(default=None, repr=False)
 
-    def __call__(self, data: dict[str, Any], converted: Path) -> list[str]:
-        """Measure ``converted`` against the source, record the ``llm`` section in the report ``data``, fold
-        the verdict into ``verification.passed``; the failed criteria, one line each (:meth:`reasons`)."""
+    def __call__(self, report: Report, converted: Path) -> list[str]:
+        """Measure ``converted`` against the source, attach the ``llm`` section to ``report``, fold the verdict
+        into ``verification.passed``; the failed criteria, one line each (:meth:`reasons`)."""
         metrics = verify_checkpoint(self.source, converted, criteria=self.criteria, steps=self.steps,
                                     prompts=self.prompts, attention_mask=self.attention_mask,
                                     eval_ids=self.eval_ids)  # fmt: skip
         self.metrics = metrics
         dtype = json.loads((converted / "config.json").read_text(encoding="utf-8")).get("dtype", "float32")
-        data["llm"] = {"converted": CONVERTED, "converted_dtype": str(dtype), **metrics.to_dict(),
-                       "peak_rss_bytes": peak_rss_bytes()}  # fmt: skip
-        verification = data.setdefault("verification", {})
-        verification["passed"] = bool(verification.get("passed", True)) and metrics.passed
+        report.attach(Llm.of({"converted": CONVERTED, "converted_dtype": str(dtype), **metrics.to_dict(),
+                              "peak_rss_bytes": peak_rss_bytes()}))  # fmt: skip
+        verification = report.section(Verification)
+        if verification is not None:
+            report.attach(verification.folded(metrics.passed))
         return self.reasons()
 
     def reasons(self) -> list[str]:

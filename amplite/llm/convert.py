@@ -25,6 +25,7 @@ from amplite.llm.metrics import LLMMetrics, default_eval_ids, default_prompts, l
 from amplite.llm.result import LLMProgram, LLMResult
 from amplite.llm.step import LMStep, amplite_attention, cache_shape
 from amplite.policy import Level
+from amplite.report.sections import Llm, Timings, Verification
 from amplite.verify.criteria import Tolerance, parse_tolerance
 
 DYNAMIC_DIMS = {"input_ids": [0, 1], "attention_mask": [0, 1], "past_keys": [1, 3], "past_values": [1, 3]}
@@ -95,15 +96,16 @@ def convert_llm(
             result = _convert_step(model, wanted, precision, lvl, tol, verify, options)
         program = LLMProgram(result.program, shape, wanted)
         out = LLMResult(program, result)
-        out.report.data["llm"] = {"cache_dtype": str(wanted).removeprefix("torch."), "cache_shape": _shape_text(shape)}
+        report = out.report
+        llm = Llm.of({"cache_dtype": str(wanted).removeprefix("torch."), "cache_shape": _shape_text(shape)})
         if verify:
             metrics = verify_llm(program, model, precision=precision, tolerance=tol, prompts=prompts,
                                  attention_mask=attention_mask, steps=steps, eval_ids=eval_ids)  # fmt: skip
             out.metrics = metrics
-            out.report.data["llm"].update(metrics.to_dict())
-            verification = out.report.data.setdefault("verification", {})
-            verification["passed"] = bool(verification.get("passed", True)) and metrics.passed
-    out.report.data["timings"]["llm_total"] = round(perf_counter() - start, 4)
+            llm = llm.add(**metrics.to_dict())
+            report.attach((report.section(Verification) or Verification.of([], tol)).folded(metrics.passed))
+        report.attach(llm)
+    report.attach(report.section(Timings).add(llm_total=perf_counter() - start))
     return out
 
 

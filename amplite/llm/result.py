@@ -20,6 +20,7 @@ from amplite.converter.pt2 import load_program
 from amplite.errors import InputSpecError
 from amplite.llm.generate import Runner, greedy
 from amplite.llm.step import CacheShape
+from amplite.report.sections import Outputs
 
 if TYPE_CHECKING:
     from amplite.llm.metrics import LLMMetrics
@@ -123,10 +124,7 @@ class LLMResult:
         """Write the step program as a ``.pt2``; :func:`load` reads it back."""
         out = self.llm.save(path)
         entry = {"format": "pt2", "path": str(out), "bytes": out.stat().st_size}
-        self.report.data["outputs"] = [
-            *(e for e in self.report.data.get("outputs", []) if e["path"] != entry["path"]),
-            entry,
-        ]
+        self.report.attach((self.report.section(Outputs) or Outputs.of([])).with_entries(entry))
         return out
 
 

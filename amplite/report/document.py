@@ -1,28 +1,138 @@
-"""The conversion report: a versioned JSON document (schema: amplite/schemas/report.schema.json)."""
+"""The conversion report: a versioned JSON document (schema: amplite/schemas/report.schema.json).
+
+A :class:`Report` is its header (schema, version, creation time, versions) and its sections
+(:mod:`amplite.report.sections`), assembled once by :func:`build_report`; later stages add or replace a
+section with :meth:`Report.attach`. :attr:`Report.data`, the JSON document, is read-only.
+"""
 
 from __future__ import annotations
 
 import platform
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from amplite.errors import InternalError
 from amplite.passes.base import PassRecord
+from amplite.report.frozen import FrozenDict, freeze, thaw
 from amplite.report.schema import report_json, write_report
+from amplite.report.sections import (
+    SECTIONS,
+    Config,
+    Fp32Nodes,
+    Graph,
+    Passes,
+    Plan,
+    Section,
+    Source,
+    Timings,
+    Verification,
+    Warnings,
+    Weights,
+)  # fmt: skip
 from amplite.verify.compare import OutputMetrics, Tolerance
 from amplite.version import __version__
 
+__all__ = ["HEADER_KEYS", "SCHEMA", "SCHEMA_VERSION", "Report", "build_report", "document", "report_header"]
+
 SCHEMA = "amplite.report"
 SCHEMA_VERSION = 1
+#: The keys every report starts with (not sections: :func:`report_header` writes them).
+HEADER_KEYS = ("schema", "schema_version", "created", "versions")
+S = TypeVar("S", bound=Section)
+
+
+def report_header() -> dict[str, Any]:
+    """The keys every report starts with: schema name and version, creation time, versions."""
+    return {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "versions": {
+            "amplite": __version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+    }
 
 
 class Report:
-    """A conversion report; ``data`` is the JSON document."""
+    """A conversion report: its header and its sections; ``data`` is the (read-only) JSON document.
 
-    def __init__(self, data: dict[str, Any]) -> None:
-        self.data = data
+    ``Report(document)`` reads a document (as written, or a gate's working copy) back into sections;
+    :func:`build_report` assembles a new one.
+
+    Raises:
+        InternalError: A document key that is no section of :data:`~amplite.report.sections.SECTIONS`.
+    """
+
+    def __init__(self, document: Mapping[str, Any] | None = None) -> None:
+        doc = dict(document) if document is not None else report_header()
+        self._header = freeze({k: doc[k] for k in HEADER_KEYS if k in doc})
+        self._sections: dict[str, Section] = {}
+        self._data: FrozenDict | None = None
+        for key, value in doc.items():
+            if key in HEADER_KEYS:
+                continue
+            if key not in SECTIONS:
+                raise InternalError(f"report key {key!r} is no report section: declare it in "
+                                    "amplite/report/sections.py (SECTIONS) and the schema")  # fmt: skip
+            self.attach(SECTIONS[key](value))
+
+    @classmethod
+    def assemble(cls, sections: Iterable[Section]) -> Report:
+        """A new report (header now) holding ``sections``, in order."""
+        report = cls()
+        for section in sections:
+            report.attach(section)
+        return report
+
+    def attach(self, section: Section) -> Report:
+        """Add ``section``, or replace the one of its kind; the one way a report changes.
+
+        Raises:
+            InternalError: ``section`` is not one of the declared sections (amplite/report/sections.py).
+        """
+        key = getattr(section, "key", None)
+        if SECTIONS.get(key) is not type(section):  # type: ignore[arg-type]
+            raise InternalError(f"{type(section).__name__} ({key!r}) is no report section: declare it in "
+                                "amplite/report/sections.py (SECTIONS) and the schema")  # fmt: skip
+        self._sections[section.key] = section
+        self._data = None
+        return self
+
+    def section(self, kind: type[S]) -> S | None:
+        """The section of this kind (None when the report has none)."""
+        found = self._sections.get(kind.key)
+        return found if isinstance(found, kind) else None
+
+    @property
+    def sections(self) -> Mapping[str, Section]:
+        """The sections, by key, in document order."""
+        return dict(self._sections)
+
+    @property
+    def data(self) -> Mapping[str, Any]:
+        """The JSON document, read-only (a change raises ``TypeError``; use :meth:`attach`)."""
+        if self._data is None:
+            self._data = FrozenDict({**self._header, **{k: s.value for k, s in self._sections.items()}})
+        return self._data
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document as a plain, writable copy."""
+        return thaw(self.data)
+
+    def copy(self) -> Report:
+        """An independent report with the same header and sections (sections are immutable: shared)."""
+        other = Report({})
+        other._header, other._sections = self._header, dict(self._sections)
+        return other
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Report:
+        return self.copy()
 
     @property
     def passed(self) -> bool | None:
@@ -55,33 +165,15 @@ class Report:
         return write_report(path, self.data)
 
 
-def report_header() -> dict[str, Any]:
-    """The keys every report starts with: schema name and version, creation time, versions."""
-    return {
-        "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "versions": {
-            "amplite": __version__,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
-    }
-
-
-def pass_records(records: list[PassRecord]) -> list[dict[str, Any]]:
-    """The ``passes`` section: one entry per pass record."""
-    return [
-        {"name": r.name, "modified": r.modified, "counters": r.counters, "seconds": round(r.seconds, 4)}
-        | ({"details": r.details} if r.details else {})
-        for r in records
-    ]
+def document(report: Report | Mapping[str, Any]) -> Mapping[str, Any]:
+    """The JSON document of a report or of a document already read (the renderers' one accessor)."""
+    return report.data if isinstance(report, Report) else report
 
 
 def build_report(
     *,
-    source: dict[str, Any],
-    config: dict[str, Any],
+    source: Source | Mapping[str, Any],
+    config: Mapping[str, Any],
     records: list[PassRecord],
     plan: list[dict[str, Any]],
     stats_before: dict[str, Any],
@@ -91,34 +183,36 @@ def build_report(
     tolerance: Tolerance | None,
     timings: dict[str, float],
     warnings: list[str],
+    extra: Iterable[Section] = (),
 ) -> Report:
-    """Assemble the report document."""
-    before, after = weights
-    data: dict[str, Any] = {
-        **report_header(),
-        "source": source,
-        "config": config,
-        "passes": pass_records(records),
-        "graph": {"before": stats_before, "after": stats_after},
-        "weights": {
-            "bytes_before": before,
-            "bytes_after": after,
-            "ratio": round(after / before, 4) if before else 1.0,
-        },
-        "fp32_nodes": [
-            {k: p[k] for k in ("node", "op", "module", "source", "reason", "rule") if k in p}
-            for p in plan
-            if p["mode"] == "fp32"
-        ],
-        "plan": plan,
-        "timings": {k: round(v, 4) for k, v in timings.items()},
-        "warnings": warnings,
-    }
+    """Assemble the report of a conversion from its sections (the one place a conversion's report is built:
+    modules, programs and files, checkpoint directories and the training gate).
+
+    Args:
+        source: The ``source`` section (or its dict).
+        config: The conversion's settings.
+        records: The pass records.
+        plan: The precision plan (its FP32 entries make ``fp32_nodes``).
+        stats_before: ``graph_stats`` of the FP32 graph.
+        stats_after: ``graph_stats`` of the converted graph.
+        weights: Weight bytes before and after.
+        metrics: Per-output metrics (None: not verified, no ``verification`` section).
+        tolerance: The tolerance the metrics were judged by.
+        timings: Seconds per phase.
+        warnings: Warning lines.
+        extra: More sections of this conversion (``estimate``, ``build``, ``weight_rules``...).
+    """
+    sections: list[Section] = [
+        source if isinstance(source, Source) else Source(source),
+        Config.of(config),
+        Passes.of(records),
+        Graph.of(stats_before, stats_after),
+        Weights.of(*weights),
+        Fp32Nodes.of(plan),
+        Plan.of(plan),
+        Timings.of(timings),
+        Warnings.of(warnings),
+    ]
     if metrics is not None:
-        data["verification"] = {
-            "inputs": "example inputs",
-            "tolerance": vars(tolerance) if tolerance else None,
-            "passed": all(m.passed for m in metrics),
-            "outputs": [m.to_dict() for m in metrics],
-        }
-    return Report(data)
+        sections.append(Verification.of(metrics, tolerance))
+    return Report.assemble([*sections, *extra])

@@ -9,10 +9,12 @@ facts. Charts are plotly figures; every text from the model is HTML-escaped.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from html import escape
 from typing import Any
 
 from amplite.errors import ConfigError
+from amplite.report.document import Report, document
 from amplite.report.format import CAP_DB, fmt
 from amplite.report.format import db as _db
 from amplite.report.format import html_table as _table
@@ -200,8 +202,9 @@ def _estimate_section(est: dict[str, Any], chart: str) -> str:
     )
 
 
-def render_html(data: dict[str, Any]) -> str:
+def render_html(report: Report | Mapping[str, Any]) -> str:
     """The report page as one HTML string (plotly.js included inline)."""
+    data = document(report)
     from plotly.offline import get_plotlyjs
 
     figs = {

@@ -12,8 +12,11 @@ from __future__ import annotations
 import os
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
+
+from amplite.report.document import Report, document
 
 _SKIP = {"name", "checks", "notes", "extra", "shape"}
 
@@ -26,8 +29,9 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def junit_xml(report: dict[str, Any]) -> str:
-    """The JUnit XML document for a check report (``report.json`` as a dict)."""
+def junit_xml(report: Report | Mapping[str, Any]) -> str:
+    """The JUnit XML document for a check report (a :class:`Report` or ``report.json`` as a dict)."""
+    report = document(report)
     check = report.get("check", {})
     model = check.get("name") or "model"
     cfg = report.get("config", {})
@@ -132,8 +136,9 @@ def _prop(text: str) -> str:
     return _escape(text).replace(":", "%3A").replace(",", "%2C")
 
 
-def github_annotations(report: dict[str, Any], workspace: str | None = None) -> list[str]:
+def github_annotations(report: Report | Mapping[str, Any], workspace: str | None = None) -> list[str]:
     """``::error``/``::warning``/``::notice`` lines for a check report."""
+    report = document(report)
     check = report.get("check", {})
     model = check.get("name") or "model"
     lines = [f"::error title={_prop(f'amplite check {model}')}::{_escape(r)}" for r in check.get("reasons", [])]
@@ -152,7 +157,9 @@ def github_annotations(report: dict[str, Any], workspace: str | None = None) -> 
     return lines
 
 
-def publish_github(report: dict[str, Any], markdown: str | None = None, stream: TextIO | None = None) -> bool:
+def publish_github(
+    report: Report | Mapping[str, Any], markdown: str | None = None, stream: TextIO | None = None
+) -> bool:
     """Under GitHub Actions (``GITHUB_ACTIONS=true``): print the annotations and append ``markdown`` to the
     step summary. Returns whether it did anything."""
     if os.environ.get("GITHUB_ACTIONS") != "true":

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from amplite.report.document import Report, document
 from amplite.report.format import cell as _cell
 from amplite.report.format import fmt
 from amplite.report.training import training_markdown
@@ -37,8 +39,9 @@ def budget_line(budget: dict[str, Any], names: int = 5) -> str:
     return text + (f" {_cell(budget['message'])}" if budget.get("message") else "")
 
 
-def render_markdown(data: dict[str, Any], top_n: int = 5) -> str:
+def render_markdown(report: Report | Mapping[str, Any], top_n: int = 5) -> str:
     """The Markdown summary of a report (from ``amplite check`` or ``amplite convert``)."""
+    data = document(report)
     cfg = data.get("config", {})
     check = data.get("check", {})
     ver = data.get("verification")

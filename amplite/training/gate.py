@@ -35,7 +35,8 @@ from amplite.converter.tracing import summarize_exception
 from amplite.errors import ConfigError, InputSpecError
 from amplite.levels import LEVEL_ENV, precision_dtype, resolve_level
 from amplite.options import ConvertOptions
-from amplite.report.document import build_report
+from amplite.report.document import Report, build_report
+from amplite.report.sections import Timings, Training
 from amplite.training.prepare import prepare_training
 from amplite.verify.numbers import decode_float, encode_float
 
@@ -116,14 +117,14 @@ def train_check(
     inputs_description: str = "example inputs",
     options: ConvertOptions | None = None,
     **changes: Any,
-) -> tuple[dict[str, Any], list[str]]:
+) -> tuple[Report, list[str]]:
     """Run the training gate.
 
     Of the conversion options (``options``, ``**changes``) training uses the precision, the level, the
     override patterns and how to read the model file; any other one given is refused (it would be ignored).
 
     Returns:
-        The report document (with its ``training`` section) and the failure reasons (empty: pass).
+        The report (with its ``training`` section) and the failure reasons (empty: pass).
 
     Raises:
         AmpliteError: A model that is not an nn.Module, bad options or batches, a non-finite FP32 loss.
@@ -262,12 +263,11 @@ def train_check(
         "seconds": {"prepare": round(prepare_s, 4), "train": round(train_s, 4)},
     }
     report = _document(loaded, net, precision, lvl.value, level is not None, keep_fp32, force_low, caught)
-    report["training"] = section
-    report["timings"].update(section["seconds"])
+    report.attach(Training.of(section)).attach(report.section(Timings).add(**section["seconds"]))
     return report, reasons
 
 
-def _document(loaded, net, precision, level, explicit, keep_fp32, force_low, caught) -> dict[str, Any]:
+def _document(loaded, net, precision, level, explicit, keep_fp32, force_low, caught) -> Report:
     """The common report fields, from the train-mode program and the rewritten graph."""
     import os
 
@@ -298,7 +298,7 @@ def _document(loaded, net, precision, level, explicit, keep_fp32, force_low, cau
         tolerance=None,
         timings={},
         warnings=[str(w.message) for w in caught],
-    ).data
+    )
 
 
 def _fmt_gap(v: float) -> str:

@@ -44,7 +44,7 @@ class Step:
 
 def fallback_search(
     result: Any, spec: ConvertSpec, *, convert: Callable[..., Any], max_trials: int | None = None
-) -> Any:
+) -> tuple[Any, dict[str, Any]]:
     """Search for a small set of nodes to keep in FP32 so that ``result`` meets its tolerance.
 
     Args:
@@ -56,8 +56,9 @@ def fallback_search(
         max_trials: Bound on conversions (default ``2·log2(N) + 10``).
 
     Returns:
-        The converted result of the best plan found, with a ``budget`` section in its report. It passes
-        when the search succeeded; otherwise it is the all-candidates plan (the most accurate tried).
+        The converted result of the best plan found and the report's ``budget`` section (the caller attaches
+        it: this layer sits below the report). The result passes when the search succeeded; otherwise it is
+        the all-candidates plan (the most accurate tried).
     """
     start = perf_counter()
     low = spec.precision
@@ -109,7 +110,7 @@ def fallback_search(
     chosen, prune_trials = _prune(chosen, lambda kept: trial(kept, "prune"), prune_bound)
     final = convert(result.original, result.inputs, spec.with_overrides(_pins(chosen)), result.reference)
     moved = set(chosen)
-    final.report.data["budget"] = {
+    budget = {
         "tolerance": asdict(result.tolerance),
         "passed": bool(final.passed),
         "candidates": n,
@@ -121,7 +122,7 @@ def fallback_search(
         "seconds": round(perf_counter() - start, 3),
         "message": message,
     }
-    return final
+    return final, budget
 
 
 def _pins(names: list[str]) -> list[Override]:

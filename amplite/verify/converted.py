@@ -6,7 +6,7 @@ the converted graph itself shows: its precision, per-node dtypes (the plan) and 
 
 from __future__ import annotations
 
-import copy
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,12 +71,28 @@ def infer_level(program: ExportedProgram, precision: str) -> str:
     return "O2" if all_bytes and low_bytes * 2 >= all_bytes else "O1"
 
 
-def report_for_converted(base: dict[str, Any], conv: ExportedProgram, path: Any, precision: str,
-                         recorded: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-    """A report for a converted file: the reference's facts plus what the converted graph shows; its
-    ``config`` is what the file records of its conversion (``recorded``, from ``emit.read_conversion``), else
-    what the graph shows (precision, inferred level)."""
-    report = copy.deepcopy(base)
+@dataclass(frozen=True)
+class ConvertedFacts:
+    """What a converted file shows of its conversion (the gate puts them into the reference's report).
+
+    Attributes:
+        config: Over the reference's ``config``: what the file records (``recorded``), else what its graph
+            shows (inferred level), and the precision and the file.
+        plan: One plan entry per floating-point node, its mode and dtype as found.
+        graph_after: ``graph_stats`` of the converted graph.
+        weight_bytes: Bytes of its weights.
+    """
+
+    config: dict[str, Any]
+    plan: list[dict[str, Any]]
+    graph_after: dict[str, Any]
+    weight_bytes: int
+
+
+def converted_facts(conv: ExportedProgram, path: Any, precision: str,
+                    recorded: dict[str, Any] | None = None) -> ConvertedFacts:  # fmt: skip
+    """What a converted file shows: its ``config`` is what the file records of its conversion (``recorded``,
+    from ``emit.read_conversion``), else what the graph shows (precision, inferred level)."""
     low = precision_dtype(precision)
     plan = []
     for node in conv.graph.nodes:
@@ -100,22 +116,6 @@ def report_for_converted(base: dict[str, Any], conv: ExportedProgram, path: Any,
     found = {"level": infer_level(conv, precision), "level_source": "inferred from the converted file"}
     if recorded is not None:
         found = {**recorded["config"], "level_source": "recorded in the converted file"}
-    report["config"] = {
-        **report["config"],
-        **found,
-        "precision": precision,
-        "converted": str(path) if not isinstance(path, ExportedProgram) else "program",
-    }
-    report["plan"] = plan
-    report["fp32_nodes"] = [
-        {k: p[k] for k in ("node", "op", "module", "source", "reason")} for p in plan if p["mode"] == "fp32"
-    ]
-    report["graph"]["after"] = graph_stats(conv.graph, low)
-    before = report["weights"]["bytes_before"]
-    after = weight_bytes(conv)
-    report["weights"] = {
-        "bytes_before": before,
-        "bytes_after": after,
-        "ratio": round(after / before, 4) if before else 1.0,
-    }
-    return report
+    config = {**found, "precision": precision,
+              "converted": str(path) if not isinstance(path, ExportedProgram) else "program"}  # fmt: skip
+    return ConvertedFacts(config, plan, graph_stats(conv.graph, low), weight_bytes(conv))
