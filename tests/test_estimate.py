@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +16,9 @@ from amplite.errors import ConfigError
 from amplite.estimate import PROFILES, estimate, get_profile
 from amplite.estimate.autocast import autocast_costs
 from amplite.estimate.cost import graph_costs, node_cost
+from tests.conftest import Cli
 
 H100 = PROFILES["H100"]
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _costs(module: nn.Module, *args: torch.Tensor) -> dict[str, object]:
@@ -157,24 +155,17 @@ def test_estimate_does_not_specialise_a_dynamic_batch_program() -> None:
     assert ep.module()(torch.randn(7, 8)).shape == (7, 8)  # still dynamic after the estimate
 
 
-def test_cli_prints_the_estimate_line_and_the_report_carries_it(tmp_path: Path) -> None:
+def test_cli_prints_the_estimate_line_and_the_report_carries_it(tmp_path: Path, cli: Cli) -> None:
     ep = torch.export.export(nn.Sequential(nn.Linear(32, 32), nn.ReLU()).eval(), (torch.randn(4, 32),))
     torch.export.save(ep, tmp_path / "m.pt2")
-    proc = subprocess.run(
-        [sys.executable, "-m", "amplite", "convert", str(tmp_path / "m.pt2"), "--gpu-profile", "L4",
-         "-o", str(tmp_path / "out.pt2")],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert "estimated on L4:" in proc.stdout and "an estimate, not a measurement" in proc.stdout
+    res = cli("convert", tmp_path / "m.pt2", "--gpu-profile", "L4", "-o", tmp_path / "out.pt2")
+    assert res.exit_code == 0, res.stderr
+    assert "estimated on L4:" in res.stdout and "an estimate, not a measurement" in res.stdout
     report = json.loads((tmp_path / "out.report.json").read_text())
     assert report["estimate"]["device"] == "L4"
-    bad = subprocess.run(
-        [sys.executable, "-m", "amplite", "convert", str(tmp_path / "m.pt2"), "--gpu-profile", "nope",
-         "-o", str(tmp_path / "bad.pt2")],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
-    )  # fmt: skip
-    assert bad.returncode == 2 and "unknown GPU profile" in bad.stderr and "Traceback" not in bad.stderr
+    bad = cli("convert", tmp_path / "m.pt2", "--gpu-profile", "nope", "-o", tmp_path / "bad.pt2")
+    assert bad.exit_code == 2 and "unknown GPU profile" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.stderr.count("\n") == 1  # one line
     assert not (tmp_path / "bad.pt2").exists()
 
 
