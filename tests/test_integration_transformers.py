@@ -69,7 +69,8 @@ def test_example_matches_bf16_true_then_saves_reloads_and_resumes(tmp_path):
     resumed = ex.run(str(tmp_path / "amp2"), "amplite", STEPS, resume=str(tmp_path / "amp" / f"checkpoint-{HALF}"))
     again = ex.losses(resumed)  # the log history holds the first HALF steps from the checkpoint, then the new ones
     assert len(again) == STEPS and again[:HALF] == a[:HALF] and _rel(again[HALF:], a[HALF:]) < 1e-5
-    assert isinstance(resumed.optimizer.optimizer, AmpliteOptimizer) and resumed.optimizer.optimizer.amp.opt.steps == STEPS
+    assert isinstance(resumed.optimizer.optimizer, AmpliteOptimizer)
+    assert resumed.optimizer.optimizer.amp.opt.steps == STEPS
 
 
 def test_accumulation_and_clipping_act_on_the_fp32_masters(tmp_path):
