@@ -8,6 +8,8 @@ The only change from the Trainer's own mixed precision is the class; ``TrainingA
 Run:     python examples/train_transformers.py --out runs/hf                 (amplite, 50 steps)
          python examples/train_transformers.py --out runs/hf-auto --mode bf16  (the Trainer's autocast)
 Resume:  python examples/train_transformers.py --out runs/hf --resume runs/hf/checkpoint-25
+Shorter: python examples/train_transformers.py --out runs/hf-short --steps 20  (evaluates and checkpoints at
+         the halfway step and at the end: checkpoint-10, checkpoint-20)
 """
 
 from __future__ import annotations
@@ -62,11 +64,15 @@ def tiny_gpt2() -> transformers.GPT2LMHeadModel:
 
 
 def run(out: str, mode: str = "amplite", steps: int = 50, resume: str | None = None) -> transformers.Trainer:
-    """Train ``steps`` optimizer steps (or resume) and save the model to ``out``/final; returns the Trainer."""
+    """Train ``steps`` optimizer steps (or resume) and save the model to ``out``/final; returns the Trainer.
+
+    Evaluates and saves a checkpoint every ``steps // 2`` steps (``checkpoint-25`` of the default 50).
+    """
+    half = max(1, steps // 2)
     args = transformers.TrainingArguments(
         output_dir=out, max_steps=steps, per_device_train_batch_size=4, gradient_accumulation_steps=2,
         learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=5, max_grad_norm=1.0,
-        eval_strategy="steps", eval_steps=25, per_device_eval_batch_size=4, save_steps=25, logging_steps=1,
+        eval_strategy="steps", eval_steps=half, per_device_eval_batch_size=4, save_steps=half, logging_steps=1,
         bf16=mode != "fp32", use_cpu=True, seed=0, report_to=[], dataloader_num_workers=0, disable_tqdm=True,
     )  # fmt: skip
     kwargs: dict[str, Any] = {"train_dataset": TokenData(400, seed=0), "eval_dataset": TokenData(16, seed=1)}
@@ -90,7 +96,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="runs/hf")
     ap.add_argument("--mode", default="amplite", choices=["amplite", "bf16", "fp32"])
-    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--steps", type=int, default=50, help="optimizer steps (evaluated and saved at half and end)")
     ap.add_argument("--resume", default=None, help="a Trainer checkpoint folder (checkpoint-N)")
     args = ap.parse_args()
     trainer = run(args.out, args.mode, args.steps, args.resume)

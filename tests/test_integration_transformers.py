@@ -41,17 +41,20 @@ def _train(trainer) -> None:
         trainer.train()
 
 
+STEPS, HALF = 20, 10  # the example's --steps: evaluated and checkpointed at HALF and at STEPS
+
+
 def test_example_matches_bf16_true_then_saves_reloads_and_resumes(tmp_path):
-    ours = ex.run(str(tmp_path / "amp"), "amplite")
-    auto = ex.run(str(tmp_path / "auto"), "bf16")
+    ours = ex.run(str(tmp_path / "amp"), "amplite", STEPS)
+    auto = ex.run(str(tmp_path / "auto"), "bf16", STEPS)
     assert ours.args.bf16 is False and ours.args.mixed_precision == "no"  # autocast off in the Trainer's copy
     net = ours.amplite_net
     assert net.info["level"] == "O2" and net.info["low_copies"] > 0
     assert all(p.dtype == torch.float32 for p in net.parameters())  # the model's masters
     assert any(c.dtype == torch.bfloat16 for c, _ in ours.optimizer.optimizer.amp.opt.pairs)  # cached bf16 copies
     a, b = ex.losses(ours), ex.losses(auto)
-    assert len(a) == 50 and _rel(a, b) < 0.01  # every logged step within 1 % of the Trainer's bf16=True
-    assert a[-1] < 0.85 * a[0]
+    assert len(a) == STEPS and _rel(a, b) < 0.01  # every logged step within 1 % of the Trainer's bf16=True
+    assert a[-1] < 0.92 * a[0]  # it learns: -10 % in 20 steps (the 50-step default reaches -15 %)
     evals = [[e["eval_loss"] for e in t.state.log_history if "eval_loss" in e] for t in (ours, auto)]
     assert len(evals[0]) == 2 and _rel(*evals) < 0.01  # evaluation through amplite's eval graph
 
@@ -59,14 +62,15 @@ def test_example_matches_bf16_true_then_saves_reloads_and_resumes(tmp_path):
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "amp" / "final")
     trained = ours.model.state_dict()
     assert all(v.dtype == torch.float32 and torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
-    state = torch.load(tmp_path / "amp" / "checkpoint-25" / "optimizer.pt", weights_only=True)
-    assert state["amplite"] == {"scaler": None, "steps": 25}
+    state = torch.load(tmp_path / "amp" / f"checkpoint-{HALF}" / "optimizer.pt", weights_only=True)
+    assert state["amplite"] == {"scaler": None, "steps": HALF}
 
-    # resume in a fresh Trainer and model from checkpoint-25: the last 25 steps repeat
-    resumed = ex.run(str(tmp_path / "amp2"), "amplite", resume=str(tmp_path / "amp" / "checkpoint-25"))
-    again = ex.losses(resumed)  # the log history holds the first 25 steps from the checkpoint, then the new ones
-    assert len(again) == 50 and again[:25] == a[:25] and _rel(again[25:], a[25:]) < 1e-5
-    assert isinstance(resumed.optimizer.optimizer, AmpliteOptimizer) and resumed.optimizer.optimizer.amp.opt.steps == 50
+    # resume in a fresh Trainer and model from the halfway checkpoint: the second half repeats
+    resumed = ex.run(str(tmp_path / "amp2"), "amplite", STEPS, resume=str(tmp_path / "amp" / f"checkpoint-{HALF}"))
+    again = ex.losses(resumed)  # the log history holds the first HALF steps from the checkpoint, then the new ones
+    assert len(again) == STEPS and again[:HALF] == a[:HALF] and _rel(again[HALF:], a[HALF:]) < 1e-5
+    assert isinstance(resumed.optimizer.optimizer, AmpliteOptimizer)
+    assert resumed.optimizer.optimizer.amp.opt.steps == STEPS
 
 
 def test_accumulation_and_clipping_act_on_the_fp32_masters(tmp_path):

@@ -42,7 +42,7 @@ def test_snippet_trains_and_leaves_model_as_fp32_checkpoint(name, precision, lev
     ref = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
-    batches = train_zoo.loader(name, 6)
+    batches = train_zoo.loader(name, 4)
     net, opt = amplite.prepare_training(model, optimizer, batches[0][0], precision=precision, level=level)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "preparing changed the model"
     losses, ref_losses = [], []
@@ -82,7 +82,7 @@ def test_dropout_only_in_train_and_eval_matches_model():
         assert torch.equal(net(x), net(x))
         ref = copy.deepcopy(model).eval()(x)
     assert torch.allclose(net(x), ref, atol=0.05, rtol=0.05)
-    assert net.info["mode_switch"]["dropout_disabled"] == 3
+    assert net.info["mode_switch"]["dropout_disabled"] == 2  # after the embedding and after the block
 
 
 def test_batchnorm_batch_stats_in_train_running_stats_in_eval_and_user_buffers_updated():
