@@ -65,19 +65,33 @@ def fp32_nodes(path: Path) -> set[str]:
     return names
 
 
-def occ_baseline(program: torch.export.ExportedProgram, out: Path, keep_fp32: set[str] | None = None) -> dict:
+def fp32_export(program: torch.export.ExportedProgram, optimize: bool) -> onnx.ModelProto:
+    """The FP32 dynamo export of ``program`` that :func:`occ_baseline` converts."""
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.onnx.export(program, (), dynamo=True, verbose=False, optimize=optimize).model_proto
+
+
+def occ_baseline(
+    program: torch.export.ExportedProgram, out: Path, keep_fp32: set[str] | None = None,
+    fp32: onnx.ModelProto | None = None,
+) -> dict:
     """onnxconverter-common's keep_io_types conversion of the FP32 dynamo export of ``program``.
 
     ``keep_fp32``: ONNX node names to keep in FP32 (``node_block_list``). The FP32 export is then made without
     the exporter's graph optimisation, so node names match amplite's export (which keeps BatchNormalization
-    apart from Conv: its FP32 island sits between them).
+    apart from Conv: its FP32 island sits between them). ``fp32``: that export, made already with
+    :func:`fp32_export` (``optimize=keep_fp32 is None``), e.g. shared by several levels of one model; it is
+    not modified.
     """
     from onnxconverter_common import float16
 
+    if fp32 is None:
+        fp32 = fp32_export(program, optimize=keep_fp32 is None)
+    else:
+        fp32 = onnx.ModelProto.FromString(fp32.SerializeToString())  # the caller's copy stays as it was
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        exported = torch.onnx.export(program, (), dynamo=True, verbose=False, optimize=keep_fp32 is None)
-        fp32 = exported.model_proto
         block = [n.name for n in fp32.graph.node if n.name in (keep_fp32 or ())]
         low = float16.convert_float_to_float16(fp32, keep_io_types=True, node_block_list=block)
     onnx.save(low, out)

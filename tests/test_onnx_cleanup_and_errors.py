@@ -331,3 +331,19 @@ def test_over_2gb_streams_external_data_without_second_copy(tmp_path: Path) -> N
     assert info.data_path is not None and info.bytes > 2**31
     assert sorted(os.listdir(tmp_path)) == ["wide.onnx", "wide.onnx.data"]
     assert peak[0] - base < 0.5 * weights, (peak[0] - base) / weights  # never a second full copy
+
+
+@pytest.mark.parametrize("opset", [16, 20])
+def test_cached_registry_exports_what_torch_onnx_export_does(mlp_program, monkeypatch, opset: int) -> None:
+    """The exporter's registry is built once per opset; the model is the one ``torch.onnx.export`` makes
+    (16: below torchlib's opset, translated at 18 then converted, as ``torch.onnx.export`` does)."""
+    from amplite.onnx import registry
+
+    registry.cached_registry.cache_clear()
+    cached = [ir.to_proto(onnx_export.export_model(mlp_program, opset=opset)) for _ in range(2)]
+    assert registry.cached_registry.cache_info().misses == 1  # the second export reused the registry
+    monkeypatch.setattr(onnx_export, "cached_registry", lambda *_a: None)  # the public entry point
+    public = ir.to_proto(onnx_export.export_model(mlp_program, opset=opset))
+    assert public.opset_import == cached[0].opset_import and any(o.version == opset for o in public.opset_import)
+    graphs = {m.graph.SerializeToString() for m in [public, *cached]}
+    assert len(graphs) == 1

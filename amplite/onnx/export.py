@@ -50,6 +50,7 @@ from amplite.onnx.norm import ALIASES as LAYERNORM_ALIASES
 from amplite.onnx.norm import MODES as LAYERNORM_MODES
 from amplite.onnx.norm import stash_layernorms
 from amplite.onnx.prepare import onnx_ready
+from amplite.onnx.registry import cached_registry
 
 DOMAIN = "amplite"
 DOMAIN_VERSION = 1
@@ -181,10 +182,17 @@ def export_model(program: ExportedProgram, *, opset: int = DEFAULT_OPSET) -> ir.
     try:
         with _quiet_exporter(), contextlib.redirect_stdout(None), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            onnx_program = torch.onnx.export(
-                ready, (), dynamo=True, optimize=False, verbose=False, report=False,
-                opset_version=opset, custom_translation_table=table,
-            )
+            registry = cached_registry(opset, tuple(table.items()))
+            if registry is None:  # the exporter's internals moved: its public entry point (slower)
+                onnx_program = torch.onnx.export(
+                    ready, (), dynamo=True, optimize=False, verbose=False, report=False,
+                    opset_version=opset, custom_translation_table=table,
+                )
+            else:
+                from torch.onnx._internal.exporter import _core
+
+                onnx_program = _core.export(ready, (), {}, registry=registry, optimize=False, verbose=False,
+                                            report=False, opset_version=opset)
     except Exception as exc:
         raise export_failure(exc, program, table, opset) from exc
     return onnx_program.model
