@@ -347,3 +347,25 @@ def test_cached_registry_exports_what_torch_onnx_export_does(mlp_program, monkey
     assert public.opset_import == cached[0].opset_import and any(o.version == opset for o in public.opset_import)
     graphs = {m.graph.SerializeToString() for m in [public, *cached]}
     assert len(graphs) == 1
+
+
+def test_registry_falls_back_to_the_public_exporter_when_its_internals_move(mlp_program, monkeypatch) -> None:
+    """A torch whose internal ``_core.export`` no longer takes amplite's keywords: no cached registry, and the
+    export still works through ``torch.onnx.export``."""
+    from torch.onnx._internal.exporter import _core
+
+    from amplite.onnx import registry
+
+    def moved(model, args=(), kwargs=None, *, registry=None):  # lost optimize/verbose/report/opset_version
+        raise AssertionError("amplite must not call an exporter whose signature moved")
+
+    registry.cached_registry.cache_clear()
+    monkeypatch.setattr(_core, "export", moved)
+    try:
+        assert registry.cached_registry(18, ()) is None
+    finally:
+        registry.cached_registry.cache_clear()
+    monkeypatch.undo()
+    monkeypatch.setattr(onnx_export, "cached_registry", lambda *_a: None)
+    model = onnx_export.export_model(mlp_program, opset=18)
+    assert any(n.op_type == "Gemm" or n.op_type == "MatMul" for n in ir.to_proto(model).graph.node)
