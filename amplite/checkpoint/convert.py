@@ -132,7 +132,8 @@ def convert_checkpoint(
 
 def _check_constants(program: ExportedProgram, keys: KeyMap, buffers: dict[str, torch.Tensor]) -> None:
     """Every program tensor must come from the shards or the model's own buffers: a constant the trace made
-    from Python data on the meta device (e.g. Falcon's list indexing ``x[..., [-2], :]``) has lost its values.
+    from Python data on the meta device (e.g. Falcon's list indexing ``x[..., [-2], :]`` before transformers
+    5.25) has lost its values.
 
     Raises:
         ConfigError: Such a constant (the conversion would write a program with made-up values).
