@@ -22,6 +22,14 @@ from fixtures.write_fixtures import write
 # (amplite/report/schema.py): a report that does not match is an InternalError, so the whole suite checks it.
 os.environ.setdefault("AMPLITE_VALIDATE_REPORTS", "1")
 
+# Under pytest-xdist (`make test` runs two workers on CI's two cores) each worker computes with one intra-op
+# thread, and the fresh processes tests start inherit it: two threads per worker oversubscribe the cores
+# (the suite took 389 s with torch's default threads, 295 s with one, on an idle 2-core machine). An
+# OMP_NUM_THREADS the user set is kept.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def model_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[callable]:
