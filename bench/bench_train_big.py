@@ -112,6 +112,11 @@ class Logits(nn.Module):
         return self.model(input_ids=ids).logits
 
 
+def next_token_loss(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The causal LM loss: logits at position i predict token i + 1."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), t[:, 1:].flatten())
+
+
 def build(name: str, n: int) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]], Any]:
     """Model (train mode), ``n`` batches ``(input, target)`` and the loss ``fn(out, target)``."""
     from bench.corpus import _hf
@@ -127,10 +132,7 @@ def build(name: str, n: int) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.
         m = _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_positions=SEQ, n_embd=512, n_layer=6, n_head=8,
                 use_cache=False, attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)  # fmt: skip
 
-        def loss(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), t[:, 1:].flatten())
-
-        return Logits(m).train(), [(x, x) for x in ids], loss
+        return Logits(m).train(), [(x, x) for x in ids], next_token_loss
     m = _hf("BertForMaskedLM", "BertConfig", vocab_size=VOCAB, hidden_size=512, num_hidden_layers=6,
             num_attention_heads=8, intermediate_size=2048, max_position_embeddings=SEQ,
             attn_implementation="sdpa")  # fmt: skip
@@ -164,7 +166,7 @@ def make_step(variant: str, model: nn.Module, example: torch.Tensor, loss_fn: An
     def step(x: torch.Tensor, target: torch.Tensor) -> float:
         if variant == "all-bf16" and x.is_floating_point():
             x = x.to(bf16)
-        with torch.autocast("cpu", dtype=bf16, enabled=autocast):
+        with torch.autocast(x.device.type, dtype=bf16, enabled=autocast):
             loss = loss_fn(fwd(x), target)
         loss.backward()
         opt.step()

@@ -210,9 +210,12 @@ def convert_all(
 
 
 def run_model(
-    spec: ModelSpec, batches: tuple[int, ...], device: torch.device, warmup: int, iters: int, dry: bool
+    spec: ModelSpec, batches: tuple[int, ...], device: torch.device, warmup: int, iters: int, dry: bool,
+    lock: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Rows ``{model, batch, variant, ms, peak_mib, sqnr_db, error}`` for one model, and conversion notes."""
+    """Rows ``{model, batch, variant, ms, peak_mib, sqnr_db, error}`` for one model, and conversion notes.
+
+    The measurements run inside ``lock()`` (the suite's GPU lock: no other job times meanwhile)."""
     model, example = spec.build()
     model = model.to(device)
     rows: list[dict[str, Any]] = []
@@ -223,6 +226,15 @@ def run_model(
     except Exception as e:
         notes.append({"model": spec.name, "note": f"dynamic-batch export failed ({type(e).__name__}): per batch"})
         converted, dynamic = {}, False
+    with lock():
+        rows += _measure_batches(spec, model, example, converted, dynamic, batches, device, warmup, iters, dry, notes)
+    return rows, notes
+
+
+def _measure_batches(spec: ModelSpec, model: nn.Module, example: Inputs, converted: dict[str, Any], dynamic: bool,
+                     batches: tuple[int, ...], device: torch.device, warmup: int, iters: int, dry: bool,
+                     notes: list[dict[str, Any]]) -> list[dict[str, Any]]:  # fmt: skip
+    rows: list[dict[str, Any]] = []
     for batch in batches:
         inputs = rebatch(example, batch, device)
         with tf32(False):
@@ -245,4 +257,4 @@ def run_model(
             except Exception as e:  # one failing variant must not hide the others
                 row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
             rows.append(row)
-    return rows, notes
+    return rows

@@ -19,9 +19,43 @@ def _best(rows: list[dict], prefix: str) -> dict | None:
     return min(ok, key=lambda r: r["ms"]) if ok else None
 
 
+#: Issue 31's targets on (variant, mode) medians: (numerator, denominator, bound).
+DEPLOY_TARGETS = [
+    (("amplite O2", "compile"), ("autocast", "compile"), 1.0),
+    (("amplite O2", "compile"), ("all bf16", "compile"), 1.05),
+    (("amplite O2", "cudagraphs"), ("autocast", "cudagraphs"), 1.0),
+    (("amplite O2", "cudagraphs"), ("all bf16", "cudagraphs"), 1.05),
+    (("amplite O2", "aoti"), ("all bf16", "aoti"), 1.05), (("amplite O2", "aoti"), ("autocast", "compile"), 1.0),
+    (("amplite O1", "eager"), ("autocast", "eager"), 1.0), (("amplite O1", "compile"), ("autocast", "compile"), 1.0),
+    (("amplite O1", "cudagraphs"), ("autocast", "cudagraphs"), 1.0),
+    (("amplite O2", "eager"), ("autocast", "eager"), 1.0),
+]  # fmt: skip
+
+
+def deploy_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 31's ratios per model, from the deploy rows (None where a side was not measured)."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows if "ms" in r):
+        ms = {(r["variant"], r["mode"]): r["ms"] for r in rows if r["model"] == model and "ms" in r}
+        for a, b, bound in DEPLOY_TARGETS:
+            value = ms[a] / ms[b] if a in ms and b in ms else None
+            out.append({"target": f"{model}: {a[0]} {a[1]} / {b[0]} {b[1]} ≤ {bound}", "value": value,
+                        "met": None if value is None else value <= bound, "detail": "issue 31"})  # fmt: skip
+    return out
+
+
+def train_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 28's ratios (bench_train_big's targets) from the train rows."""
+    from bench.bench_train_big import targets as big_targets
+
+    keyed = {(r["model"], r["variant"]): r for r in rows}
+    return [{"target": f"{m}: {what} ≤ {limit}", "value": value, "met": None if value is None else met,
+             "detail": "issue 28"} for m, what, value, limit, met in big_targets(keyed)]  # fmt: skip
+
+
 def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
     """Each target with its measured value and whether it is met (None where nothing was measured)."""
-    out: list[dict[str, Any]] = []
+    out: list[dict[str, Any]] = train_targets(data.get("train", [])) + deploy_targets(data.get("deploy", []))
     transformer = {r["model"] for r in data["e2e"] if r.get("variant")} - {"resnet50", "tiny-cnn"}
     for model in sorted(transformer):
         for batch in data["meta"]["batches"]:
@@ -108,5 +142,50 @@ def render(data: dict[str, Any]) -> str:
     for r in data["onnx"]:
         lines.append(f"| {r['model']} | {r.get('precision', '')} | {r.get('provider', '')} | "
                      f"{_f(r['ms']) if 'ms' in r else r.get('error', '')} |")  # fmt: skip
-    lines += ["", "## Training step", "", data["training"].get("error", ""), ""]
-    return "\n".join(lines)
+    return "\n".join(lines + train_lines(data) + deploy_lines(data) + job_lines(data)) + "\n"
+
+
+def train_lines(data: dict[str, Any]) -> list[str]:
+    """``## Training step`` (issue 28): one row per (model, variant)."""
+    lines = ["", "## Training step (bench/gpu_train.py)", "",
+             "Median over interleaved rounds of the median step (forward, loss, backward, AdamW, zero_grad). "
+             "Memory: weights, their copies and optimizer state kept between steps, plus the peak above that "
+             "during a step; the batches not counted.", "",
+             "| model | params M | variant | step ms | memory MiB | kept MiB | prepare s | first step s | loss |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in data.get("train", []):
+        if "error" in r:
+            lines.append(f"| {r['model']} |  | {r['variant']} | {r['error']} |  |  |  |  |  |")
+            continue
+        lines.append(f"| {r['model']} | {r['params_m']:.1f} | {r['variant']} | {_f(r['step_ms'], '.2f')} | "
+                     f"{_f(r['peak_mb'], '.0f')} | {_f(r['kept_mb'], '.0f')} | {_f(r['prepare_s'], '.1f')} | "
+                     f"{_f(r['first_step_s'], '.1f')} | {_f(r['loss_last'], '.3f')} |")  # fmt: skip
+    return lines
+
+
+def deploy_lines(data: dict[str, Any]) -> list[str]:
+    """``## Compiled deployment`` (issue 31): eager / torch.compile / CUDA graphs / AOTInductor per variant."""
+    modes = ("eager", "compile", "cudagraphs", "aoti")
+    lines = ["", "## Compiled deployment (bench/gpu_deploy.py)", "",
+             "Median ms per call (CUDA events, each call synchronised) over interleaved rounds. `compile`: "
+             "torch.compile default mode (CUDA graphs off); `cudagraphs`: mode=\"reduce-overhead\"; `aoti`: an "
+             "AOTInductor package loaded back.", "",
+             "| model | variant | eager | compile | cudagraphs | aoti |", "|---|---|---|---|---|---|"]  # fmt: skip
+    rows = data.get("deploy", [])
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model and "variant" in r]
+        for variant in dict.fromkeys(r["variant"] for r in mine):
+            cells = []
+            for mode in modes:
+                hit = [r for r in mine if r["variant"] == variant and r["mode"] == mode]
+                cells.append("" if not hit else _f(hit[0]["ms"]) if "ms" in hit[0] else hit[0]["error"][:80])
+            lines.append(f"| {model} | {variant} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def job_lines(data: dict[str, Any]) -> list[str]:
+    """``## Jobs``: each job's status and time (a job that did not finish says why)."""
+    lines = ["", "## Jobs", "", "| job | status | s | rows |", "|---|---|---|---|"]
+    for j in data.get("jobs", []):
+        lines.append(f"| {j['job']} | {j['status']} | {j['seconds']:.0f} | {j['rows']} |")
+    return lines

@@ -1,19 +1,22 @@
-"""The GPU suite: one command, <= 5 minutes on one H200, writes bench/RESULTS-gpu.md and bench/results-gpu.json.
+"""The GPU suite: one command, about 6 minutes on one H200, writes bench/RESULTS-gpu.md and bench/results-gpu.json.
 
-Phases (each bounded by the time budget; what does not fit is listed as skipped, never silently dropped):
+Every part runs as a job (bench/gpu_jobs.py): a fresh process per model, up to ``--workers`` at once, so the
+compilation that dominates the suite's time uses the machine's CPU cores in parallel, while the timed
+sections take turns on the GPU (a lock: no two jobs time at once). Jobs, most needed first; what the time
+budget leaves out is reported as not run, never silently dropped:
 
 1. ``pytest -m gpu``: the CUDA tests (backend probe and fallback, numerics, the op on cuTENSOR).
-2. Contraction microbenchmark, fp16 and bf16, attention and MLP shapes: ``amplite::contract`` on the
-   cuTENSOR backend and on the einsum backend vs permute+contiguous+bmm and ``torch.einsum``: time,
-   TFLOP/s, fraction of the measured bf16 matmul peak.
-3. End-to-end latency (CUDA events, medians) and peak memory on BERT-base, GPT-2 (prefill, and one decode
+2. Training (issue 28, bench/gpu_train.py): GPT-2 23 M, BERT-MLM 23 M, ResNet-34: FP32, autocast bf16,
+   amplite O1/O2 bf16, all-bf16, and ``torch.compile`` of autocast and of amplite's net: step time, memory.
+3. Compiled deployment (issue 31, bench/gpu_deploy.py): every corpus model and GPT-2-6l: FP32, autocast bf16,
+   amplite O1/O2 bf16, all-bf16, each eager, ``torch.compile`` with CUDA graphs off and on, AOTInductor.
+4. Contraction microbenchmark, fp16 and bf16, attention and MLP shapes: ``amplite::contract`` on the
+   cuTENSOR backend and on the einsum backend vs permute+contiguous+bmm and ``torch.einsum``.
+5. End-to-end latency (CUDA events, medians) and peak memory on BERT-base, GPT-2 (prefill, and one decode
    step with its cache), ViT-B/16, ResNet-50, Whisper-tiny and T5-small (bench/corpus.py, config-built,
    random weights) at batch 1 and 32: FP32 with TF32 off and on, ``torch.autocast`` fp16/bf16, amplite
    O1/O2 fp16/bf16 with and without contraction fusion.
-4. ONNX Runtime's CUDA provider on amplite's fp16 and bf16 ONNX files, when that provider is present.
-4b. Compiled rows (issue 31): FP32, autocast bf16, amplite O2 bf16 and all-bf16 under ``torch.compile``, CUDA
-   graphs off (default mode) and on (``mode="reduce-overhead"``); the CUDA-graph rows say n/a on CPU.
-5. The training step: not measured (amplite has no training API yet; the row says so).
+6. ONNX Runtime's CUDA provider on amplite's fp16 and bf16 ONNX files, when that provider is present.
 
 Needs a CUDA build of torch (amplite supports torch 2.11-2.13) and ``transformers`` (the bench extra);
 nvmath-python/cuTENSOR are optional: without them every cuTENSOR row says why it is missing.
@@ -21,7 +24,8 @@ nvmath-python/cuTENSOR are optional: without them every cuTENSOR row says why it
 Usage::
 
     python bench/gpu_suite.py                 # on the GPU machine
-    python bench/gpu_suite.py --dry-run       # CPU, tiny shapes: runs every phase's code in seconds
+    python bench/gpu_suite.py --only train:gpt2,deploy:gpt2-6l --budget-s 60   # a smoke run of two jobs
+    python bench/gpu_suite.py --dry-run       # CPU, tiny models, jobs in this process: every job's code
 """
 
 from __future__ import annotations
@@ -45,33 +49,24 @@ sys.path.insert(0, str(ROOT))
 
 from amplite.ops import cutensor_backend  # noqa: E402
 from amplite.ops.contract import ENV_BACKEND, backend_description  # noqa: E402
-from bench import gpu_models  # noqa: E402
+from bench import gpu_deploy, gpu_models, gpu_train  # noqa: E402
+from bench.bench_compiled import MODELS as DEPLOY_MODELS  # noqa: E402
 from bench.gpu_contract import matmul_peak, problems, timeit  # noqa: E402
+from bench.gpu_jobs import ENV_DEADLINE, ENV_OUT, Job, emit, gpu_lock, past_deadline, read_rows, run_jobs  # noqa: E402
 from bench.gpu_report import render, targets  # noqa: E402
 
 GPU_TEST_FILES = ("tests/test_contract_backend.py", "tests/test_contract_op.py", "tests/test_fuse_contractions.py",
                   "tests/test_onnx_export.py")  # fmt: skip
 
 
-class Budget:
-    """Seconds left of the suite's time budget."""
-
-    def __init__(self, seconds: float) -> None:
-        self.end = time.monotonic() + seconds
-
-    def left(self) -> float:
-        return self.end - time.monotonic()
-
-
-def run_pytest(dry: bool, budget: Budget) -> dict[str, Any]:
+def run_pytest(dry: bool) -> dict[str, Any]:
     """``pytest -m gpu`` on the files holding CUDA tests (``--collect-only`` in a dry run)."""
     files = GPU_TEST_FILES[:1] if dry else GPU_TEST_FILES  # a dry run only checks that collection works
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
            *files, *(["--collect-only"] if dry else [])]  # fmt: skip
     t0 = time.monotonic()
     try:
-        limit = max(10.0, min(120.0, budget.left()))
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit)
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
     except subprocess.TimeoutExpired:
         return {"command": " ".join(cmd[1:]), "summary": "timed out", "rc": None, "seconds": time.monotonic() - t0}
     lines = [ln for ln in proc.stdout.strip().splitlines() if ln.strip()]
@@ -117,7 +112,7 @@ def microbench(dry: bool, device: torch.device, warmup: int, iters: int) -> tupl
     return peak, rows
 
 
-def onnx_rows(dry: bool, device: torch.device, budget: Budget, tmp: Path) -> list[dict[str, Any]]:
+def onnx_rows(dry: bool, tmp: Path) -> list[dict[str, Any]]:
     """ONNX Runtime (CUDA provider) on amplite's fp16/bf16 files; CPU provider in a dry run."""
     try:
         import onnxruntime as ort
@@ -134,8 +129,8 @@ def onnx_rows(dry: bool, device: torch.device, budget: Budget, tmp: Path) -> lis
     for spec in gpu_models.specs(dry)[: 1 if dry else None]:
         for p in gpu_models.PRECISIONS[: 1 if dry else None]:
             row: dict[str, Any] = {"model": spec.name, "precision": p, "provider": provider, "batch": 1}
-            if budget.left() < 30 and not dry:
-                rows.append(row | {"error": "skipped (time budget)"})
+            if past_deadline(margin_s=30):
+                rows.append(row | {"error": "skipped (the suite's time budget)"})
                 continue
             try:
                 model, example = spec.build()
@@ -144,130 +139,155 @@ def onnx_rows(dry: bool, device: torch.device, budget: Budget, tmp: Path) -> lis
                 sess = ort.InferenceSession(str(path), providers=[provider])
                 leaves = [t.numpy() for t in pytree.tree_leaves(example) if isinstance(t, torch.Tensor)]
                 feed = {i.name: x for i, x in zip(sess.get_inputs(), leaves, strict=False)}
-                row["ms"] = timeit(lambda s=sess, f=feed: s.run(None, f), torch.device("cpu"), 3, 5 if dry else 30)
+                with gpu_lock():
+                    row["ms"] = timeit(lambda s=sess, f=feed: s.run(None, f), torch.device("cpu"), 3, 5 if dry else 30)
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
             rows.append(row)
     return rows
 
 
-def compiled_rows(dry: bool, device: torch.device, budget: Budget, warmup: int, iters: int) -> list[dict[str, Any]]:
-    """Issue 31 on the device: FP32, autocast bf16, amplite O2 bf16 and all-bf16 under ``torch.compile``, with
-    CUDA graphs off (default mode) and on (``mode="reduce-overhead"``); CUDA-graph rows say n/a without CUDA."""
-    import copy
+#: The corpus (bench/corpus.py) and issue 31's GPT-2-6l, largest first: the queue is ordered by what the
+#: targets need, and a GPT-2-sized graph is where a per-call overhead no longer hides the kernels.
+DEPLOY = ["gpt2-6l", "bert-base", "gpt2", "resnet50", "vit-b16", "distilbert", "t5-small", "whisper-tiny",
+          "convnext-tiny", "gpt2-kv"]  # fmt: skip
 
-    import amplite
 
-    rows: list[dict[str, Any]] = []
-    for spec in gpu_models.specs(dry)[: 1 if dry else 2]:
+def child(kind: str, model: str, dry: bool) -> int:
+    """One job of this file (``--job``): its rows through :func:`emit`."""
+    device = torch.device("cuda" if torch.cuda.is_available() and not dry else "cpu")
+    warmup, iters = (1, 2) if dry else (5, 20)
+    if kind == "pytest":
+        emit({"phase": "pytest", **run_pytest(dry)})
+    elif kind == "micro":
+        with gpu_lock():
+            peak, rows = microbench(dry, device, warmup, iters)
+        emit({"phase": "micro", "peak_tflops": peak})
+        for r in rows:
+            emit({"phase": "micro", **r})
+    elif kind == "e2e" and past_deadline(margin_s=60):
+        emit({"phase": "e2e", "model": model, "error": "not run (the suite's time budget)"})
+    elif kind == "e2e":
+        spec = next(s for s in gpu_models.specs(dry) if s.name == model)
+        rows, notes = gpu_models.run_model(spec, (1, 2) if dry else (1, 32), device, warmup, iters, dry, lock=gpu_lock)
+        for r in rows:
+            emit({"phase": "e2e", **r})
+        for n in notes:
+            emit({"phase": "note", **n})
+    elif kind == "onnx":
+        with tempfile.TemporaryDirectory() as tmp:
+            for r in onnx_rows(dry, Path(tmp)):
+                emit({"phase": "onnx", **r})
+    return 0
+
+
+def plan(dry: bool, only: set[str]) -> list[Job]:
+    """Every job, in the order the pool starts them (what the open issues need first)."""
+    me = str(Path(__file__).resolve())
+    train_argv = ["--steps", "2", "--warmup", "1", "--rounds", "2", "--device", "cpu",
+                  "--variants", "autocast,amplite-O2"] if dry else []  # fmt: skip
+    deploy_argv = ["--modes", "eager,compile", "--rounds", "2", "--reps", "2", "--device", "cpu"] if dry else []
+    jobs = [Job("pytest", [me, "--job", "pytest", *(["--dry-run"] if dry else [])])]
+    jobs += [Job(f"train:{m}", [gpu_train.__file__, "--model", m, *train_argv])
+             for m in (["tiny"] if dry else ["gpt2", "bert", "resnet34"])]  # fmt: skip
+    deploy = ["fx-mlp"] if dry else [m for m in DEPLOY if m in DEPLOY_MODELS]
+    jobs += [Job(f"deploy:{m}", [gpu_deploy.__file__, "--model", m, *deploy_argv]) for m in deploy[:4]]
+    jobs.append(Job("micro", [me, "--job", "micro", *(["--dry-run"] if dry else [])]))
+    e2e = [s.name for s in gpu_models.specs(dry)]
+    jobs += [Job(f"e2e:{m}", [me, "--job", "e2e", "--model", m, *(["--dry-run"] if dry else [])]) for m in e2e[:3]]
+    jobs += [Job(f"deploy:{m}", [gpu_deploy.__file__, "--model", m, *deploy_argv]) for m in deploy[4:]]
+    jobs += [Job(f"e2e:{m}", [me, "--job", "e2e", "--model", m, *(["--dry-run"] if dry else [])]) for m in e2e[3:]]
+    jobs.append(Job("onnx", [me, "--job", "onnx", *(["--dry-run"] if dry else [])]))
+    return [j for j in jobs if not only or j.name in only or j.name.split(":")[0] in only]
+
+
+def run_inline(jobs: list[Job], tmp: Path, soft_end: float) -> dict[str, dict[str, Any]]:
+    """The dry run: each job's ``main`` in this process, one after another (the same argv as the pool's)."""
+    mains = {gpu_train.__file__: gpu_train.main, gpu_deploy.__file__: gpu_deploy.main,
+             str(Path(__file__).resolve()): main}  # fmt: skip
+    done = {}
+    for job in jobs:
+        out = tmp / f"{job.name.replace(':', '_')}.jsonl"
+        os.environ.update({ENV_OUT: str(out), ENV_DEADLINE: str(soft_end)})
+        t0 = time.time()
         try:
-            model, example = spec.build()
-            model = model.to(device)
-            inputs = gpu_models.rebatch(example, 1, device)
-            res = amplite.convert(model, inputs, precision="bf16", level="O2", verify=False)
-
-            def autocast(*a: Any, m: Any = model, **k: Any) -> Any:
-                with torch.autocast(device.type, dtype=torch.bfloat16):
-                    return m(*a, **k)
-
-            low = copy.deepcopy(model).to(torch.bfloat16)
-            low_in = torch.utils._pytree.tree_map(
-                lambda t: t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, inputs
-            )
-            cases = {"fp32": (model, inputs), "autocast bf16": (autocast, inputs),
-                     "amplite O2 bf16": (res.module(), inputs), "all bf16": (low, low_in)}  # fmt: skip
-        except Exception as e:
-            rows.append({"model": spec.name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-            continue
-        for variant, (fn, inp) in cases.items():
-            for mode, graphs in (("default", "off"), ("reduce-overhead", "on")):
-                row: dict[str, Any] = {"model": spec.name, "variant": variant, "cuda_graphs": graphs, "batch": 1}
-                if graphs == "on" and device.type != "cuda":
-                    rows.append(row | {"error": "n/a: CUDA graphs need a CUDA device"})
-                    continue
-                if budget.left() < 20 and not dry:
-                    rows.append(row | {"error": "skipped (time budget)"})
-                    continue
-                try:
-                    compiled = torch.compile(fn, mode=mode)
-                    row["ms"] = timeit(lambda c=compiled, i=inp: gpu_models.call(c, i), device, warmup, iters)
-                except Exception as e:
-                    row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
-                rows.append(row)
-    return rows
-
-
-def compiled_markdown(rows: list[dict[str, Any]]) -> str:
-    """The ``## Compiled (torch.compile)`` section of RESULTS-gpu.md."""
-    lines = ["", "## Compiled (torch.compile, issue 31)", "", "| model | variant | CUDA graphs | ms (median) |",
-             "|---|---|---|---|"]  # fmt: skip
-    for r in rows:
-        value = f"{r['ms']:.3f}" if "ms" in r else r.get("error", "")
-        lines.append(f"| {r['model']} | {r.get('variant', '-')} | {r.get('cuda_graphs', '-')} | {value} |")
-    return "\n".join(lines) + "\n"
+            status = "ok" if mains[job.argv[0]](job.argv[1:]) == 0 else "failed"
+        except Exception as e:  # a dry run reports a broken job like the pool does
+            status = f"{type(e).__name__}: {e}"[:300]
+        finally:
+            os.environ.pop(ENV_OUT)
+            os.environ.pop(ENV_DEADLINE)
+        done[job.name] = {"rows": read_rows(out), "status": status, "seconds": time.time() - t0, "log_tail": ""}
+    return done
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU: checks that every phase runs")
+    ap.add_argument("--dry-run", action="store_true", help="tiny models on CPU, jobs in this process")
     ap.add_argument("--out", type=Path, default=ROOT / "bench", help="directory for the .md and .json")
-    ap.add_argument("--budget-s", type=float, default=285.0, help="stop starting new work after this long")
-    ap.add_argument("--skip", default="", help="comma-separated phases to skip: pytest,micro,e2e,onnx,compiled")
+    ap.add_argument("--budget-s", type=float, default=390.0, help="no job starts, no job prepares after this long")
+    ap.add_argument("--grace-s", type=float, default=50.0, help="then this long to finish timing before kills")
+    ap.add_argument("--workers", type=int, default=max(1, min(10, (os.cpu_count() or 2) * 5 // 8)))
+    ap.add_argument("--only", default="", help="comma-separated jobs or phases (train, deploy:gpt2-6l, e2e, ...)")
+    ap.add_argument("--job", choices=["pytest", "micro", "e2e", "onnx"], help=argparse.SUPPRESS)
+    ap.add_argument("--model", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.job:
+        return child(args.job, args.model, args.dry_run)
     cuda = torch.cuda.is_available()
     if not cuda and not args.dry_run:
         print("gpu_suite: needs CUDA (use --dry-run to check the suite on CPU)", file=sys.stderr)
         return 2
-    dry, skip = args.dry_run, set(filter(None, args.skip.split(",")))
+    dry, t0 = args.dry_run, time.monotonic()
     device = torch.device("cuda" if cuda and not dry else "cpu")
-    warmup, iters = (1, 2) if dry else (5, 20)
-    budget, t0 = Budget(args.budget_s), time.monotonic()
-    data: dict[str, Any] = {"meta": {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)",
-        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-        "nvmath": cutensor_backend.nvmath_version(), "contract_backend": backend_description(device),
-        "dry_run": dry, "batches": [1, 2] if dry else [1, 32],
-    }}  # fmt: skip
-    phase = data["meta"]["phase_s"] = {}
-    data["pytest"] = {"summary": "skipped"} if "pytest" in skip else run_pytest(dry, budget)
-    phase["pytest"] = time.monotonic() - t0
-    data["peak_tflops"], data["micro"] = (math.nan, []) if "micro" in skip else microbench(dry, device, warmup, iters)
-    phase["micro"] = time.monotonic() - t0 - sum(phase.values())
-    data["e2e"], data["notes"] = [], []
-    if not dry and "e2e" not in skip:
-        from bench.corpus import have_transformers
-
-        if not have_transformers():
-            data["notes"].append({"model": "all", "note": "transformers missing: pip install 'amplite[bench]'"})
-    for spec in [] if "e2e" in skip else gpu_models.specs(dry):
-        if budget.left() < 20:
-            data["e2e"].append({"model": spec.name, "error": "skipped (time budget)"})
-            continue
-        try:
-            rows, notes = gpu_models.run_model(spec, tuple(data["meta"]["batches"]), device, warmup, iters, dry)
-        except Exception as e:  # a model that fails to build or export is a row, not the end of the suite
-            rows, notes = [{"model": spec.name, "error": f"{type(e).__name__}: {str(e)[:200]}"}], []
-        data["e2e"] += rows
-        data["notes"] += notes
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    phase["e2e"] = time.monotonic() - t0 - sum(phase.values())
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)",
+            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+            "nvmath": cutensor_backend.nvmath_version(), "contract_backend": backend_description(device),
+            "dry_run": dry, "batches": [1, 2] if dry else [1, 32], "workers": 1 if dry else args.workers,
+            "cpus": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
+    jobs = plan(dry, set(filter(None, args.only.split(","))))
+    soft_end = time.time() + args.budget_s
+    with tempfile.TemporaryDirectory() as tmp:
+        if dry:
+            done = run_inline(jobs, Path(tmp), soft_end)
+        else:
+            threads = max(1, (os.cpu_count() or 2) // args.workers)
+            done = run_jobs(jobs, workers=args.workers, soft_end=soft_end, hard_end=soft_end + args.grace_s,
+                            tmp=Path(tmp), compile_threads=threads, log=lambda s: print(s, flush=True))  # fmt: skip
+            args.out.mkdir(parents=True, exist_ok=True)
+            with open(args.out / "gpu-jobs.log", "w") as fh:  # every job's output, its last 300 lines
+                for log in sorted(Path(tmp).glob("*.log")):
+                    fh.write(f"===== {log.stem}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-300:]))
+                    fh.write("\n")
+    data = assemble(meta, done)
+    data["meta"]["seconds"] = time.monotonic() - t0
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        data["onnx"] = [] if "onnx" in skip else onnx_rows(dry, device, budget, Path(tmp))
-    phase["onnx"] = time.monotonic() - t0 - sum(phase.values())
-    data["compiled"] = [] if "compiled" in skip else compiled_rows(dry, device, budget, warmup, iters)
-    phase["compiled"] = time.monotonic() - t0 - sum(phase.values())
-    data["training"] = {"error": "n/a: amplite has no training-step API yet"}
-    data["targets"] = targets(data)
-    data["meta"]["seconds"] = time.monotonic() - t0
     stem = "RESULTS-gpu.dry-run" if dry else "RESULTS-gpu"
-    (out / f"{stem}.md").write_text(render(data) + compiled_markdown(data["compiled"]))
+    (out / f"{stem}.md").write_text(render(data))
     (out / f"{stem.replace('RESULTS', 'results')}.json").write_text(json.dumps(data, indent=1, default=str))
-    times = ", ".join(f"{k} {v:.0f} s" for k, v in phase.items())
-    print(f"gpu_suite: {data['meta']['seconds']:.0f} s ({times}); wrote {out / (stem + '.md')}")
+    bad = [k for k, v in done.items() if v["status"] != "ok"]
+    print(f"gpu_suite: {data['meta']['seconds']:.0f} s, {len(done) - len(bad)}/{len(done)} jobs ok"
+          + (f" (not ok: {', '.join(bad)})" if bad else "") + f"; wrote {out / (stem + '.md')}")  # fmt: skip
     return 0
+
+
+def assemble(meta: dict[str, Any], done: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The suite's JSON: rows by phase, the jobs' statuses, the targets."""
+    rows = [r for job in done.values() for r in job["rows"]]
+    by = {p: [{k: v for k, v in r.items() if k != "phase"} for r in rows if r.get("phase") == p]
+          for p in ("pytest", "micro", "e2e", "note", "onnx", "deploy", "train")}  # fmt: skip
+    peak = [r["peak_tflops"] for r in by["micro"] if "peak_tflops" in r]
+    data: dict[str, Any] = {
+        "meta": meta, "pytest": by["pytest"][0] if by["pytest"] else {"summary": done.get("pytest", {}).get(
+            "status", "not planned")},
+        "peak_tflops": peak[0] if peak else math.nan, "micro": [r for r in by["micro"] if "peak_tflops" not in r],
+        "e2e": by["e2e"], "notes": by["note"], "onnx": by["onnx"], "deploy": by["deploy"], "train": by["train"],
+        "jobs": [{"job": k, **{x: v[x] for x in ("status", "seconds", "log_tail")}, "rows": len(v["rows"])}
+                 for k, v in done.items()],
+    }  # fmt: skip
+    data["targets"] = targets(data)
+    return data
 
 
 if __name__ == "__main__":

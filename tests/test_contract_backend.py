@@ -229,9 +229,11 @@ def test_overflow_only_if_rounded_early_on_cuda(monkeypatch, backend):
     k = torch.full((2, 4, 8, 64), 32.0, dtype=torch.float16, device="cuda")
     out = CONTRACT("bqhd,bkhd->bhqk", q, k, None, 0.125, 0.0)
     assert torch.isfinite(out).all() and out.eq(16384.0).all()
-    bias = torch.full((4,), -60000.0, dtype=torch.float16, device="cuda")  # broadcast: goes in as stride-0 C
-    out = CONTRACT("bqhd,bkhd->bhqk", q, k, bias, 1.0, 1.0)
-    assert torch.isfinite(out).all() and out.eq(131072.0 - 60000.0).all()
+    # The bias is scaled and added in FP32 before the one rounding: 131072 - 2 * 61440 = 8192 (the product
+    # alone, 131072, is past fp16's 65504). Broadcast: it goes in as a stride-0 C.
+    bias = torch.full((4,), -61440.0, dtype=torch.float16, device="cuda")
+    out = CONTRACT("bqhd,bkhd->bhqk", q, k, bias, 1.0, 2.0)
+    assert torch.isfinite(out).all() and out.eq(8192.0).all()
 
 
 @pytest.mark.gpu

@@ -11,7 +11,11 @@ from typing import Any
 import torch
 import torch.fx
 from torch.export import ExportedProgram
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+try:
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+except ImportError:  # torch < 2.13 names it hint_int (same meaning: the size's hint, else the fallback)
+    from torch.fx.experimental.symbolic_shapes import hint_int as optimization_hint  # type: ignore[no-redef]
 
 from amplite import op_tables
 from amplite.passes.graph_utils import cast_dtype, fake_value
