@@ -29,6 +29,9 @@ PRECISIONS: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloa
 
 _NAMES = {dtype: name for name, dtype in PRECISIONS.items()}
 
+#: The FP8 precision's name: matrix products in ``float8_e4m3fn`` with FP32 scales, everything else as bf16.
+FP8 = "fp8"
+
 
 def precision_dtype(precision: str | torch.dtype) -> torch.dtype:
     """``"fp16"``/``"bf16"`` or the dtype itself, as the dtype (``ConfigError`` for anything else: FP32 is not
@@ -38,6 +41,24 @@ def precision_dtype(precision: str | torch.dtype) -> torch.dtype:
     if isinstance(precision, str) and precision.strip().lower() in PRECISIONS:
         return PRECISIONS[precision.strip().lower()]
     raise ConfigError(f"unknown precision {precision!r}", f"use one of: {', '.join(PRECISIONS)}")
+
+
+def split_precision(precision: str | torch.dtype) -> tuple[torch.dtype, bool]:
+    """A precision name as ``(low dtype, fp8)``: ``"fp8"`` is bf16 with FP8 matrix products.
+
+    Entry points that support FP8 parse with this; :func:`precision_dtype` (fp16/bf16 only) refuses ``"fp8"``.
+
+    Raises:
+        ConfigError: For a name that is none of fp16, bf16, fp8.
+    """
+    if isinstance(precision, str) and precision.strip().lower() == FP8:
+        return torch.bfloat16, True
+    try:
+        return precision_dtype(precision), False
+    except ConfigError:
+        raise ConfigError(
+            f"unknown precision {precision!r}", f"use one of: {', '.join((*PRECISIONS, FP8))}"
+        ) from None
 
 
 def precision_name(dtype: torch.dtype) -> str:
