@@ -1,32 +1,25 @@
 """The precision policy: levels, user overrides and their priority, as plain data.
 
-Nothing here knows about torch.fx. The ``annotate_precision`` pass turns each graph node into three
-strings (op name, module path, node name) and asks :meth:`PrecisionPolicy.decide`.
+Nothing here knows about torch.fx. The ``annotate_precision`` pass reads each graph node's facts (op name,
+module path, node name, range flags, neighbours' modes) and asks :meth:`PrecisionPolicy.decide`.
 
-Priority, highest first (documented in README and docs/policy.md):
+Precedence is data owned by the policy: :data:`LAYERS` lists ``(RuleSource, rule)`` pairs in
+:data:`PRIORITY` order (strongest first: DTYPE facts, pins, range, fidelity, structure, op table, level) and
+:meth:`PrecisionPolicy.decide` returns the first layer's answer, so a weaker layer can never overwrite a
+stronger one. The pass computes each node's :class:`NodeFacts`; the rules are plain functions of the policy
+and those facts. docs/policy.md quotes this table (a test compares them).
 
-1. A ``node:`` override (exact node name or glob).
-2. A ``module:`` override (glob on the dotted module path from export's module stack; a pattern
-   ``encoder.*`` also matches the module ``encoder`` itself).
-3. An ``op:`` override (glob on the ATen op, e.g. ``softmax`` or ``softmax.int``).
-4. An unprefixed override, matched against op, module path and node name.
-5. Fidelity rules: the ``discrete-decision`` rule (O1/O2) keeps a ``topk``/``argmax``/``sort``… and the
-   producers of the values it reads in FP32 (:meth:`PrecisionPolicy.for_discrete_decision`).
-6. The level's rules and the op tables (:mod:`amplite.op_tables`).
-
-Within one rank, keep-FP32 beats force-low: when a user's patterns disagree, stay safe.
+Within the pin layer, a ``node:`` override beats ``module:``, which beats ``op:``, which beats an
+unprefixed one; at the same rank keep-FP32 beats force-low: when a user's patterns disagree, stay safe.
 Overrides do not apply at O0, which converts nothing.
 
-Every :class:`Decision` names the layer that made it (:class:`RuleSource`) and that layer's priority
-(:data:`PRIORITY`), so that passes and the report read who decided from a typed field, never from the
-display string. The graph-shaped rules (range flags, discrete decisions, normalisers that feed FP32 ops,
-small integer powers, FP32-island bridges) live here too, as methods taking the facts the pass read off
-the graph: the pass walks the graph, the policy decides.
+Every :class:`Decision` names the layer that made it (:class:`RuleSource`), so that passes and the report
+read who decided from a typed field, never from the display string.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from fnmatch import fnmatchcase
@@ -168,6 +161,35 @@ _RANK = {"node": 0, "module": 1, "op": 2, "any": 3}
 
 
 @dataclass(frozen=True)
+class NodeFacts:
+    """What the policy needs to know about one node. The ``annotate_precision`` pass reads these off the
+    graph; the policy alone decides from them.
+
+    Attributes:
+        op: ATen overload key (``softmax.int``), or another callable's name for non-ATen ops.
+        module: Dotted module path the node came from ('' when unknown).
+        node: The graph node's name.
+        range_flag: ``range_guard``'s reason to keep the op FP32 (``range:activation …``), or ''.
+        range_cleared: ``range_guard``'s reason an FP32-list op may follow its input
+            (``range:small-integer-pow``), or ''.
+        fp32_reader: Some reader of the value computes in FP32.
+        discrete: The op makes a discrete decision (``topk``, ``argmax``…) or computes the values one reads.
+        feeds_fp32: The op reaches an FP32 op directly or through one op.
+        bridges_fp32: Every floating operand comes from an FP32 op and every reader is one.
+    """
+
+    op: str
+    module: str = ""
+    node: str = ""
+    range_flag: str = ""
+    range_cleared: str = ""
+    fp32_reader: bool = False
+    discrete: bool = False
+    feeds_fp32: bool = False
+    bridges_fp32: bool = False
+
+
+@dataclass(frozen=True)
 class PrecisionPolicy:
     """Which dtype each op computes in.
 
@@ -195,73 +217,29 @@ class PrecisionPolicy:
         """The low-precision dtype."""
         return self.precision  # type: ignore[return-value]  # a dtype after __post_init__
 
-    def decide(self, op: str, module: str = "", node: str = "") -> Decision:
-        """Decide how ``op`` (a table key such as ``softmax.int``) computes.
+    def decide(self, facts: NodeFacts | str, module: str = "", node: str = "") -> Decision:
+        """Decide how one op computes: the first answer of :data:`LAYERS`, strongest layer first.
 
         Args:
-            op: ATen overload key, or another callable's name for non-ATen ops.
-            module: Dotted module path the node came from ('' when unknown).
-            node: The graph node's name.
+            facts: What the pass read off the graph for this node, or just the op's table key
+                (``softmax.int``) for a node with no graph facts.
+            module: Dotted module path (only with an op key; '' when unknown).
+            node: The graph node's name (only with an op key).
         """
-        if self.level is Level.O0:
+        if isinstance(facts, str):
+            facts = NodeFacts(facts, module, node)
+        if self.level is Level.O0:  # the FP32 baseline: no layer applies, overrides included
             return Decision("fp32", "level:O0", RuleSource.LEVEL)
-        hit = self._override(op, self.user_module(module), node)
-        if hit is not None:
-            return Decision("fp32" if hit.action == "keep_fp32" else "low", hit.reason, hit.source)
-        if self.level is Level.O3:
-            return Decision("low", "level:O3", RuleSource.LEVEL)
-        group = op_tables.fp32_reason(op)
-        if group is not None:
-            return Decision("fp32", f"fp32-list:{group}", RuleSource.OP_TABLE)
-        if self.level is Level.O2:
-            return Decision("low", "level:O2", RuleSource.LEVEL)
-        if op in _LOW:
-            return Decision("low", f"low-list:{op.split('.')[0]}", RuleSource.OP_TABLE)
-        return Decision("follow", "follow-inputs", RuleSource.LEVEL)
+        for _, rule in LAYERS:
+            decision = rule(self, facts)
+            if decision is not None:
+                return decision
+        raise AssertionError("the level layer answers for every op")  # pragma: no cover
 
     @property
-    def _mixed(self) -> bool:
+    def mixed(self) -> bool:
         """Whether the level mixes precisions (O1/O2): the graph-shaped rules apply only then."""
         return self.level in (Level.O1, Level.O2)
-
-    def for_range(self, current: Decision, flag: str) -> Decision:
-        """An op ``range_guard`` flagged (``flag``, e.g. ``range:activation``) computes in FP32 unless a pin
-        decided it or it already does."""
-        if not flag or current.pinned or current.mode == "fp32":
-            return current
-        return Decision("fp32", flag, RuleSource.RANGE)
-
-    def for_discrete_decision(self, current: Decision) -> Decision:
-        """The decision for an op that makes, or computes the values of, a discrete decision.
-
-        At O1/O2 it computes in FP32 (reason ``discrete-decision``) so the decision is the FP32 model's
-        and does not flip between runtimes on near-ties; a pin (``--force-low``), O0/O3 and an op already
-        in FP32 (``fp32-list:softmax``) keep ``current``.
-        """
-        if not self._mixed or current.pinned or current.mode == "fp32":
-            return current
-        return Decision("fp32", DISCRETE_DECISION, RuleSource.FIDELITY)
-
-    def for_small_pow(self, current: Decision, cleared: str, any_reader_fp32: bool) -> Decision:
-        """A ``pow`` that ``range_guard`` cleared (``cleared``: ``range:small-integer-pow``) leaves the FP32
-        list and follows its input (O1/O2), unless a reader is FP32 (an RMSNorm's ``x.pow(2).mean()``)."""
-        if not self._mixed or not cleared or any_reader_fp32 or current.source is not RuleSource.OP_TABLE:
-            return current
-        return Decision("follow", cleared, RuleSource.RANGE) if current.mode == "fp32" else current
-
-    def for_normaliser(self, current: Decision, feeds_fp32: bool) -> Decision:
-        """An ``amax``-like op (exact in any dtype) that feeds an FP32 op directly or through one op stays
-        FP32 (O1/O2), so that op gets FP32 operands without another cast; pins win."""
-        if not self._mixed or not feeds_fp32 or current.pinned:
-            return current
-        return Decision("fp32", "fp32-list:normaliser-feeds-fp32", RuleSource.STRUCTURE)
-
-    def for_bridge(self, current: Decision, bridges_fp32: bool) -> Decision:
-        """At O2 an op the level made low whose every float operand and every user is FP32 (the ``+ eps``
-        between ``mean`` and ``rsqrt``) stays FP32: running it low costs two casts and a rounding."""
-        if self.level is not Level.O2 or not bridges_fp32 or current.source is not RuleSource.LEVEL:
-            return current
-        return Decision("fp32", "fp32-island-bridge", RuleSource.STRUCTURE) if current.mode == "low" else current
 
     @staticmethod
     def is_discrete_decision(op: str) -> bool:
@@ -292,6 +270,80 @@ class PrecisionPolicy:
 
 _LOW = frozenset(op_tables.LOW_PRECISION_OPS)
 _DISCRETE = frozenset(op_tables.DISCRETE_DECISION_OPS)
+_NORMALISERS = frozenset(op_tables.NORMALISER_OPS)
+
+Rule = Callable[[PrecisionPolicy, NodeFacts], "Decision | None"]
+
+
+def _pins(policy: PrecisionPolicy, f: NodeFacts) -> Decision | None:
+    """Explicit pins: the user's ``--keep-fp32``/``--force-low`` and amplite's own (training, checkpoint,
+    budget), each decision carrying its rule's source."""
+    hit = policy._override(f.op, policy.user_module(f.module), f.node)
+    if hit is None:
+        return None
+    return Decision("fp32" if hit.action == "keep_fp32" else "low", hit.reason, hit.source)
+
+
+def _range(policy: PrecisionPolicy, f: NodeFacts) -> Decision | None:
+    """Calibrated ranges: a flagged op computes in FP32; an FP32-list op ``range_guard`` cleared (a small
+    integer power) follows its input at O1/O2, unless a reader is FP32 (an RMSNorm's ``x.pow(2).mean()``)
+    or its value feeds a discrete decision."""
+    if f.range_flag:
+        return Decision("fp32", f.range_flag, RuleSource.RANGE)
+    if policy.mixed and f.range_cleared and not f.fp32_reader and not f.discrete and op_tables.fp32_reason(f.op):
+        return Decision("follow", f.range_cleared, RuleSource.RANGE)
+    return None
+
+
+def _fidelity(policy: PrecisionPolicy, f: NodeFacts) -> Decision | None:
+    """At O1/O2 a discrete decision and the producers of the values it reads compute as FP32 does, so the
+    decision does not flip between runtimes on near-ties."""
+    return Decision("fp32", DISCRETE_DECISION, RuleSource.FIDELITY) if policy.mixed and f.discrete else None
+
+
+def _structure(policy: PrecisionPolicy, f: NodeFacts) -> Decision | None:
+    """Island shape at O1/O2: an ``amax``-like normaliser (exact in any dtype) feeding an FP32 op stays FP32,
+    so that op needs no cast; at O2 an op outside the FP32 list that only connects FP32 ops (the ``+ eps``
+    between ``mean`` and ``rsqrt``) stays FP32: running it low costs two casts and a rounding."""
+    if policy.mixed and f.feeds_fp32 and f.op in _NORMALISERS:
+        return Decision("fp32", "fp32-list:normaliser-feeds-fp32", RuleSource.STRUCTURE)
+    if policy.level is Level.O2 and f.bridges_fp32 and op_tables.fp32_reason(f.op) is None:
+        return Decision("fp32", "fp32-island-bridge", RuleSource.STRUCTURE)
+    return None
+
+
+def _op_table(policy: PrecisionPolicy, f: NodeFacts) -> Decision | None:
+    """The FP32 list (reductions, softmax, norms, transcendental ops) and, at O1, the low list; O3 has none."""
+    if policy.level is Level.O3:
+        return None
+    group = op_tables.fp32_reason(f.op)
+    if group is not None:
+        return Decision("fp32", f"fp32-list:{group}", RuleSource.OP_TABLE)
+    if policy.level is Level.O1 and f.op in _LOW:
+        return Decision("low", f"low-list:{f.op.split('.')[0]}", RuleSource.OP_TABLE)
+    return None
+
+
+def _level(policy: PrecisionPolicy, f: NodeFacts) -> Decision:
+    """What the level makes of everything else: low at O2/O3, follow the inputs at O1."""
+    if policy.level in (Level.O2, Level.O3):
+        return Decision("low", f"level:{policy.level.value}", RuleSource.LEVEL)
+    return Decision("follow", "follow-inputs", RuleSource.LEVEL)
+
+
+#: The policy's layers, strongest first: :meth:`PrecisionPolicy.decide` takes the first answer, so a layer
+#: can never overwrite a stronger one. The order is :data:`PRIORITY`'s (checked at import); the pin layer
+#: speaks for every override source (user, budget, training, checkpoint: one rank). DTYPE facts come last,
+#: from the pass: no dtype choice can change an FP64 value or an in-place destination.
+LAYERS: tuple[tuple[RuleSource, Rule], ...] = (
+    (RuleSource.USER, _pins),
+    (RuleSource.RANGE, _range),
+    (RuleSource.FIDELITY, _fidelity),
+    (RuleSource.STRUCTURE, _structure),
+    (RuleSource.OP_TABLE, _op_table),
+    (RuleSource.LEVEL, _level),
+)
+assert [PRIORITY[s] for s, _ in LAYERS] == sorted({p for s, p in PRIORITY.items() if s is not RuleSource.DTYPE})
 
 
 def make_overrides(

@@ -190,5 +190,7 @@ def test_bad_inputs_are_one_line_errors(fp16: llm.LLMResult) -> None:
         fp16.generate(ids, 4, attention_mask=right)
     with pytest.raises(AmpliteError, match="not a transformers causal LM"):
         llm.convert_llm(torch.nn.Linear(4, 4).eval())
+    with pytest.raises(AmpliteError, match="unknown precision 'fp61'"):  # was converted as fp16 without a word
+        llm.convert_llm(torch.nn.Linear(4, 4).eval(), precision="fp61")
     with pytest.raises(AmpliteError, match="not an amplite LLM step program"):
         llm.LLMProgram.from_program(torch.export.export(torch.nn.Linear(4, 4), (torch.randn(2, 4),)))

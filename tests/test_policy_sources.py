@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ast
+import itertools
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,17 @@ import torch
 
 import amplite
 from amplite.errors import ConfigError
-from amplite.policy import Decision, Level, Override, PrecisionPolicy, RuleSource, make_overrides
+from amplite.policy import (
+    LAYERS,
+    PRIORITY,
+    Decision,
+    Level,
+    NodeFacts,
+    Override,
+    PrecisionPolicy,
+    RuleSource,
+    make_overrides,
+)
 from fixtures.zoo import make
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,28 +73,68 @@ def test_override_sources_are_typed_and_only_pins_may_write_rules() -> None:
         make_overrides(force_low=[pin])
 
 
-def test_pins_beat_graph_rules_and_rules_keep_their_priority() -> None:
+def _all_facts() -> list[NodeFacts]:
+    """Every combination of graph facts, on ops from each table (FP32 list, low list, normaliser, other)."""
+    flags = list(itertools.product(["", "range:activation x"], ["", "range:small-integer-pow"], *[[False, True]] * 4))
+    ops = ["pow.Tensor_Scalar", "linear.default", "amax.default", "add.Tensor", "topk.default"]
+    return [
+        NodeFacts(op, "enc", name, flag, cleared, reader, discrete, feeds, bridges)
+        for op in ops
+        for name in ("n", "m")
+        for flag, cleared, reader, discrete, feeds, bridges in flags
+    ]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_a_weaker_layer_never_overwrites_a_stronger_one(level: str) -> None:
+    """The probe: for every combination of facts, the decision is the first answering layer's in priority
+    order, and no layer below it (lower priority) could have produced it instead."""
+    budget = Override("force_low", "node:n", RuleSource.BUDGET)
+    policy = PrecisionPolicy("fp16", Level(level), (budget,))
+    assert [PRIORITY[s] for s, _ in LAYERS] == sorted(PRIORITY[s] for s, _ in LAYERS), "layers in priority order"
+    seen = set()
+    for facts in _all_facts():
+        answers = [(source, rule(policy, facts)) for source, rule in LAYERS]
+        decided = policy.decide(facts)
+        first_source, first = next((s, d) for s, d in answers if d is not None)
+        assert decided == first, facts
+        assert PRIORITY[decided.source] == PRIORITY[first_source]
+        # every layer that also answered is weaker (or the same rank) and did not win
+        assert all(PRIORITY[d.source] >= decided.priority for _, d in answers if d is not None)
+        seen.add(decided.source)
+    if level != "O3":  # O3 runs no graph rule; at O1/O2 every layer decides some combination
+        assert {RuleSource.BUDGET, RuleSource.RANGE, RuleSource.FIDELITY, RuleSource.STRUCTURE} <= seen
+
+
+def test_range_decision_is_not_overwritten_by_a_structure_rule() -> None:
+    """The defect the layered policy fixes: an ``amax`` range_guard flagged, feeding an FP32 op, was reported
+    as the normaliser's (structure, 4) decision over range's (2)."""
+    policy = PrecisionPolicy("fp16", Level.O2)
+    facts = NodeFacts("amax.default", range_flag="range:activation output |x|=9e4>512", feeds_fp32=True)
+    assert policy.decide(facts) == Decision("fp32", facts.range_flag, RuleSource.RANGE)
+    assert policy.decide(replace(facts, range_flag="")).source is RuleSource.STRUCTURE
+
+
+def test_pins_beat_graph_rules_and_o3_has_none() -> None:
     budget = Override("force_low", "node:n", RuleSource.BUDGET)
     policy = PrecisionPolicy("fp16", Level.O2, (budget,))
-    pinned = policy.decide("linear.default", "", "n")
+    hot = {"range_flag": "range:activation", "discrete": True, "feeds_fp32": True, "bridges_fp32": True}
+    pinned = policy.decide(NodeFacts("amax.default", node="n", **hot))
     assert pinned == Decision("low", "budget:low node:n", RuleSource.BUDGET) and pinned.pinned
-    # A range flag, a discrete decision and a normaliser rule leave a pin alone, and move an unpinned op.
-    assert policy.for_range(pinned, "range:activation") is pinned
-    assert policy.for_discrete_decision(pinned) is pinned
-    assert policy.for_normaliser(pinned, feeds_fp32=True) is pinned
-    free = policy.decide("linear.default", "", "m")
+    free = policy.decide(NodeFacts("linear.default", node="m"))
     assert free.source is RuleSource.LEVEL and not free.pinned
-    assert policy.for_range(free, "range:activation") == Decision("fp32", "range:activation", RuleSource.RANGE)
-    assert policy.for_bridge(free, bridges_fp32=True).source is RuleSource.STRUCTURE
-    assert policy.for_bridge(free, bridges_fp32=False) is free
-    order = [RuleSource.DTYPE, RuleSource.USER, RuleSource.RANGE, RuleSource.FIDELITY, RuleSource.STRUCTURE,
-             RuleSource.OP_TABLE, RuleSource.LEVEL]  # fmt: skip
-    assert [Decision("low", "", s).priority for s in order] == sorted(Decision("low", "", s).priority for s in order)
-    # O1 has no bridge rule and O3 no graph rules at all.
-    o1 = PrecisionPolicy("fp16", Level.O1)
-    assert o1.for_bridge(Decision("low", "level:O2", RuleSource.LEVEL), True).mode == "low"
+    assert policy.decide(NodeFacts("add.Tensor", bridges_fp32=True)).source is RuleSource.STRUCTURE
+    assert PrecisionPolicy("fp16", Level.O1).decide(NodeFacts("add.Tensor", bridges_fp32=True)).mode == "follow"
     o3 = PrecisionPolicy("fp16", Level.O3)
-    assert o3.for_normaliser(o3.decide("amax.default"), True).mode == "low"
+    assert o3.decide(NodeFacts("amax.default", discrete=True, feeds_fp32=True)).mode == "low"
+
+
+def test_docs_quote_the_priority_table_of_the_code() -> None:
+    """docs/policy.md's layer table is the code's PRIORITY, row for row (one statement, quoted)."""
+    text = (ROOT / "docs" / "policy.md").read_text()
+    rows = re.findall(r"^\| (`[^|]+`) \| (\d+) \|", text, flags=re.M)
+    documented = {name.strip("` "): int(prio) for cell, prio in rows for name in cell.split(",")}
+    assert documented == {s.value: p for s, p in PRIORITY.items()}
 
 
 def test_no_control_flow_reads_a_reason_string() -> None:

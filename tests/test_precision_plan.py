@@ -577,7 +577,7 @@ def test_discrete_decision_rule_leaves_o3_and_user_force_low_alone() -> None:
 
 def test_range_flag_turns_a_low_decision_fp32_but_not_a_user_one() -> None:
     """range_guard's flag makes a low/follow node FP32 with the flag as reason; a user override still wins;
-    an op already on the FP32 list keeps its table reason."""
+    an op the FP32 list also holds is reported under the stronger layer, range (priority 2 beats 5)."""
     gm = _fresh("linear_pow")
     linear = next(n for n in gm.graph.nodes if n.target is aten.linear.default)
     add = next(n for n in gm.graph.nodes if n.target is aten.add.Tensor)
@@ -592,7 +592,7 @@ def test_range_flag_turns_a_low_decision_fp32_but_not_a_user_one() -> None:
         "rule": "range",
     }
     assert plan["add"]["reason"] == "range:activation input pow_1 |x|=600>512"
-    assert plan["pow_1"]["reason"] == "fp32-list:transcendental"
+    assert (plan["pow_1"]["reason"], plan["pow_1"]["rule"]) == ("range:activation output |x|=600>512", "range")
     plan = _plan(gm, Level.O1, overrides=make_overrides(force_low=["op:linear"]))
     assert plan["linear"]["reason"] == "user:low op:linear"
 

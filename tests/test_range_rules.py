@@ -27,10 +27,11 @@ def test_overflow_fixture_is_finite_only_with_range_rules() -> None:
     assert record["counters"]["kept_fp32:range:activation"] == 2
 
 
-def test_table_reasons_win_over_range_reasons_when_both_say_fp32() -> None:
+def test_range_reasons_win_over_table_reasons_when_both_say_fp32() -> None:
+    """The stronger layer reports the decision (range, priority 2, before the op table, 5)."""
     model, inputs = make("overflow")
-    reasons = {n["node"]: n["reason"] for n in amplite.convert(model, inputs, level="O1").report.fp32_nodes}
-    assert reasons["pow_1"] == "fp32-list:transcendental"
+    entries = {n["node"]: n for n in amplite.convert(model, inputs, level="O1").report.fp32_nodes}
+    assert entries["pow_1"]["reason"].startswith("range:activation output") and entries["pow_1"]["rule"] == "range"
 
 
 def test_data_max_is_configurable_and_bf16_ignores_activation_rules() -> None:

@@ -19,7 +19,7 @@ from torch import nn
 
 from amplite.api import convert
 from amplite.errors import ConfigError
-from amplite.levels import PRECISIONS, resolve_level
+from amplite.levels import precision_dtype, resolve_level
 from amplite.llm.generate import Runner, prepare
 from amplite.llm.metrics import LLMMetrics, default_eval_ids, default_prompts, llm_criteria, measure
 from amplite.llm.result import LLMProgram, LLMResult
@@ -75,6 +75,7 @@ def convert_llm(
             raise ConfigError(
                 f"convert_llm sets {fixed} itself", f"drop {fixed}: the step program's shapes are fixed by design"
             )
+    low = precision_dtype(precision)  # an unknown name is a one-line error here, not a silent fp16
     if model.training:
         raise ConfigError("the model is in train mode", "call model.eval() before converting it for generation")
     if cache_dtype not in ("auto", "fp32", "low"):
@@ -86,7 +87,6 @@ def convert_llm(
         if isinstance(tolerance, Tolerance) or tolerance is None
         else parse_tolerance(list(tolerance), precision)
     )
-    low = PRECISIONS.get(precision, torch.float16)
     lvl = resolve_level(level)
     wanted = torch.float32 if cache_dtype == "fp32" or lvl is Level.O0 else low
     with amplite_attention(model):

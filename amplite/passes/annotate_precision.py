@@ -1,7 +1,8 @@
 """Pass 1: decide each node's compute dtype (analysis only).
 
-Decision order per node: user overrides, then range rules (``meta['amplite_range']`` from
-``range_guard``), then the level and op tables.
+The pass reads graph facts (:class:`amplite.policy.NodeFacts`: op, module, node, range flags from
+``range_guard``, FP32 readers, discrete-decision cones, island shape); :meth:`PrecisionPolicy.decide` takes
+the first answer of its layers in priority order (:data:`amplite.policy.LAYERS`).
 
 Guarantees afterwards: every ``call_function`` node that reads or produces a floating-point tensor has
 ``meta['amplite_precision']`` = ``{"mode", "dtype", "reason"}`` (``dtype`` the dtype its float operands
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,11 +28,11 @@ from amplite.errors import ConfigError
 from amplite.passes.base import PassResult
 from amplite.passes.graph_utils import cast_dtype, dtypes_of, fake_value, is_float_tensor, module_path
 from amplite.passes.meta import OUT_DTYPE_KEY, PRECISION_KEY, RANGE_KEY, RANGE_LOW_KEY, PrecisionAnnotation
-from amplite.policy import Decision, Level, PrecisionPolicy, RuleSource
+from amplite.policy import Decision, Level, NodeFacts, PrecisionPolicy, RuleSource
 
-_NORMALISERS = frozenset(op_tables.NORMALISER_OPS)
 _COMPUTE_BOUND = frozenset(op_tables.LOW_PRECISION_OPS)
 _NONE = Decision("follow", "")  # stands in for a node with no decision (not float, not call_function)
+_LOW_DEC = Decision("low", "")  # likewise, where a missing decision must not count as FP32
 
 
 def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -103,70 +105,40 @@ class AnnotatePrecision:
         return PassResult(gm, False, counters)
 
     def _decisions(self, gm: torch.fx.GraphModule) -> dict[torch.fx.Node, Decision]:
-        """Policy decisions for every float-touching node, before dtype propagation."""
-        decisions: dict[torch.fx.Node, Decision] = {}
-        sites: list[tuple[str, str, str]] = []
+        """Policy decisions for every float-touching node, before dtype propagation.
+
+        The pass only reads graph facts; the policy decides (first answer in priority order). Facts that
+        depend on other nodes' decisions (is a reader FP32? does this op only connect FP32 ops?) are read off
+        the previous round's decisions: local facts, then readers and cleared powers, then normalisers, then
+        FP32-island bridges, each round deciding every node again.
+        """
+        facts: dict[torch.fx.Node, NodeFacts] = {}
         for node in gm.graph.nodes:
             if node.op != "call_function" or cast_dtype(node) is not None or node.target is operator.getitem:
                 continue
             op = op_tables.op_name(node.target) or getattr(node.target, "__name__", str(node.target))
-            site = (op, module_path(node), node.name)
-            sites.append(site)
-            # range_guard's flag (meta['amplite_range']); pins still win
-            decisions[node] = self.policy.for_range(self.policy.decide(*site), node.meta.get(RANGE_KEY, ""))
+            facts[node] = NodeFacts(op, module_path(node), node.name, range_flag=node.meta.get(RANGE_KEY, ""))
         if self.policy.level is not Level.O0:
-            _refuse_unmatched(self.policy, sites)
-        for node, dec in list(decisions.items()):  # the graph facts each rule needs; the policy decides
-            fp32_reader = any(decisions.get(u, _NONE).mode == "fp32" for u in node.users)
-            decisions[node] = self.policy.for_small_pow(dec, node.meta.get(RANGE_LOW_KEY, ""), fp32_reader)
-        for node, dec in list(decisions.items()):
-            if op_tables.op_name(node.target) in _NORMALISERS:
-                decisions[node] = self.policy.for_normaliser(dec, self._feeds_fp32(node, decisions))
-        self._discrete_decisions(decisions)
-        for node, dec in list(decisions.items()):
-            decisions[node] = self.policy.for_bridge(dec, self._bridges_fp32(node, decisions))
-        return decisions
+            _refuse_unmatched(self.policy, [(f.op, f.module, f.node) for f in facts.values()])
+        for node in _discrete_cone(facts):
+            facts[node] = replace(facts[node], discrete=True)
+        decisions = self._decide(facts)
 
-    def _discrete_decisions(self, decisions: dict[torch.fx.Node, Decision]) -> None:
-        """Keep discrete decisions (topk, argmax, sort, ...) and the producers of their float operands FP32.
+        def fp32(nodes: Any) -> bool:
+            return any(decisions.get(u, _NONE).mode == "fp32" for u in nodes)
 
-        Walks upstream from each decision through views, elementwise and FP32 ops, up to and including the
-        first low-list (compute-bound) op on each path, at most ``DISCRETE_DECISION_DEPTH`` nodes deep.
-        """
-        for node in [n for n in decisions if self.policy.is_discrete_decision(op_tables.op_name(n.target) or "")]:
-            decisions[node] = self.policy.for_discrete_decision(decisions[node])
-            frontier = [a for a in _tensor_inputs(node) if is_float_tensor(a)]
-            for _ in range(op_tables.DISCRETE_DECISION_DEPTH):
-                nxt = []
-                for prod in frontier:
-                    dec = decisions.get(prod)
-                    if dec is None or dec.source is RuleSource.FIDELITY:
-                        continue
-                    decisions[prod] = self.policy.for_discrete_decision(dec)
-                    if op_tables.op_name(prod.target) not in _COMPUTE_BOUND:
-                        nxt += [a for a in _tensor_inputs(prod) if is_float_tensor(a)]
-                frontier = nxt
+        facts = {
+            n: replace(f, fp32_reader=fp32(n.users), range_cleared=n.meta.get(RANGE_LOW_KEY, ""))
+            for n, f in facts.items()
+        }
+        decisions = self._decide(facts)
+        facts = {n: replace(f, feeds_fp32=fp32(_within_two(n))) for n, f in facts.items()}
+        decisions = self._decide(facts)
+        facts = {n: replace(f, bridges_fp32=_bridges_fp32(n, decisions)) for n, f in facts.items()}
+        return self._decide(facts)
 
-    @staticmethod
-    def _bridges_fp32(node: torch.fx.Node, decisions: dict[torch.fx.Node, Decision]) -> bool:
-        """Whether ``node`` only connects FP32 ops: every floating operand comes from one and every user is
-        one (``mean(x²) + eps`` between mean and rsqrt). Running it low would cost two casts and a rounding
-        inside an FP32 island."""
-        producers = [a for a in _tensor_inputs(node) if is_float_tensor(a)]
-        if not producers or not node.users:
-            return False
-        fp32 = "fp32"
-        return all(decisions.get(a, Decision("low", "")).mode == fp32 for a in producers) and all(
-            decisions.get(u, Decision("low", "")).mode == fp32 for u in node.users
-        )
-
-    @staticmethod
-    def _feeds_fp32(node: torch.fx.Node, decisions: dict[torch.fx.Node, Decision]) -> bool:
-        """Whether ``node`` reaches an FP32-pinned op directly or through one op (``x - x.amax()``)."""
-        frontier = list(node.users)
-        for user in list(frontier):
-            frontier.extend(user.users)
-        return any(decisions.get(u, Decision("follow", "")).mode == "fp32" for u in frontier)
+    def _decide(self, facts: dict[torch.fx.Node, NodeFacts]) -> dict[torch.fx.Node, Decision]:
+        return {node: self.policy.decide(f) for node, f in facts.items()}
 
     def _plan_node(
         self,
@@ -208,6 +180,44 @@ class AnnotatePrecision:
         if compute is not None:
             counters[f"compute:{str(compute).removeprefix('torch.')}"] += 1
         return _predict_out(node, val, compute)
+
+
+def _discrete_cone(facts: dict[torch.fx.Node, NodeFacts]) -> set[torch.fx.Node]:
+    """Discrete decisions (topk, argmax, sort, ...) and the producers of their float operands: upstream
+    through views, elementwise and FP32 ops, up to and including the first low-list (compute-bound) op on
+    each path, at most ``DISCRETE_DECISION_DEPTH`` nodes deep; nodes with no decision stop the walk."""
+    cone: set[torch.fx.Node] = set()
+    for node in [n for n, f in facts.items() if PrecisionPolicy.is_discrete_decision(f.op)]:
+        cone.add(node)
+        frontier = [a for a in _tensor_inputs(node) if is_float_tensor(a)]
+        for _ in range(op_tables.DISCRETE_DECISION_DEPTH):
+            nxt = []
+            for prod in frontier:
+                if prod not in facts or prod in cone:
+                    continue
+                cone.add(prod)
+                if facts[prod].op not in _COMPUTE_BOUND:
+                    nxt += [a for a in _tensor_inputs(prod) if is_float_tensor(a)]
+            frontier = nxt
+    return cone
+
+
+def _within_two(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The node's readers and their readers."""
+    frontier = list(node.users)
+    for user in list(frontier):
+        frontier.extend(user.users)
+    return frontier
+
+
+def _bridges_fp32(node: torch.fx.Node, decisions: dict[torch.fx.Node, Decision]) -> bool:
+    """Whether ``node`` only connects FP32 ops: every floating operand comes from one and every user is one."""
+    producers = [a for a in _tensor_inputs(node) if is_float_tensor(a)]
+    if not producers or not node.users:
+        return False
+    return all(decisions.get(a, _LOW_DEC).mode == "fp32" for a in producers) and all(
+        decisions.get(u, _LOW_DEC).mode == "fp32" for u in node.users
+    )
 
 
 def _predict_out(node: torch.fx.Node, val: Any, compute: torch.dtype | None) -> Any:
