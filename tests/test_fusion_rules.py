@@ -10,9 +10,10 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from amplite.passes import contraction_chains as cc
 from amplite.passes import contraction_rules as cr
 from amplite.passes import einsum_equation as eqn
-from amplite.passes.contraction_rules import Rejection
+from amplite.passes.contraction_chains import Rejection
 from amplite.passes.einsum_equation import LETTERS, ModeTable, NotFusable, Operand
 
 aten = torch.ops.aten
@@ -278,24 +279,24 @@ def test_einsum_rule_two_operands_only_and_its_equation() -> None:
 
 def test_is_number_accepts_ints_and_floats_not_bools() -> None:
     """Scalars the pass can fold: Python int or float; a bool, a string or a tensor is not one."""
-    assert cr.is_number(2) and cr.is_number(0.5) and cr.is_number(0)
-    assert not cr.is_number(True) and not cr.is_number(False)
-    assert not cr.is_number("2") and not cr.is_number(torch.tensor(2.0)) and not cr.is_number(None)
+    assert cc.is_number(2) and cc.is_number(0.5) and cc.is_number(0)
+    assert not cc.is_number(True) and not cc.is_number(False)
+    assert not cc.is_number("2") and not cc.is_number(torch.tensor(2.0)) and not cc.is_number(None)
 
 
 def test_size_of_and_node_shape() -> None:
     """Extents are ints, or the sympy expression of a SymInt; a node without a tensor value is 'no_meta'."""
     s = SYMINT
-    assert cr.size_of(s) == s.node.expr and isinstance(cr.size_of(s), sympy.Expr)
-    assert cr.size_of(torch.tensor(3)) == 3 and type(cr.size_of(torch.tensor(3))) is int
+    assert cc.size_of(s) == s.node.expr and isinstance(cc.size_of(s), sympy.Expr)
+    assert cc.size_of(torch.tensor(3)) == 3 and type(cc.size_of(torch.tensor(3))) is int
     g = G()
     x = g.inp("x", 2, 3)
-    assert cr.node_shape(x) == [2, 3]
+    assert cc.node_shape(x) == [2, 3]
     bare = g.g.placeholder("bare")
-    assert reason_of(cr.node_shape, bare) == ("no_meta", "bare")
+    assert reason_of(cc.node_shape, bare) == ("no_meta", "bare")
     bare.meta["val"] = 3
-    assert reason_of(cr.node_shape, bare) == ("no_meta", "bare")
-    assert reason_of(cr.node_shape, 7) == ("no_meta", "7")
+    assert reason_of(cc.node_shape, bare) == ("no_meta", "bare")
+    assert reason_of(cc.node_shape, 7) == ("no_meta", "7")
 
 
 def test_copies_says_which_movement_materialises_a_copy() -> None:
@@ -303,70 +304,70 @@ def test_copies_says_which_movement_materialises_a_copy() -> None:
     g = G()
     x = g.inp("x", 2, 3)
     xt = g.op(aten.t.default, x)
-    assert cr.copies(g.op(aten.clone.default, x))
-    assert cr.copies(g.op(aten.contiguous.default, xt))
-    assert not cr.copies(g.op(aten.contiguous.default, x))
-    assert cr.copies(g.op(aten.reshape.default, xt, [6]))
-    assert not cr.copies(g.op(aten.reshape.default, x, [6]))
-    assert not cr.copies(g.op(aten.reshape.default, xt, [3, 2])), "same shape: a view"
-    assert not cr.copies(xt)
-    assert not cr.copies(g.op(aten.view.default, x, [6]))
+    assert cc.copies(g.op(aten.clone.default, x))
+    assert cc.copies(g.op(aten.contiguous.default, xt))
+    assert not cc.copies(g.op(aten.contiguous.default, x))
+    assert cc.copies(g.op(aten.reshape.default, xt, [6]))
+    assert not cc.copies(g.op(aten.reshape.default, x, [6]))
+    assert not cc.copies(g.op(aten.reshape.default, xt, [3, 2])), "same shape: a view"
+    assert not cc.copies(xt)
+    assert not cc.copies(g.op(aten.view.default, x, [6]))
     bare = g.g.placeholder("bare")
-    assert cr.copies(g.g.call_function(aten.clone.default, (bare,))), "clone copies even without a value"
-    assert not cr.copies(g.g.call_function(aten.contiguous.default, (bare,)))
+    assert cc.copies(g.g.call_function(aten.clone.default, (bare,))), "clone copies even without a value"
+    assert not cc.copies(g.g.call_function(aten.contiguous.default, (bare,)))
     no_out = g.g.call_function(aten.reshape.default, (xt, [6]))
-    assert not cr.copies(no_out), "no output value: cannot tell, assume no copy"
+    assert not cc.copies(no_out), "no output value: cannot tell, assume no copy"
 
 
 def test_unmodelled_view_names_the_op() -> None:
     """A view-like op the chains cannot absorb is named (also through getitem, or a movement with kwargs)."""
     g = G()
     x = g.inp("x", 4, 3)
-    assert cr.unmodelled_view(x) is None and cr.unmodelled_view(3) is None
-    assert cr.unmodelled_view(g.op(aten.slice.Tensor, x, 0, 0, 2)) == "slice.Tensor"
+    assert cc.unmodelled_view(x) is None and cc.unmodelled_view(3) is None
+    assert cc.unmodelled_view(g.op(aten.slice.Tensor, x, 0, 0, 2)) == "slice.Tensor"
     parts = g.op(aten.unbind.int, x)
-    assert cr.unmodelled_view(g.op(operator.getitem, parts, 0)) == "unbind.int"
-    assert cr.unmodelled_view(g.op(aten.permute.default, x, [1, 0])) is None, "absorbable"
+    assert cc.unmodelled_view(g.op(operator.getitem, parts, 0)) == "unbind.int"
+    assert cc.unmodelled_view(g.op(aten.permute.default, x, [1, 0])) is None, "absorbable"
     odd = g.g.call_function(aten.clone.default, (x,), {"memory_format": torch.contiguous_format, "x": 1})
-    assert cr.unmodelled_view(odd) == "clone.default"
-    assert cr.unmodelled_view(g.op(aten.relu.default, x)) is None
+    assert cc.unmodelled_view(odd) == "clone.default"
+    assert cc.unmodelled_view(g.op(aten.relu.default, x)) is None
     tup = g.g.call_function(operator.getitem, ((x, x), 0))
-    assert cr.unmodelled_view(tup) is None, "getitem of a plain tuple is not a view"
+    assert cc.unmodelled_view(tup) is None, "getitem of a plain tuple is not a view"
 
 
 def test_scale_of_reads_constant_scalings() -> None:
     """x*c, c*x -> c; x/c -> 1/c; x/0, c/x, x*y, kwargs, bools and other ops are not scalings."""
     g = G()
     x, y = g.inp("x", 2), g.inp("y", 2)
-    assert cr.scale_of(g.op(aten.mul.Tensor, x, 3), x) == 3.0
-    assert cr.scale_of(g.op(aten.mul.Scalar, x, 0.5), x) == 0.5
-    assert cr.scale_of(g.op(aten.mul.Tensor, 4, x), x) == 4.0
-    assert cr.scale_of(g.op(aten.div.Tensor, x, 4), x) == 0.25
-    assert cr.scale_of(g.op(aten.div.Scalar, x, 2), x) == 0.5
-    assert cr.scale_of(g.g.call_function(aten.div.Tensor, (x, 0)), x) is None
-    assert cr.scale_of(g.op(aten.div.Tensor, 2, x), x) is None
-    assert cr.scale_of(g.op(aten.mul.Tensor, x, y), x) is None
-    assert cr.scale_of(g.op(aten.mul.Tensor, x, 2), y) is None
-    assert cr.scale_of(g.op(aten.mul.Tensor, 2, x), y) is None
-    assert cr.scale_of(g.op(aten.mul.Tensor, x, True), x) is None
-    assert cr.scale_of(g.op(aten.add.Tensor, x, 2), x) is None
-    assert cr.scale_of(g.g.call_function(aten.div.Tensor, (x, 2), {"rounding_mode": "floor"}), x) is None
-    assert cr.scale_of(x, x) is None
+    assert cc.scale_of(g.op(aten.mul.Tensor, x, 3), x) == 3.0
+    assert cc.scale_of(g.op(aten.mul.Scalar, x, 0.5), x) == 0.5
+    assert cc.scale_of(g.op(aten.mul.Tensor, 4, x), x) == 4.0
+    assert cc.scale_of(g.op(aten.div.Tensor, x, 4), x) == 0.25
+    assert cc.scale_of(g.op(aten.div.Scalar, x, 2), x) == 0.5
+    assert cc.scale_of(g.g.call_function(aten.div.Tensor, (x, 0)), x) is None
+    assert cc.scale_of(g.op(aten.div.Tensor, 2, x), x) is None
+    assert cc.scale_of(g.op(aten.mul.Tensor, x, y), x) is None
+    assert cc.scale_of(g.op(aten.mul.Tensor, x, 2), y) is None
+    assert cc.scale_of(g.op(aten.mul.Tensor, 2, x), y) is None
+    assert cc.scale_of(g.op(aten.mul.Tensor, x, True), x) is None
+    assert cc.scale_of(g.op(aten.add.Tensor, x, 2), x) is None
+    assert cc.scale_of(g.g.call_function(aten.div.Tensor, (x, 2), {"rounding_mode": "floor"}), x) is None
+    assert cc.scale_of(x, x) is None
 
 
 def test_chain_input_of_each_kind_of_chain_node() -> None:
     """Movement (only memory_format kwargs), constant scalings (either side) and pure casts read args[0]."""
     g = G()
     x = g.inp("x", 2, 3)
-    assert cr.chain_input(x) is None
-    assert cr.chain_input(g.op(aten.permute.default, x, [1, 0])) is x
-    assert cr.chain_input(g.op(aten.clone.default, x, memory_format=torch.contiguous_format)) is x
-    assert cr.chain_input(g.g.call_function(aten.view.default, (x, [6]), {"other": 1})) is None
-    assert cr.chain_input(g.op(aten.mul.Tensor, x, 2)) is x
-    assert cr.chain_input(g.op(aten.mul.Tensor, 2, x)) is x
-    assert cr.chain_input(g.op(aten.mul.Tensor, x, x)) is None
-    assert cr.chain_input(g.op(aten.to.dtype, x, torch.float16)) is x
-    assert cr.chain_input(g.op(aten.relu.default, x)) is None
+    assert cc.chain_input(x) is None
+    assert cc.chain_input(g.op(aten.permute.default, x, [1, 0])) is x
+    assert cc.chain_input(g.op(aten.clone.default, x, memory_format=torch.contiguous_format)) is x
+    assert cc.chain_input(g.g.call_function(aten.view.default, (x, [6]), {"other": 1})) is None
+    assert cc.chain_input(g.op(aten.mul.Tensor, x, 2)) is x
+    assert cc.chain_input(g.op(aten.mul.Tensor, 2, x)) is x
+    assert cc.chain_input(g.op(aten.mul.Tensor, x, x)) is None
+    assert cc.chain_input(g.op(aten.to.dtype, x, torch.float16)) is x
+    assert cc.chain_input(g.op(aten.relu.default, x)) is None
 
 
 def test_apply_chain_node_models_each_op() -> None:
@@ -387,17 +388,17 @@ def test_apply_chain_node_models_each_op() -> None:
     ]
     for node, dims in cases:
         o = Operand(source=base.source, dims=list(base.dims))
-        cr.apply_chain_node(table, o, node)
+        cc.apply_chain_node(table, o, node)
         assert o.dims == dims, node.target
     o = Operand(source=base.source, dims=list(base.dims))
-    cr.apply_chain_node(table, o, g.op(aten.view.default, x, [6]))
+    cc.apply_chain_node(table, o, g.op(aten.view.default, x, [6]))
     assert o.shape(table) == [6]
     o = Operand(source=base.source, dims=list(base.dims))
-    cr.apply_chain_node(table, o, g.op(aten.expand.default, x, [2, 3, 5]))
+    cc.apply_chain_node(table, o, g.op(aten.expand.default, x, [2, 3, 5]))
     assert o.shape(table) == [2, 3, 5] and o.dims[:2] == [m2, m3]
     o = Operand(source=base.source, dims=list(base.dims))
-    cr.apply_chain_node(table, o, g.op(aten.mul.Tensor, x, 3))
-    cr.apply_chain_node(table, o, g.op(aten.div.Tensor, x, 2))
+    cc.apply_chain_node(table, o, g.op(aten.mul.Tensor, x, 3))
+    cc.apply_chain_node(table, o, g.op(aten.div.Tensor, x, 2))
     assert o.scale == 1.5 and o.dims == [m2, m3, m1]
 
 
@@ -407,14 +408,14 @@ def test_apply_chain_node_t_and_reshape_variants() -> None:
     x, v = g.inp("x", 2, 3), g.inp("v", 4)
     table = ModeTable()
     o = Operand.from_shape(table, [2, 3])
-    cr.apply_chain_node(table, o, g.op(aten.t.default, x))
+    cc.apply_chain_node(table, o, g.op(aten.t.default, x))
     assert o.shape(table) == [3, 2]
     o1 = Operand.from_shape(table, [4])
-    cr.apply_chain_node(table, o1, g.op(aten.t.default, v))
+    cc.apply_chain_node(table, o1, g.op(aten.t.default, v))
     assert o1.shape(table) == [4]
     for target in (aten.reshape.default, aten._unsafe_view.default):
         o = Operand.from_shape(table, [2, 3])
-        cr.apply_chain_node(table, o, g.op(target, x, [6]))
+        cc.apply_chain_node(table, o, g.op(target, x, [6]))
         assert o.shape(table) == [6], target
 
 
@@ -426,8 +427,8 @@ def test_apply_chain_node_rejects_a_shape_it_did_not_model() -> None:
     node.meta["val"] = torch.zeros(3, 2)
     table = ModeTable()
     o = Operand.from_shape(table, [2, 3])
-    assert reason_of(cr.apply_chain_node, table, o, node) == ("shape_mismatch", node.name)
-    cr.apply_chain_node(table, o, g.op(aten.relu.default, x))  # the same shape: no error
+    assert reason_of(cc.apply_chain_node, table, o, node) == ("shape_mismatch", node.name)
+    cc.apply_chain_node(table, o, g.op(aten.relu.default, x))  # the same shape: no error
 
 
 def test_trace_operand_absorbs_a_chain_to_its_source() -> None:
@@ -439,9 +440,9 @@ def test_trace_operand_absorbs_a_chain_to_its_source() -> None:
     mm = g.op(aten.mm.default, xs, w)
     g.out(mm)
     notes: list[Rejection] = []
-    tr = cr.trace_operand(ModeTable(), xs, mm, "matmul", False, notes)
+    tr = cc.trace_operand(ModeTable(), xs, mm, "matmul", False, notes)
     assert (tr.source, tr.chain, tr.cast, tr.operand.scale, notes) == (x, [xt, xs], None, 2.0, [])
-    assert reason_of(cr.trace_operand, ModeTable(), 2.0, mm, "matmul", False, notes) == ("non_tensor_operand", "")
+    assert reason_of(cc.trace_operand, ModeTable(), 2.0, mm, "matmul", False, notes) == ("non_tensor_operand", "")
 
 
 def test_trace_operand_stops_at_shared_and_output_intermediates_with_notes() -> None:
@@ -454,7 +455,7 @@ def test_trace_operand_stops_at_shared_and_output_intermediates_with_notes() -> 
     other = g.op(aten.relu.default, xt)
     g.out(mm, other)
     notes: list[Rejection] = []
-    tr = cr.trace_operand(ModeTable(), xs, mm, "matmul", False, notes)
+    tr = cc.trace_operand(ModeTable(), xs, mm, "matmul", False, notes)
     assert (tr.source, tr.chain) == (xt, [xs])
     assert notes == [Rejection(xt.name, "matmul", "shared_intermediate", f"not absorbed into {mm.name}")]
 
@@ -464,7 +465,7 @@ def test_trace_operand_stops_at_shared_and_output_intermediates_with_notes() -> 
     mm = g.op(aten.mm.default, xt, w)
     g.out(mm, xt)
     notes = []
-    tr = cr.trace_operand(ModeTable(), xt, mm, "linear", False, notes)
+    tr = cc.trace_operand(ModeTable(), xt, mm, "linear", False, notes)
     assert (tr.source, tr.chain) == (xt, [])
     assert notes == [Rejection(xt.name, "linear", "intermediate_is_graph_output", f"not absorbed into {mm.name}")]
 
@@ -477,11 +478,11 @@ def test_trace_operand_keep_expand_stops_at_an_expand() -> None:
     mm = g.op(aten.mm.default, xe, w)
     g.out(mm)
     notes: list[Rejection] = []
-    tr = cr.trace_operand(ModeTable(), xe, mm, "matmul", True, notes)
+    tr = cc.trace_operand(ModeTable(), xe, mm, "matmul", True, notes)
     assert (tr.source, tr.chain) == (xe, [])
     assert notes == [Rejection(xe.name, "matmul", "broadcast_only_mode", f"not absorbed into {mm.name}")]
     notes = []
-    tr = cr.trace_operand(ModeTable(), xe, mm, "matmul", False, notes)
+    tr = cc.trace_operand(ModeTable(), xe, mm, "matmul", False, notes)
     assert (tr.source, tr.chain, notes) == (x, [xe], [])
 
 
@@ -494,7 +495,7 @@ def test_trace_operand_metadata_asserts_do_not_share_a_movement_but_do_share_a_c
     mm = g.op(aten.mm.default, xt, w)
     g.out(mm)
     notes: list[Rejection] = []
-    tr = cr.trace_operand(ModeTable(), xt, mm, "matmul", False, notes)
+    tr = cc.trace_operand(ModeTable(), xt, mm, "matmul", False, notes)
     assert (tr.source, tr.chain, notes) == (x, [xt], [])
 
     g = G()
@@ -505,7 +506,7 @@ def test_trace_operand_metadata_asserts_do_not_share_a_movement_but_do_share_a_c
     mm = g.op(aten.mm.default, xv, w)
     g.out(mm)
     notes = []
-    tr = cr.trace_operand(ModeTable(), xv, mm, "matmul", False, notes)
+    tr = cc.trace_operand(ModeTable(), xv, mm, "matmul", False, notes)
     assert (tr.source, tr.chain, tr.cast, notes) == (xh, [xv], None, []), "a shared cast is not noted"
 
 
@@ -517,7 +518,7 @@ def test_trace_operand_a_cast_on_the_source_is_the_source_and_a_later_cast_is_pe
     xt = g.op(aten.t.default, xh)
     mm = g.op(aten.mm.default, xt, w)
     g.out(mm)
-    tr = cr.trace_operand(ModeTable(), xt, mm, "matmul", False, [])
+    tr = cc.trace_operand(ModeTable(), xt, mm, "matmul", False, [])
     assert (tr.source, tr.chain, tr.cast) == (xh, [xt], None)
 
     g = G()
@@ -526,7 +527,7 @@ def test_trace_operand_a_cast_on_the_source_is_the_source_and_a_later_cast_is_pe
     xh = g.op(aten.to.dtype, xt, torch.float16)
     mm = g.op(aten.mm.default, xh, w)
     g.out(mm)
-    tr = cr.trace_operand(ModeTable(), xh, mm, "matmul", False, [])
+    tr = cc.trace_operand(ModeTable(), xh, mm, "matmul", False, [])
     assert (tr.source, tr.chain, tr.cast) == (x, [xt, xh], torch.float16)
 
 
@@ -540,7 +541,7 @@ def test_trace_operand_a_cast_after_a_scale_or_a_second_cast_becomes_the_source(
     xv = g.op(aten.view.default, xh, [2, 3])
     mm = g.op(aten.mm.default, g.op(aten.t.default, xv), w)
     notes: list[Rejection] = []
-    tr = cr.trace_operand(ModeTable(), xv, mm, "matmul", False, notes)
+    tr = cc.trace_operand(ModeTable(), xv, mm, "matmul", False, notes)
     assert (tr.source, tr.chain, tr.cast, tr.operand.scale) == (xh, [xv], None, 1.0)
     assert notes == [Rejection(xh.name, "matmul", "cast_after_scale", "")]
 
@@ -551,7 +552,7 @@ def test_trace_operand_a_cast_after_a_scale_or_a_second_cast_becomes_the_source(
     xh = g.op(aten.to.dtype, xb, torch.float16)
     mm = g.op(aten.mm.default, xh, w)
     notes = []
-    tr = cr.trace_operand(ModeTable(), xh, mm, "matmul", False, notes)
+    tr = cc.trace_operand(ModeTable(), xh, mm, "matmul", False, notes)
     assert (tr.source, tr.chain, tr.cast) == (xh, [], None)
     assert notes == [Rejection(xh.name, "matmul", "second_cast", "")]
 
@@ -564,7 +565,7 @@ def test_trace_operand_notes_an_unmodelled_view_source_and_a_failed_op() -> None
     xt = g.op(aten.clone.default, xs)
     mm = g.op(aten.mm.default, xt, w)
     notes: list[Rejection] = []
-    tr = cr.trace_operand(ModeTable(), xt, mm, "matmul", False, notes)
+    tr = cc.trace_operand(ModeTable(), xt, mm, "matmul", False, notes)
     assert (tr.source, tr.chain) == (xs, [xt])
     assert notes == [Rejection(xs.name, "matmul", "unmodelled_view", f"slice.Tensor not absorbed into {mm.name}")]
 
@@ -574,7 +575,7 @@ def test_trace_operand_notes_an_unmodelled_view_source_and_a_failed_op() -> None
     xt = g.op(aten.t.default, xv)
     mm = g.op(aten.mm.default, xt, w)
     notes = []
-    tr = cr.trace_operand(ModeTable(), xt, mm, "matmul", False, notes)
+    tr = cc.trace_operand(ModeTable(), xt, mm, "matmul", False, notes)
     assert (tr.source, tr.chain) == (xv, [xt])
     assert notes == [Rejection(xv.name, "matmul", "irregular_reshape", "[2, 3] -> [3, 2]")], "the detail says why"
 
@@ -585,9 +586,9 @@ def test_fake_call_and_add_view() -> None:
 
     g = G()
     x = g.inp("x", 2, 3)
-    assert cr.fake_call(aten.view.default, x, [3, 2]).shape == (3, 2)
-    assert cr.fake_call(aten.cat.default, [x, x]).shape == (4, 3), "nested node args are read too"
-    v = cr.add_view(g.g, x, [6], {"tag": 1}, SymbolicExtents(g.g))
+    assert cc.fake_call(aten.view.default, x, [3, 2]).shape == (3, 2)
+    assert cc.fake_call(aten.cat.default, [x, x]).shape == (4, 3), "nested node args are read too"
+    v = cc.add_view(g.g, x, [6], {"tag": 1}, SymbolicExtents(g.g))
     assert (v.target, v.args, v.meta["tag"], tuple(v.meta["val"].shape)) == (aten.view.default, (x, [6]), 1, (6,))
 
 
@@ -672,7 +673,7 @@ def test_copies_assumes_a_copy_when_contiguity_is_undecidable() -> None:
     node = g.g.call_function(aten.contiguous.default, (x,))
     node.meta["val"] = torch.zeros(2, 3)
     x.meta["val"] = torch.zeros(2, 3).as_subclass(_UndecidableStrides)
-    assert cr.copies(node)
+    assert cc.copies(node)
 
 
 def test_fake_call_runs_under_the_inputs_fake_mode() -> None:
@@ -683,6 +684,6 @@ def test_fake_call_runs_under_the_inputs_fake_mode() -> None:
     x = g.placeholder("x")
     with FakeTensorMode() as mode:
         x.meta["val"] = torch.empty(2, 3)
-    out = cr.fake_call(lambda v: v + torch.ones(3), x)
+    out = cc.fake_call(lambda v: v + torch.ones(3), x)
     assert isinstance(out, FakeTensor) and out.fake_mode is mode and tuple(out.shape) == (2, 3)
-    assert isinstance(cr.fake_call(lambda v: v * 2, 3), int), "no tensor input: runs as is"
+    assert isinstance(cc.fake_call(lambda v: v * 2, 3), int), "no tensor input: runs as is"

@@ -1,63 +1,46 @@
-"""Contraction rules and per-op operand handling for ``fuse_contractions``.
+"""Contraction fusion rules, after onnxscript's rewriter: pattern, check, match, rewrite.
 
-A ``ContractionRule`` says which contraction ops it matches, when one cannot be fused, how to read its
-operands, intrinsic bias and scalars, and how its output dimensions map to the operands' modes. The
-helpers below classify and apply the nodes of an operand chain (data movement, constant scalings,
-casts) to an ``Operand``'s mode bookkeeping, walk an operand's chain back to its source
-(``trace_operand``, noting each ``Rejection``), and build the new graph nodes (views, and the symbolic
-extents they need) with ``meta['val']``. ``fuse_contractions`` re-exports the rules, constants and
-``Rejection``.
-
-Shapes are read from ``meta['val']`` as mode extents (:func:`node_shape`): ints, or sympy expressions for
-symbolic dimensions (dynamic batch/sequence), which :class:`SymbolicExtents` turns back into graph nodes
-(``sym_size`` of a graph input, times constants) when a new view needs them.
+A :class:`ContractionRule` names the ops it matches (``targets``, the pattern), says why one of them cannot be
+fused (``check``), how to read its operands, intrinsic bias and scalars (``inputs``) and how its output
+dimensions map to the operands' modes (``groups``). :meth:`ContractionRule.match` returns a typed
+:class:`ContractionMatch` (the traced operand chains, the einsum equation, the absorbed output scalings and
+bias, what fusing saves) or a :class:`NoMatch` carrying the :class:`Rejection` that says why;
+:meth:`ContractionRule.rewrite` turns a match into one ``amplite::contract`` node. The mode algebra signals
+what it cannot express with ``NotFusable``; no exception leaves a rule.
 """
 
 from __future__ import annotations
 
-import contextlib
-import operator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.fx
 
+import amplite.ops.contract  # noqa: F401  (registers torch.ops.amplite.contract)
 from amplite.passes import einsum_equation as eqn
+from amplite.passes.contraction_chains import (
+    ASSERT_META,
+    BIAS_ADDS,
+    MOVEMENT,
+    SCALES,
+    Rejection,
+    SymbolicExtents,
+    Traced,
+    add_view,
+    chain_input,
+    copies,
+    fake_call,
+    is_number,
+    node_shape,
+    output_chain,
+    trace_operand,
+)
 from amplite.passes.einsum_equation import ModeTable, NotFusable, Operand
-from amplite.passes.einsum_modes import Size, norm_size
-from amplite.passes.graph_utils import SymbolicExtents, cast_dtype, fake_value
+from amplite.passes.graph_utils import cast_dtype, make_cast, value_dtype
+from amplite.passes.meta import CONTRACT_KEY
 
 aten = torch.ops.aten
-
-#: Data-movement ops an operand chain may absorb, with the counter name each bumps.
-MOVEMENT = {
-    aten.permute.default: "permute", aten.transpose.int: "transpose", aten.t.default: "transpose",
-    aten.view.default: "view", aten.reshape.default: "view", aten._unsafe_view.default: "view",
-    aten.unsqueeze.default: "unsqueeze", aten.expand.default: "expand",
-    aten.squeeze.dim: "squeeze", aten.squeeze.dims: "squeeze", aten.squeeze.default: "squeeze",
-    aten.contiguous.default: "contiguous", aten.clone.default: "contiguous",
-}  # fmt: skip
-#: Export checks a value's dtype/device/layout before ``.to()`` with these; they read nothing else.
-ASSERT_META = aten._assert_tensor_metadata.default
-SCALES = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
-BIAS_ADDS = {aten.add.Tensor, aten.sub.Tensor}
-#: View-like ops an operand chain cannot absorb: reaching one is recorded (``unmodelled_view``).
-UNMODELLED_VIEWS = {
-    aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.as_strided.default, aten.unfold.default,
-    aten.diagonal.default, aten.alias.default, aten.split.Tensor, aten.split_with_sizes.default,
-    aten.unbind.int, aten.chunk.default, aten.movedim.int, aten.flatten.using_ints, aten.unflatten.int,
-}  # fmt: skip
-
-
-@dataclass
-class Rejection:
-    """A node the pass did not fuse (or absorb), and why."""
-
-    node: str
-    rule: str
-    reason: str
-    detail: str = ""
+CONTRACT = torch.ops.amplite.contract.default
 
 
 @dataclass
@@ -71,8 +54,84 @@ class Inputs:
     beta: float = 1.0
 
 
+@dataclass
+class Fusion:
+    """One contraction the pass fused."""
+
+    node: str
+    rule: str
+    equation: str
+    absorbed: list[str]
+
+
+@dataclass(frozen=True)
+class FusionContext:
+    """What every rule's match and rewrite need from the pass: its settings and the graph's symbolic sizes.
+
+    Attributes:
+        dtypes: Operand dtypes the pass fuses.
+        syms: Symbolic extents of the graph being rewritten.
+    """
+
+    dtypes: tuple[torch.dtype, ...]
+    syms: SymbolicExtents
+
+
+@dataclass(frozen=True)
+class ContractionMatch:
+    """A contraction a rule can fuse, with everything its rewrite needs.
+
+    Attributes:
+        node: The contraction node.
+        a: The first operand's traced chain (source, absorbed nodes, cast).
+        b: The second operand's traced chain.
+        equation: The einsum equation and the views of the sources, bias and result.
+        bias: The bias tensor (intrinsic or an absorbed ``add``), or None.
+        alpha: Scale of the product (absorbed scalings and the equation's factor included).
+        beta: Scale of the bias.
+        tail: Absorbed output scalings and bias add, in order.
+        last: The node whose value the fused contraction replaces.
+        kernels_saved: Kernels eager runs that fusing removes (scalings, bias adds, copies).
+        views_saved: Free views removed, net of the new ones fusing needs.
+        notes: Chain stops recorded while matching (``shared_intermediate``, ``output_cast``, ...).
+    """
+
+    node: torch.fx.Node
+    a: Traced
+    b: Traced
+    equation: eqn.Equation
+    bias: torch.fx.Node | None
+    alpha: float
+    beta: float
+    tail: tuple[torch.fx.Node, ...]
+    last: torch.fx.Node
+    kernels_saved: int
+    views_saved: int
+    notes: tuple[Rejection, ...]
+
+    @property
+    def pays(self) -> bool:
+        """Whether fusing removes a kernel or, net, a view."""
+        return self.kernels_saved > 0 or self.views_saved > 0
+
+    @property
+    def gain_detail(self) -> str:
+        """What fusing would absorb, for a rejection when it does not pay."""
+        moved = sum(cast_dtype(n) is None for t in (self.a, self.b) for n in t.chain)
+        new = moved + len(self.tail) - self.kernels_saved - self.views_saved
+        return f"{moved} free view(s) absorbed, {max(new, 0)} new view(s) needed"
+
+
+@dataclass(frozen=True)
+class NoMatch:
+    """Why a rule did not fuse a node: the rejection, after the chain stops noted on the way."""
+
+    rejection: Rejection
+    notes: tuple[Rejection, ...] = ()
+
+
 class ContractionRule:
-    """Pattern (``targets``) + ``check`` + how to read operands and output modes."""
+    """Pattern (``targets``) + ``check`` + how to read operands and output modes; ``match`` and ``rewrite``."""
 
     name = ""
     targets: tuple = ()
@@ -88,6 +147,120 @@ class ContractionRule:
     def groups(self, table: ModeTable, a: Operand, b: Operand, node: torch.fx.Node) -> list[list[int]]:
         """Output dimensions as mode groups (unifying the contracted and batch modes)."""
         return eqn.matmul_groups(table, a, b)
+
+    def match(self, node: torch.fx.Node, ctx: FusionContext) -> ContractionMatch | NoMatch:
+        """The fusion of ``node`` with its operand and output chains, or why there is none."""
+        reason = self.check(node)
+        if reason:
+            return NoMatch(Rejection(node.name, self.name, reason))
+        ins = self.inputs(node)
+        dts = {value_dtype(ins.a), value_dtype(ins.b), value_dtype(node)}
+        if len(dts) != 1:
+            return NoMatch(Rejection(node.name, self.name, "dtype_mismatch", str(sorted(map(str, dts)))))
+        dtype = dts.pop()
+        if dtype not in ctx.dtypes:
+            return NoMatch(Rejection(node.name, self.name, "dtype_not_enabled", str(dtype)))
+        found: ContractionMatch | NoMatch = NoMatch(Rejection(node.name, self.name, "broadcast_only_mode"))
+        for keep_expand in (False, True):
+            notes: list[Rejection] = []
+            try:
+                return self._match(node, ins, dtype, keep_expand, notes, ctx)
+            except NotFusable as e:
+                found = NoMatch(Rejection(node.name, self.name, e.reason, e.detail), tuple(notes))
+                # An output mode that only an absorbed expand provides cannot be written as einsum:
+                # try once more with expands kept as (stride-0 view) sources.
+                if e.reason != "broadcast_only_mode":
+                    break
+        return found
+
+    def _match(
+        self,
+        node: torch.fx.Node,
+        ins: Inputs,
+        dtype: torch.dtype,
+        keep_expand: bool,
+        notes: list[Rejection],
+        ctx: FusionContext,
+    ) -> ContractionMatch:
+        table = ModeTable()
+        ta = trace_operand(table, ins.a, node, self.name, keep_expand, notes)
+        tb = trace_operand(table, ins.b, node, self.name, keep_expand, notes)
+        groups = self.groups(table, ta.operand, tb.operand, node)
+        if [table.extent(g) for g in groups] != node_shape(node):
+            raise NotFusable("shape_mismatch", node.name)
+        bias, alpha, beta, tail, last = output_chain(node, self.name, (ins.alpha, ins.beta, ins.bias), dtype, notes)
+        c_shape = None if bias is None else node_shape(bias)
+        eq = eqn.build_equation(table, ta.operand, tb.operand, groups, c_shape)
+        for what, shape in (("a view", eq.a_view), ("b view", eq.b_view), ("bias view", eq.c_view)):
+            ctx.syms.check(shape or [], what)
+        ctx.syms.check(node_shape(last), "output view")
+        moved = [n for t in (ta, tb) for n in t.chain if cast_dtype(n) is None]
+        # Gain = (kernels saved, free views saved net of new ones). A scaling, a bias add, a clone, a
+        # contiguous or reshape that copies (of a non-contiguous value) is a kernel eager runs: absorbing
+        # one always pays. Views are free; split views of the sources are new nodes, so absorbing only
+        # views pays only when it removes more of them than it adds.
+        kernels = [n for n in moved if n.target in SCALES or copies(n)] + tail
+        new_views = [v for v, t in ((eq.a_view, ta), (eq.b_view, tb)) if v != node_shape(t.source)]
+        return ContractionMatch(
+            node=node,
+            a=ta,
+            b=tb,
+            equation=eq,
+            bias=bias,
+            alpha=alpha * ta.operand.scale * tb.operand.scale * eq.factor,
+            beta=beta,
+            tail=tuple(tail),
+            last=last,
+            kernels_saved=len(kernels),
+            views_saved=len(moved) - len(kernels) + len(tail) - len(new_views),
+            notes=tuple(notes),
+        )
+
+    def rewrite(self, graph: torch.fx.Graph, m: ContractionMatch, ctx: FusionContext) -> tuple[Fusion, list]:
+        """Replace the match by one ``amplite::contract`` node (plus free views).
+
+        Returns:
+            The fusion record and the nodes it erased.
+        """
+        eq, last = m.equation, m.last
+        meta = {k: m.node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in m.node.meta}
+
+        def view(x: torch.fx.Node, shape: list) -> torch.fx.Node:
+            return x if shape == node_shape(x) else add_view(graph, x, shape, meta, ctx.syms)
+
+        with graph.inserting_before(last):
+            a = view(_source(graph, m.a), eq.a_view)
+            b = view(_source(graph, m.b), eq.b_view)
+            c = m.bias if m.bias is None or eq.c_view is None else view(m.bias, eq.c_view)
+            args = (eq.equation, a, b, c, m.alpha, m.beta if c is not None else 0.0)
+            fused = graph.call_function(CONTRACT, args)
+            fused.meta.update(meta)
+            fused.meta["val"] = fake_call(CONTRACT, *args)
+            absorbed = [n.name for t in (m.a, m.b) for n in t.chain] + [n.name for n in m.tail]
+            fused.meta[CONTRACT_KEY] = {"rule": self.name, "absorbed": absorbed}
+            out = view(fused, node_shape(last)) if eq.out_shape != node_shape(last) else fused
+        last.replace_all_uses_with(out)
+        gone = [last, *reversed(m.tail), m.node, *reversed(m.a.chain), *reversed(m.b.chain)]
+        erased: list[torch.fx.Node] = []
+        for n in gone:  # consumers before producers, so each is dead when reached
+            for u in [u for u in n.users if u.target is ASSERT_META]:
+                u.replace_input_with(n, chain_input(n))
+            if n not in erased and not n.users:
+                graph.erase_node(n)
+                erased.append(n)
+        return Fusion(fused.name, self.name, eq.equation, absorbed), erased
+
+
+def absorbed_kinds(m: ContractionMatch) -> list[str]:
+    """The counter name of every node a match absorbs (``cast``, ``permute``, ``scale``, ``bias``...)."""
+    kinds = [
+        "cast" if cast_dtype(n) is not None else MOVEMENT.get(n.target, "scale") for t in (m.a, m.b) for n in t.chain
+    ]
+    return kinds + ["bias" if n.target in BIAS_ADDS else "scale" for n in m.tail]
+
+
+def _source(graph: torch.fx.Graph, t: Traced) -> torch.fx.Node:
+    return t.source if t.cast is None else make_cast(graph, t.source, t.cast)
 
 
 class MatmulRule(ContractionRule):
@@ -113,9 +286,7 @@ class AddmmRule(ContractionRule):
         return None if all(is_number(s) for s in scalars) else "non_constant_scalar"
 
     def inputs(self, node: torch.fx.Node) -> Inputs:
-        return Inputs(
-            node.args[1], node.args[2], node.args[0], node.kwargs.get("alpha", 1), node.kwargs.get("beta", 1)
-        )
+        return Inputs(node.args[1], node.args[2], node.args[0], node.kwargs.get("alpha", 1), node.kwargs.get("beta", 1))
 
 
 class EinsumRule(ContractionRule):
@@ -132,200 +303,3 @@ class EinsumRule(ContractionRule):
 
 
 RULES: tuple[ContractionRule, ...] = (MatmulRule(), LinearRule(), AddmmRule(), EinsumRule())
-
-
-def is_number(x: Any) -> bool:
-    """Whether ``x`` is a Python int or float constant (not a bool)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def size_of(n: int | torch.SymInt) -> Size:
-    """An extent as the mode table keeps it: an int, or the sympy expression of a symbolic size."""
-    return norm_size(n.node.expr) if isinstance(n, torch.SymInt) else int(n)
-
-
-def node_shape(node: Any) -> list[Size]:
-    """The node's shape from ``meta['val']`` as extents (symbolic ones as sympy); NotFusable when unknown."""
-    val = fake_value(node)
-    if not isinstance(val, torch.Tensor):
-        raise NotFusable("no_meta", getattr(node, "name", str(node)))
-    return [size_of(n) for n in val.shape]
-
-
-def copies(node: torch.fx.Node) -> bool:
-    """Whether an absorbable movement node materialises a copy in eager (so absorbing it saves one).
-
-    ``clone`` always copies; ``contiguous`` copies a non-contiguous input; ``reshape`` copies when its input
-    cannot be viewed as the output (decided by trying the view on the fake values).
-    """
-    src, out = fake_value(node.args[0]), fake_value(node)
-    if node.target is aten.clone.default:
-        return True
-    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
-        return False
-    if node.target is aten.contiguous.default:
-        try:
-            return not bool(src.is_contiguous())
-        except Exception:  # an undecidable symbolic stride: eager may copy
-            return True
-    if node.target is aten.reshape.default:
-        try:
-            with getattr(src, "fake_mode", None) or contextlib.nullcontext():
-                src.view(out.shape)
-        except Exception:
-            return True
-    return False
-
-
-def unmodelled_view(node: Any) -> str | None:
-    """The op name when ``node`` is a view-like op the chains cannot absorb (a reason worth recording)."""
-    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
-        return None
-    target = node.target
-    if target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
-        target = node.args[0].target  # unbind/split outputs are read through getitem
-    if target in UNMODELLED_VIEWS or (target in MOVEMENT and chain_input(node) is None):
-        return str(getattr(target, "__name__", target))
-    return None
-
-
-def scale_of(node: torch.fx.Node, x: Any) -> float | None:
-    """The constant ``node`` multiplies ``x`` by, if it is ``x * c``, ``c * x`` or ``x / c``."""
-    if node.op != "call_function" or node.target not in SCALES or node.kwargs:
-        return None
-    p, q = node.args[0], node.args[1]
-    if node.target in (aten.div.Tensor, aten.div.Scalar):
-        return 1.0 / q if p is x and is_number(q) and q != 0 else None
-    if p is x and is_number(q):
-        return float(q)
-    return float(p) if q is x and is_number(p) else None
-
-
-def chain_input(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The tensor an absorbable operand-chain node reads, or None when it is not absorbable."""
-    if node.op != "call_function":
-        return None
-    if node.target in MOVEMENT:
-        extra = set(node.kwargs) - {"memory_format"}
-        return None if extra else node.args[0]
-    if node.target in SCALES:
-        for x in node.args[:2]:
-            if isinstance(x, torch.fx.Node) and scale_of(node, x) is not None:
-                return x
-        return None
-    return node.args[0] if cast_dtype(node) is not None else None
-
-
-def apply_chain_node(table: ModeTable, op: Operand, node: torch.fx.Node) -> None:
-    """Apply one chain node to the operand's mode bookkeeping."""
-    t, args = node.target, node.args
-    if t is aten.permute.default:
-        op.permute(args[1])
-    elif t is aten.transpose.int:
-        op.transpose(args[1], args[2])
-    elif t is aten.t.default:
-        if len(op.dims) == 2:
-            op.transpose(0, 1)
-    elif t is aten.unsqueeze.default:
-        op.unsqueeze(args[1])
-    elif t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
-        op.squeeze(table, None if len(args) < 2 else [args[1]] if isinstance(args[1], int) else args[1])
-    elif t is aten.expand.default:
-        op.expand_to(table, node_shape(node))
-    elif t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
-        op.view(table, node_shape(node))
-    elif t in SCALES:
-        op.scale *= scale_of(node, chain_input(node))
-    if op.shape(table) != node_shape(node):  # cheap guard against a wrong model of an op
-        raise NotFusable("shape_mismatch", node.name)
-
-
-@dataclass
-class Traced:
-    """One operand as traced: its source, mode bookkeeping, absorbed chain and pending cast."""
-
-    source: torch.fx.Node
-    operand: Operand
-    chain: list[torch.fx.Node]  # absorbed nodes, source side first
-    cast: torch.dtype | None
-
-
-def trace_operand(
-    table: ModeTable,
-    arg: Any,
-    consumer: torch.fx.Node,
-    rule: str,
-    keep_expand: bool,
-    notes: list[Rejection],
-) -> Traced:
-    """Walk ``arg``'s absorbable chain back to its source and apply it to a fresh ``Operand``.
-
-    Nodes the chain cannot absorb (shared, graph outputs, unmodelled) end it; each such stop is noted in
-    ``notes``.
-    """
-    if not isinstance(arg, torch.fx.Node):
-        raise NotFusable("non_tensor_operand")
-    chain: list[torch.fx.Node] = []
-    cur = arg
-    while (nxt := chain_input(cur)) is not None:
-        # Movement and scaling keep dtype, device and layout, so a metadata assert can move to the
-        # input; after a cast it could not.
-        users = [u for u in cur.users if u.target is not ASSERT_META or cast_dtype(cur) is not None]
-        reason = (
-            "intermediate_is_graph_output" if any(u.op == "output" for u in users)
-            else "shared_intermediate" if len(users) != 1
-            else "broadcast_only_mode" if keep_expand and cur.target is aten.expand.default
-            else None
-        )  # fmt: skip
-        if reason:
-            if cast_dtype(cur) is None:  # a shared cast is the precision passes' choice, not news
-                notes.append(Rejection(cur.name, rule, reason, f"not absorbed into {consumer.name}"))
-            break
-        chain.append(cur)
-        cur = nxt
-    else:
-        if (op_name := unmodelled_view(cur)) is not None:
-            notes.append(Rejection(cur.name, rule, "unmodelled_view", f"{op_name} not absorbed into {consumer.name}"))
-    chain.reverse()
-    source = cur
-    while chain and cast_dtype(chain[0]) is not None:  # a cast right on the source is the source
-        source = chain.pop(0)
-    while True:  # absorb from the source forward; an op that cannot be absorbed becomes the source
-        op, cast = Operand.from_shape(table, node_shape(source)), None
-        for i, n in enumerate(chain):
-            try:
-                dt = cast_dtype(n)
-                if dt is not None and (cast is not None or op.scale != 1.0):
-                    # Casting the unscaled value first could overflow where eager did not.
-                    raise NotFusable("cast_after_scale" if cast is None else "second_cast")
-                if dt is not None:
-                    cast = dt
-                else:
-                    apply_chain_node(table, op, n)
-            except NotFusable as e:
-                notes.append(Rejection(n.name, rule, e.reason, e.detail))
-                source, chain = n, chain[i + 1 :]
-                break
-        else:
-            return Traced(source, op, chain, cast)
-
-
-def fake_call(op: Any, *args: Any) -> Any:
-    """Run ``op`` on the args' ``meta['val']`` (nested ones too) under their fake mode (the fake implementation)."""
-    vals = torch.fx.node.map_aggregate(args, lambda a: fake_value(a) if isinstance(a, torch.fx.Node) else a)
-    mode = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None)
-    if mode is None:
-        return op(*vals)
-    with mode:
-        return op(*vals)
-
-
-def add_view(
-    graph: torch.fx.Graph, x: torch.fx.Node, shape: list[Size], meta: dict, syms: SymbolicExtents
-) -> torch.fx.Node:
-    """Insert ``x.view(shape)`` carrying ``meta`` and a fake ``meta['val']`` (symbolic extents via ``syms``)."""
-    args = [syms.arg(n) for n in shape]
-    node = graph.call_function(aten.view.default, (x, args))
-    node.meta.update(meta)
-    node.meta["val"] = fake_call(aten.view.default, x, args)
-    return node
