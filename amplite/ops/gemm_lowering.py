@@ -1,0 +1,98 @@
+"""The fallback of ``amplite::contract``: one batched GEMM on the operands' own dtype.
+
+``alpha * einsum(eq, a, b) + beta * c`` is lowered to ``baddbmm(c', A', B', beta=beta, alpha=alpha)`` where
+``A'`` and ``B'`` are permute/reshape views of ``a`` and ``b`` (batch, rows, contracted) and (batch,
+contracted, columns). The GEMM (cuBLAS on CUDA, oneDNN / ATen's blocked kernels on the CPU) accumulates
+fp16/bf16 products in FP32, applies ``alpha`` and ``beta`` in FP32 and rounds once to the operands' dtype:
+the numerics docs/contract.md promises, without the FP32 copies of the operands and the FP32 GEMM that an
+upcast einsum costs (0.21x the speed of permute+bmm on an H200). This is what the unfused graph runs, so
+the fallback is never slower than not fusing: the only copies are the ones a reshape of a non-viewable
+layout needs (in the operands' dtype, as the unfused graph's ``contiguous`` would) and the final permute
+of the result into the equation's output order when that order is not the GEMM's.
+
+Mode classes, for ``eq = "<sa>,<sb>-><so>"``:
+
+* batch: in a, b and the output;  rows (M): in a and the output;  columns (N): in b and the output;
+* contracted (K): in a and b, not the output;
+* summed alone: in one input only, not the output. They become contracted modes with the other operand
+  broadcast along them (a stride-0 expand), so the sum happens inside the GEMM's FP32 accumulator rather
+  than as a separate low-precision reduction (a second rounding).
+
+When the output order is (batch, columns, rows) the GEMM is issued transposed (``Bᵀ Aᵀ``) so the result
+needs no permute.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+
+@functools.lru_cache(maxsize=1024)
+def plan(equation: str) -> tuple[str, str, str, str, str, str, bool]:
+    """Mode classes of a binary einsum: (a, b, batch, rows, cols, contracted, swap).
+
+    ``a``/``b`` are the operands' subscripts with the modes each sums alone folded into the contracted
+    modes; ``swap`` is True when the GEMM is issued as ``Bᵀ Aᵀ`` to produce the output order directly.
+    """
+    from amplite.ops.contract import parse_equation  # the validation lives with the op
+
+    sa, sb, so = parse_equation(equation)
+    batch = "".join(ch for ch in so if ch in sa and ch in sb)
+    rows = "".join(ch for ch in so if ch in sa and ch not in sb)
+    cols = "".join(ch for ch in so if ch in sb and ch not in sa)
+    contracted = "".join(ch for ch in sa if ch not in so)  # with b or alone in a
+    contracted += "".join(ch for ch in sb if ch not in so and ch not in sa)  # alone in b
+    swap = bool(rows and cols) and so == batch + cols + rows
+    return sa, sb, batch, rows, cols, contracted, swap
+
+
+def _operand(t: torch.Tensor, subs: str, order: str, sizes: dict[str, int]) -> torch.Tensor:
+    """``t`` permuted to ``order`` (missing modes broadcast by a stride-0 expand), as one 3-D view."""
+    present = [ch for ch in order if ch in subs]
+    view = t.permute([subs.index(ch) for ch in present])
+    if len(present) != len(order):
+        shape = [sizes[ch] if ch in subs else 1 for ch in order]
+        view = view.reshape(shape).expand([sizes[ch] for ch in order])
+    return view
+
+
+def gemm_contract(
+    equation: str, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None, alpha: float, beta: float
+) -> torch.Tensor:
+    """``alpha * einsum(equation, a, b) + beta * c`` as one ``bmm``/``baddbmm`` in the operands' dtype.
+
+    The caller has validated shapes and dtypes (``contract._check``). The result is contiguous.
+    """
+    sa, sb, batch, rows, cols, contracted, swap = plan(equation)
+    so = equation.replace(" ", "").split("->")[1]
+    sizes = dict(zip(sa, a.shape, strict=True)) | dict(zip(sb, b.shape, strict=True))
+
+    def numel(modes: str) -> int:
+        return math.prod(sizes[ch] for ch in modes)
+
+    nb, nm, nn, nk = numel(batch), numel(rows), numel(cols), numel(contracted)
+    a3 = _operand(a, sa, batch + rows + contracted, sizes).reshape(nb, nm, nk)
+    b3 = _operand(b, sb, batch + contracted + cols, sizes).reshape(nb, nk, nn)
+    if swap:  # (Bᵀ Aᵀ) = (A B)ᵀ: the GEMM writes the (batch, cols, rows) output order itself
+        a3, b3, nm, nn = b3.transpose(1, 2), a3.transpose(1, 2), nn, nm
+        gemm_order = batch + cols + rows
+    else:
+        gemm_order = batch + rows + cols
+    if c is not None and beta != 0.0:
+        # The bias in GEMM order: right-aligned broadcast to the output, then the same permute; a
+        # broadcast bias stays a stride-0 view (baddbmm copies it into the result in its own dtype).
+        full = c.expand([sizes[ch] for ch in so])
+        c3 = full.permute([so.index(ch) for ch in gemm_order]).reshape(nb, nm, nn)
+        out3 = torch.baddbmm(c3, a3, b3, beta=beta, alpha=alpha)
+    elif alpha != 1.0:
+        # beta = 0: baddbmm ignores the input (no read, no NaN propagation) and scales in FP32.
+        out3 = torch.baddbmm(a3.new_zeros(()).expand(nb, nm, nn), a3, b3, beta=0.0, alpha=alpha)
+    else:
+        out3 = torch.bmm(a3, b3)
+    out = out3.reshape([sizes[ch] for ch in gemm_order])
+    if gemm_order != so:
+        out = out.permute([gemm_order.index(ch) for ch in so])
+    return out.contiguous()
