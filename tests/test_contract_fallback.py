@@ -165,3 +165,24 @@ def test_aoti_decomposition_is_the_gemm() -> None:
     targets = {str(node.target) for node in ep.graph.nodes if node.op == "call_function"}
     assert n == 1 and any("baddbmm" in t for t in targets), targets
     assert not any("_to_copy" in t or "einsum" in t for t in targets), targets
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the cuBLAS side of the same lowering")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("eq", "sa", "sb"), CASES[:7])
+def test_cuda_fallback_is_one_low_precision_gemm(monkeypatch, eq, sa, sb, dtype) -> None:
+    """On CUDA without cuTENSOR: the same single bmm/baddbmm on fp16/bf16 operands, within one rounding
+    (twice the CPU bound: cuBLAS may reduce split-K partial sums in the operands' dtype, as torch allows)."""
+    monkeypatch.setenv("AMPLITE_CONTRACT_BACKEND", "torch")
+    a = torch.randn(sa, device="cuda").to(dtype)
+    b = torch.randn(sb, device="cuda").to(dtype)
+    c = torch.randn(contract_mod.output_shape(eq, sa, sb)[-1:], device="cuda").to(dtype)
+    with _Ops() as ops:
+        out = CONTRACT(eq, a, b, c, 0.3, -1.7)
+    gemms = [call for call in ops.calls if call[0] in ("bmm", "baddbmm", "mm", "addmm", "einsum")]
+    assert [g[0] for g in gemms] == ["baddbmm"] and all(dt == dtype for dt in gemms[0][1])
+    assert not [call for call in ops.calls if call[2] in (torch.float32, torch.float64)]
+    ref, acc = _reference(eq, a.cpu(), b.cpu(), c.cpu(), 0.3, -1.7)
+    err = (out.cpu().double() - ref).abs()
+    assert bool((err <= 2 * (UNIT_ROUNDOFF[dtype] * ref.abs() + 2 * acc) + 1e-30).all())
