@@ -92,8 +92,10 @@ def count_input_checks() -> Iterator[list[int]]:
         unlift._check_inputs_match = real
 
 
-def steps(model: torch.nn.Module, variants: tuple[str, ...] = VARIANTS) -> dict[str, tuple[Callable, torch.dtype]]:
-    """Each variant's step callable (LMStep signature) and its cache dtype."""
+def steps(
+    model: torch.nn.Module, variants: tuple[str, ...] = VARIANTS, device: str = "cpu"
+) -> dict[str, tuple[Callable, torch.dtype]]:
+    """Each variant's step callable (LMStep signature) and its cache dtype; ``model`` is on ``device``."""
     import copy
 
     from amplite.llm import convert_llm
@@ -110,7 +112,7 @@ def steps(model: torch.nn.Module, variants: tuple[str, ...] = VARIANTS) -> dict[
             inner = _with_attention(LMStep(model, torch.float32), amplite_attention, model)
 
             def auto(*a: Any, _inner: Callable = inner) -> Any:
-                with torch.autocast("cpu", dtype=torch.bfloat16):
+                with torch.autocast(device, dtype=torch.bfloat16):
                     return _inner(*a)
 
             out[v] = (auto, torch.float32)

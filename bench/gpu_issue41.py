@@ -52,6 +52,28 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
                 value = _ratio(ms.get(f"amplite O2 {p}"), ms.get(f"autocast {p}"), "ms")
                 out.append(_target(f"{model} b{batch}: amplite O2 {p} / autocast {p} eager ≤ {EAGER_VS_AUTOCAST}",
                                    value, EAGER_VS_AUTOCAST, "issue 41"))  # fmt: skip
+    decode = [r for r in data.get("decode", []) if r.get("step") == "decode" and "ms" in r]
+    for model in dict.fromkeys(r["model"] for r in decode):
+        for batch in data["meta"]["batches"]:
+            ms = {r["variant"]: r for r in decode if r["model"] == model and r["batch"] == batch}
+            o2 = ms.get("amplite O2 bf16")
+            out.append(
+                _target(
+                    f"{model} decode b{batch} (LLM step): amplite O2 bf16 / autocast bf16 ≤ 1.0",
+                    _ratio(o2, ms.get("autocast bf16"), "ms"),
+                    EAGER_VS_AUTOCAST,
+                    "issue 41",
+                )
+            )
+            if batch != 1:
+                out.append(
+                    _target(
+                        f"{model} decode b{batch} (LLM step): amplite O2 bf16 / fp32 (TF32 off) ≤ 0.5",
+                        _ratio(o2, ms.get("fp32 (TF32 off)"), "ms"),
+                        0.5,
+                        "issue 41",
+                    )
+                )
     for problem in sorted({r["problem"] for r in data.get("micro", []) if r["problem"].startswith("attn")}):
         for dtype in ("fp16", "bf16"):
             hit = [r for r in data["micro"] if r["problem"] == problem and r["dtype"] == dtype
@@ -96,7 +118,7 @@ def header_lines(data: dict[str, Any]) -> list[str]:
                                                                if "seconds" in wheels else ""), ""]  # fmt: skip
     missing = [f"job {j['job']}: {j['status']}" for j in data.get("jobs", [])
                if j["status"].startswith("not run") or j["status"].startswith("killed")]  # fmt: skip
-    for phase in ("train", "deploy", "e2e", "onnx"):
+    for phase in ("train", "deploy", "e2e", "onnx", "decode"):
         for r in data.get(phase, []):
             if "budget" in str(r.get("error", "")):
                 what = " ".join(str(r[k]) for k in ("model", "variant", "mode", "precision", "batch") if k in r)
@@ -120,3 +142,20 @@ def fusion_lines(data: dict[str, Any]) -> list[str]:
             f"{e['unfused_over_fused']:.3f}, {e['source']!r}),  # {e['models_x_batches']} model x batch rows"
         )
     return [*lines, "```"]
+
+
+def decode_lines(data: dict[str, Any]) -> list[str]:
+    """``## Decode and prefill with the LLM step program`` (bench/gpu_decode.py)."""
+    lines = ["", "## Decode and prefill with the LLM step program (bench/gpu_decode.py)", "",
+             "Median ms per call (CUDA events) after a prompt of `past` tokens, variants interleaved; kernels and "
+             "casts: what one decode step launches (profiler on CUDA; aten compute ops on CPU).", "",
+             "| model | batch | step | variant | ms | vs FP32 (TF32 off) | kernels | casts |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in data.get("decode", []):
+        if "error" in r:
+            lines.append(f"| {r['model']} |  |  | {r['variant']} | {r['error']} |  |  |  |")
+            continue
+        vs = f"{r['vs_fp32']:.2f}" if "vs_fp32" in r else "—"
+        lines.append(f"| {r['model']} | {r['batch']} | {r['step']} | {r['variant']} | {r['ms']:.3f} | {vs} | "
+                     f"{r.get('kernels', '')} | {r.get('casts', '')} |")  # fmt: skip
+    return lines

@@ -146,7 +146,7 @@ def render(data: dict[str, Any]) -> str:
     for r in data["onnx"]:
         lines.append(f"| {r['model']} | {r.get('precision', '')} | {r.get('provider', '')} | "
                      f"{_f(r['ms']) if 'ms' in r else r.get('error', '')} |")  # fmt: skip
-    extra = gpu_issue41.fusion_lines(data)
+    extra = gpu_issue41.decode_lines(data) + gpu_issue41.fusion_lines(data)
     return "\n".join(lines + train_lines(data) + deploy_lines(data) + extra + job_lines(data)) + "\n"
 
 

@@ -10,7 +10,8 @@ sections take turns on the GPU (a lock: no two jobs time at once). Jobs, most ne
 budget leaves out is reported as not run, never silently dropped:
 
 1. ``pytest -m gpu``: the CUDA tests (backend probe and fallback, numerics, the op on cuTENSOR).
-2. Contraction microbenchmark (below), then training (issues 28 and 41, bench/gpu_train.py): GPT-2 124 M
+2. Contraction microbenchmark (below), decode and prefill with amplite's LLM step program (GPT-2 124 M,
+   bench/gpu_decode.py: latency, kernels and casts per decode step), then training (issues 28 and 41, bench/gpu_train.py): GPT-2 124 M
    (12 layers, d 768, seq 1024, batch 8) and ResNet-50 (channels_last, 224², batch 64) first, then GPT-2
    23 M, BERT-MLM 23 M, ResNet-34: FP32 (TF32 off), autocast bf16, amplite O1/O2 bf16, all-bf16, and
    ``torch.compile`` of autocast and of amplite's net: step time, memory.
@@ -55,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 from amplite.ops import cutensor_backend  # noqa: E402
 from amplite.ops.contract import ENV_BACKEND, active_backend, backend_description  # noqa: E402
-from bench import gpu_deploy, gpu_models, gpu_train  # noqa: E402
+from bench import gpu_decode, gpu_deploy, gpu_models, gpu_train  # noqa: E402
 from bench.bench_compiled import MODELS as DEPLOY_MODELS  # noqa: E402
 from bench.gpu_contract import matmul_peak, problems, timeit  # noqa: E402
 from bench.gpu_issue41 import FALLBACK_METHOD  # noqa: E402
@@ -219,6 +220,7 @@ def plan(dry: bool, only: set[str]) -> list[Job]:
     deploy_argv = ["--modes", "eager,compile", "--rounds", "2", "--reps", "2", "--device", "cpu"] if dry else []
     jobs = [Job("pytest", [me, "--job", "pytest", *(["--dry-run"] if dry else [])])]
     jobs.append(Job("micro", [me, "--job", "micro", *(["--dry-run"] if dry else [])]))
+    jobs.append(Job("decode:llm-step", [gpu_decode.__file__, *(["--dry-run"] if dry else [])]))
     train = ["tiny", "tiny-cnn"] if dry else TRAIN
     jobs += [Job(f"train:{m}", [gpu_train.__file__, "--model", m, *train_argv]) for m in train[:2]]
     e2e = [s.name for s in gpu_models.specs(dry)]
@@ -237,7 +239,7 @@ def plan(dry: bool, only: set[str]) -> list[Job]:
 def run_inline(jobs: list[Job], tmp: Path, soft_end: float) -> dict[str, dict[str, Any]]:
     """The dry run: each job's ``main`` in this process, one after another (the same argv as the pool's)."""
     mains = {gpu_train.__file__: gpu_train.main, gpu_deploy.__file__: gpu_deploy.main,
-             str(Path(__file__).resolve()): main}  # fmt: skip
+             gpu_decode.__file__: gpu_decode.main, str(Path(__file__).resolve()): main}  # fmt: skip
     done = {}
     for job in jobs:
         out = tmp / f"{job.name.replace(':', '_')}.jsonl"
@@ -325,13 +327,14 @@ def assemble(meta: dict[str, Any], done: dict[str, dict[str, Any]]) -> dict[str,
     """The suite's JSON: rows by phase, the jobs' statuses, the targets."""
     rows = [r for job in done.values() for r in job["rows"]]
     by = {p: [{k: v for k, v in r.items() if k != "phase"} for r in rows if r.get("phase") == p]
-          for p in ("pytest", "micro", "e2e", "note", "onnx", "deploy", "train")}  # fmt: skip
+          for p in ("pytest", "micro", "e2e", "note", "onnx", "deploy", "train", "decode")}  # fmt: skip
     peak = [r["peak_tflops"] for r in by["micro"] if "peak_tflops" in r]
     data: dict[str, Any] = {
         "meta": meta, "pytest": by["pytest"][0] if by["pytest"] else {"summary": done.get("pytest", {}).get(
             "status", "not planned")},
         "peak_tflops": peak[0] if peak else math.nan, "micro": [r for r in by["micro"] if "peak_tflops" not in r],
         "e2e": by["e2e"], "notes": by["note"], "onnx": by["onnx"], "deploy": by["deploy"], "train": by["train"],
+        "decode": by["decode"],
         "jobs": [{"job": k, **{x: v[x] for x in ("status", "seconds", "log_tail")}, "rows": len(v["rows"])}
                  for k, v in done.items()],
     }  # fmt: skip

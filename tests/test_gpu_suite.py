@@ -33,7 +33,7 @@ def test_gpu_suite_dry_run(tmp_path):
     assert data["onnx"]
     # Every job ran and said so; the pool's bookkeeping is tested in test_gpu_jobs.py.
     assert {j["job"] for j in data["jobs"]} == {"pytest", "train:tiny", "train:tiny-cnn", "deploy:fx-mlp", "micro",
-                                                "e2e:tiny-block", "onnx"}  # fmt: skip
+                                                "decode:llm-step", "e2e:tiny-block", "onnx"}  # fmt: skip
     assert all(j["status"] == "ok" and j["rows"] > 0 for j in data["jobs"]), data["jobs"]
     # Training (issue 28): each variant timed, with its loss; the targets name the ratio even where one side
     # (memory, CUDA-only) is not measured.
@@ -58,6 +58,13 @@ def test_gpu_suite_dry_run(tmp_path):
     assert by["tiny-block b1: amplite O2 bf16 / autocast bf16 eager ≤ 1.0"]["value"] > 0
     fallback = [t for name, t in by.items() if "contract (torch GEMM fallback) ≥ 1.0× permute+bmm" in name]
     assert fallback and all(t["value"] > 0 for t in fallback)
+    # Decode with the LLM step program: every variant, decode and prefill, both batches; kernels counted.
+    dec = {(r["variant"], r["step"], r["batch"]): r for r in data["decode"]}
+    labels41 = ("fp32 (TF32 off)", "all-bf16", "autocast bf16", "amplite O1 bf16", "amplite O2 bf16")
+    assert set(dec) == {(v, s, b) for v in labels41 for s in ("decode", "prefill") for b in (1, 2)}
+    assert all(r["ms"] > 0 for r in dec.values()) and dec[("amplite O2 bf16", "decode", 1)]["kernels"] > 0
+    assert by["tiny-gpt2 decode b2 (LLM step): amplite O2 bf16 / fp32 (TF32 off) ≤ 0.5"]["value"] > 0
+    assert "## Decode and prefill with the LLM step program" in md
     assert "## Fusion measurements" in md and "Measurement('cpu (dry run)', 'torch', 'bfloat16'" in md
     for section in ("## Targets", "## pytest -m gpu", "## Contraction microbenchmark", "## End-to-end latency",
                     "## ONNX Runtime", "## Training step", "## Compiled deployment", "## Jobs"):  # fmt: skip
