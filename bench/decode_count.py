@@ -37,6 +37,7 @@ class StepCounter(TorchDispatchMode):
         self.ops: Counter[str] = Counter()
         self.kernels = 0  # ops that compute (not views/aliases): what a GPU launches kernels for
         self.cache_copies: Counter[str] = Counter()
+        self.cache_copy_bytes = 0
         self.cache_numel = cache_numel
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -46,6 +47,7 @@ class StepCounter(TorchDispatchMode):
         self.kernels += not func.is_view
         if name in COPIES and isinstance(out, torch.Tensor) and out.numel() >= self.cache_numel:
             self.cache_copies[name] += 1
+            self.cache_copy_bytes += out.numel() * out.element_size()
         return out
 
     def summary(self) -> dict[str, int]:
@@ -56,6 +58,7 @@ class StepCounter(TorchDispatchMode):
             "norms": sum(n for op, n in self.ops.items() if "norm" in op),
             "casts": sum(self.ops[n] for n in CASTS),
             "cache_copies": sum(self.cache_copies.values()),
+            "cache_copy_kib": self.cache_copy_bytes // 1024,
             "syncs": sum(self.ops[n] for n in SYNCS),
         }
 
@@ -157,7 +160,7 @@ def count_decode(
 
 
 def table(rows: dict[str, dict[str, int]]) -> str:
-    cols = ("aten_ops", "kernel_ops", "casts", "norms", "cache_copies", "syncs", "input_checks")
+    cols = ("aten_ops", "kernel_ops", "casts", "norms", "cache_copies", "cache_copy_kib", "syncs", "input_checks")
     lines = ["| variant | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     lines += [f"| {v} | " + " | ".join(str(r[c]) for c in cols) + " |" for v, r in rows.items()]
     return "\n".join(lines)

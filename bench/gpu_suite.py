@@ -11,10 +11,10 @@ budget leaves out is reported as not run, never silently dropped:
 
 1. ``pytest -m gpu``: the CUDA tests (backend probe and fallback, numerics, the op on cuTENSOR).
 2. Contraction microbenchmark (below), decode and prefill with amplite's LLM step program (GPT-2 124 M,
-   bench/gpu_decode.py: latency, kernels and casts per decode step), then training (issues 28 and 41, bench/gpu_train.py): GPT-2 124 M
-   (12 layers, d 768, seq 1024, batch 8) and ResNet-50 (channels_last, 224², batch 64) first, then GPT-2
-   23 M, BERT-MLM 23 M, ResNet-34: FP32 (TF32 off), autocast bf16, amplite O1/O2 bf16, all-bf16, and
-   ``torch.compile`` of autocast and of amplite's net: step time, memory.
+   bench/gpu_decode.py: latency, kernels and casts per decode step), then training (issues 28 and 41,
+   bench/gpu_train.py): GPT-2 124 M (12 layers, d 768, seq 1024, batch 8) and ResNet-50 (channels_last,
+   224², batch 64) first, then GPT-2 23 M, BERT-MLM 23 M, ResNet-34: FP32 (TF32 off), autocast bf16,
+   amplite O1/O2 bf16, all-bf16, and ``torch.compile`` of autocast and of amplite's net: step time, memory.
 3. Compiled deployment (issue 31, bench/gpu_deploy.py): every corpus model and GPT-2-6l: FP32, autocast bf16,
    amplite O1/O2 bf16, all-bf16, each eager, ``torch.compile`` with CUDA graphs off and on, AOTInductor.
 4. Contraction microbenchmark, fp16 and bf16, attention and MLP shapes: ``amplite::contract`` on the
