@@ -37,9 +37,9 @@ def plan(equation: str) -> tuple[str, str, str, str, str, str, bool]:
     ``a``/``b`` are the operands' subscripts with the modes each sums alone folded into the contracted
     modes; ``swap`` is True when the GEMM is issued as ``Bᵀ Aᵀ`` to produce the output order directly.
     """
-    from amplite.ops.contract import parse_equation  # the validation lives with the op
-
-    sa, sb, so = parse_equation(equation)
+    # The op validated the equation (contract.parse_equation) before lowering it.
+    lhs, so = equation.replace(" ", "").split("->")
+    sa, sb = lhs.split(",")
     batch = "".join(ch for ch in so if ch in sa and ch in sb)
     rows = "".join(ch for ch in so if ch in sa and ch not in sb)
     cols = "".join(ch for ch in so if ch in sb and ch not in sa)
