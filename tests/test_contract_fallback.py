@@ -38,6 +38,8 @@ CASES = [
     ("bi,bi->b", (4, 64), (4, 64)),
     ("ibj,jk->bik", (7, 2, 48), (48, 9)),
     ("bsd,od->bso", (2, 5, 32), (24, 32)),
+    ("bhqd,bhkd->qk", (2, 3, 5, 16), (2, 3, 7, 16)),  # three contracted modes
+    ("i,j->ij", (9,), (11,)),  # no contracted mode
 ]
 
 
@@ -76,6 +78,20 @@ def test_one_rounding_against_fp64(eq, sa, sb, dtype, bias) -> None:
     err = (out.double() - ref).abs()
     bound = UNIT_ROUNDOFF[dtype] * ref.abs() + 2 * acc + 1e-30
     assert bool((err <= bound).all()), f"worst error {float((err / bound).max()):.2f}x one rounding"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_strided_views_are_read_as_given(dtype) -> None:
+    """Transposed, permuted and sliced operands (what fusion absorbs) give the same one-rounding result."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 9, 3, 32, generator=g).to(dtype)[:, :, :, ::2]  # sliced: stride 2 in d
+    k = torch.randn(2, 16, 3, 11, generator=g).to(dtype).transpose(1, 3)  # [b, k, h, d] as a permuted view
+    c = torch.randn(9, generator=g).to(dtype)[None, None, :, None].expand(2, 3, 9, 11)  # stride-0 bias
+    assert not q.is_contiguous() and not k.is_contiguous()
+    out = CONTRACT("bqhd,bkhd->bhqk", q, k, c, 0.3, -1.7)
+    ref, acc = _reference("bqhd,bkhd->bhqk", q, k, c, 0.3, -1.7)
+    err = (out.double() - ref).abs()
+    assert bool((err <= UNIT_ROUNDOFF[dtype] * ref.abs() + 2 * acc + 1e-30).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
