@@ -44,6 +44,18 @@ def build(dry: bool) -> tuple[torch.nn.Module, str]:
     return transformers.GPT2LMHeadModel(cfg).eval(), "gpt2-124m"
 
 
+def _converted_on_cpu(model: torch.nn.Module, level: str, device: torch.device) -> tuple[Any, torch.dtype]:
+    """``convert_llm`` on a CPU copy, the program moved to ``device`` (``move_to_device_pass``)."""
+    import copy
+
+    from amplite.llm import convert_llm
+    from amplite.llm.result import LLMProgram
+
+    llm = convert_llm(copy.deepcopy(model).cpu(), precision="bf16", level=level, verify=False).llm
+    moved = torch.export.passes.move_to_device_pass(llm.program, device)
+    return LLMProgram(moved, llm.shape, llm.cache_dtype).runner().step, llm.cache_dtype
+
+
 def kernels_per_step(fn: Any, device: torch.device) -> dict[str, int]:
     """CUDA kernels and casts one call launches (profiler); on the CPU, aten compute ops and casts."""
     if device.type != "cuda":
@@ -74,7 +86,15 @@ def run(dry: bool, device: torch.device, batches: list[int], past: int, warmup: 
             emit({"phase": "decode", "model": name, "variant": LABELS[v], "error": "not run: budget"})
             continue
         try:
-            made |= dc.steps(model, (v,), device.type)
+            try:
+                made |= dc.steps(model, (v,), device.type)
+            except Exception:
+                if not v.startswith("amplite") or device.type == "cpu":
+                    raise
+                traceback.print_exc()  # converting on the GPU failed: convert on the CPU, move the program
+                made[v] = _converted_on_cpu(model, v.split("-")[1], device)
+                why = "converted on the CPU and moved to the GPU (converting on the GPU failed: see the log)"
+                emit({"phase": "note", "model": name, "variant": LABELS[v], "note": why})
         except Exception as exc:  # recorded: why a variant cannot be built on this device
             traceback.print_exc()
             emit({"phase": "decode", "model": name, "variant": LABELS[v],

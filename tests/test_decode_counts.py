@@ -108,3 +108,17 @@ def test_compiled_decode_step_has_no_graph_break_or_recompile(programs) -> None:
     assert counters["stats"]["unique_graphs"] == 1
     assert sum(counters["recompiles"].values()) == 0
     torch._dynamo.reset()
+
+
+def test_program_converted_elsewhere_and_moved_runs_the_same(programs) -> None:
+    """bench/gpu_decode.py's fallback (convert on the CPU, move_to_device_pass) gives the same step."""
+    from bench import gpu_decode
+
+    model, shape, _, o2 = programs
+    step, dtype = gpu_decode._converted_on_cpu(model, "O2", torch.device("cpu"))
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(3))
+    empty = shape.empty(1, dtype)
+    with torch.no_grad():
+        got = step(ids, torch.ones(1, 5, dtype=torch.long), empty, empty)
+        want = o2.runner().step(ids, torch.ones(1, 5, dtype=torch.long), empty, empty)
+    assert dtype == o2.cache_dtype and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
