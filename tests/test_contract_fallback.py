@@ -140,8 +140,9 @@ class _Ops(TorchDispatchMode):
         ("bhqd,bhkd->bhqk", (2, 3, 9, 16), (2, 3, 11, 16), None, 1.0, "bmm"),
         ("bqhd,bkhd->bhqk", (2, 9, 3, 16), (2, 11, 3, 16), None, 0.125, "baddbmm"),
         ("bhqk,bhkd->bqhd", (2, 3, 9, 11), (2, 3, 11, 16), (16,), 1.0, "baddbmm"),
-        ("mk,kn->nm", (33, 40), (40, 17), (17, 33), 0.5, "baddbmm"),
-        ("ijz,jk->ik", (6, 20, 3), (20, 5), None, 1.0, "bmm"),
+        ("mk,kn->nm", (33, 40), (40, 17), (17, 33), 0.5, "addmm"),
+        ("ijz,jk->ik", (6, 20, 3), (20, 5), None, 1.0, "mm"),
+        ("md,nd->mn", (16, 32), (24, 32), None, 0.5, "addmm"),
     ],
 )
 def test_fallback_issues_one_low_precision_gemm(eq, sa, sb, c_shape, alpha, gemm, dtype) -> None:
@@ -157,6 +158,25 @@ def test_fallback_issues_one_low_precision_gemm(eq, sa, sb, c_shape, alpha, gemm
     wide = [call for call in ops.calls if call[2] in (torch.float32, torch.float64)]
     assert wide == [], f"FP32 work in the fallback: {wide}"
     assert not [call for call in ops.calls if call[0] in ("_to_copy", "to", "_to_dtype")]
+
+
+def test_linear_bias_goes_to_addmm_one_dimensional() -> None:
+    """A linear with a per-column bias is F.linear's own call: addmm with the 1-D bias (cuBLASLt's epilogue
+    on CUDA adds it without a pass over the result), the weight read transposed in place."""
+    x, w, bias = torch.randn(16, 32).bfloat16(), torch.randn(24, 32).bfloat16(), torch.randn(24).bfloat16()
+    seen = []
+
+    class Args(_Ops):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ == "addmm":
+                seen.append([tuple(a.shape) for a in args if isinstance(a, torch.Tensor)])
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    with Args() as ops:
+        out = CONTRACT("md,nd->mn", x, w, bias, 1.0, 1.0)
+    assert seen == [[(24,), (16, 32), (32, 24)]]
+    assert not [call for call in ops.calls if call[0] in ("clone", "copy_", "_to_copy")]  # views only
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, bias), rtol=2**-8, atol=1e-2)
 
 
 def test_transposed_output_needs_no_permute_copy() -> None:
@@ -197,7 +217,8 @@ def test_cuda_fallback_is_one_low_precision_gemm(monkeypatch, eq, sa, sb, dtype)
     with _Ops() as ops:
         out = CONTRACT(eq, a, b, c, 0.3, -1.7)
     gemms = [call for call in ops.calls if call[0] in ("bmm", "baddbmm", "mm", "addmm", "einsum")]
-    assert [g[0] for g in gemms] == ["baddbmm"] and all(dt == dtype for dt in gemms[0][1])
+    want = "baddbmm" if gemm_lowering.plan(eq)[2] else "addmm"  # batch modes: baddbmm; none: F.linear's addmm
+    assert [g[0] for g in gemms] == [want] and all(dt == dtype for dt in gemms[0][1])
     assert not [call for call in ops.calls if call[2] in (torch.float32, torch.float64)]
     ref, acc = _reference(eq, a.cpu(), b.cpu(), c.cpu(), 0.3, -1.7)
     err = (out.cpu().double() - ref).abs()

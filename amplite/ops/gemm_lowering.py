@@ -1,6 +1,7 @@
 """The fallback of ``amplite::contract``: one batched GEMM on the operands' own dtype.
 
-``alpha * einsum(eq, a, b) + beta * c`` is lowered to ``baddbmm(c', A', B', beta=beta, alpha=alpha)`` where
+``alpha * einsum(eq, a, b) + beta * c`` is lowered to ``baddbmm(c', A', B', beta=beta, alpha=alpha)`` (``addmm``
+when there is no batch mode, as ``F.linear``) where
 ``A'`` and ``B'`` are permute/reshape views of ``a`` and ``b`` (batch, rows, contracted) and (batch,
 contracted, columns). The GEMM (cuBLAS on CUDA, oneDNN / ATen's blocked kernels on the CPU) accumulates
 fp16/bf16 products in FP32, applies ``alpha`` and ``beta`` in FP32 and rounds once to the operands' dtype:
@@ -81,18 +82,40 @@ def gemm_contract(
         gemm_order = batch + cols + rows
     else:
         gemm_order = batch + rows + cols
+    c3 = None
     if c is not None and beta != 0.0:
         # The bias in GEMM order: right-aligned broadcast to the output, then the same permute; a
-        # broadcast bias stays a stride-0 view (baddbmm copies it into the result in its own dtype).
+        # broadcast bias stays a stride-0 view (the GEMM copies it into the result in its own dtype).
         full = c.expand([sizes[ch] for ch in so])
         c3 = full.permute([so.index(ch) for ch in gemm_order]).reshape(nb, nm, nn)
-        out3 = torch.baddbmm(c3, a3, b3, beta=beta, alpha=alpha)
-    elif alpha != 1.0:
-        # beta = 0: baddbmm ignores the input (no read, no NaN propagation) and scales in FP32.
-        out3 = torch.baddbmm(a3.new_zeros(()).expand(nb, nm, nn), a3, b3, beta=0.0, alpha=alpha)
-    else:
-        out3 = torch.bmm(a3, b3)
+    out3 = _gemm(a3, b3, c3, alpha, beta, batched=bool(batch))
     out = out3.reshape([sizes[ch] for ch in gemm_order])
     if gemm_order != so:
         out = out.permute([gemm_order.index(ch) for ch in so])
     return out.contiguous()
+
+
+def _gemm(
+    a3: torch.Tensor, b3: torch.Tensor, c3: torch.Tensor | None, alpha: float, beta: float, batched: bool
+) -> torch.Tensor:
+    """``beta * c3 + alpha * (a3 @ b3)`` in one GEMM call, alpha and beta applied by the GEMM in FP32.
+
+    Without batch modes it is one ``mm``/``addmm``, the call ``F.linear`` makes: a bias per column is passed
+    1-D, the form cuBLASLt adds in its epilogue (no separate pass over the result).
+    """
+    if batched:
+        if c3 is not None:
+            return torch.baddbmm(c3, a3, b3, beta=beta, alpha=alpha)
+        if alpha != 1.0:  # beta = 0: the input is ignored (no read, no NaN propagation)
+            return torch.baddbmm(a3.new_zeros(()).expand(a3.shape[0], a3.shape[1], b3.shape[2]), a3, b3,
+                                 beta=0.0, alpha=alpha)  # fmt: skip
+        return torch.bmm(a3, b3)
+    a2, b2 = a3[0], b3[0]
+    if c3 is not None:
+        c2 = c3[0]
+        if c2.stride(0) == 0:  # the same row for every output row: a bias per column
+            c2 = c2[0]
+        return torch.addmm(c2, a2, b2, beta=beta, alpha=alpha)[None]
+    if alpha != 1.0:
+        return torch.addmm(a2.new_zeros(()).expand(a2.shape[0], b2.shape[1]), a2, b2, beta=0.0, alpha=alpha)[None]
+    return torch.mm(a2, b2)[None]
