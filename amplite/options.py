@@ -95,8 +95,9 @@ class ConvertOptions:
         low_precision_io: Graph inputs and outputs in the low dtype too.
         dynamic_batch: Make dim 0 of every input dynamic.
         dynamic_dims: More dynamic dims by input name: ``["ids:1"]`` or ``{"ids": [1]}``.
-        fuse_contractions: Fuse matmul chains into ``amplite::contract``: ``auto`` (off until a GPU
-            measurement shows it faster; ``amplite.ops.fusion_default``), ``on``/``off`` or a bool.
+        fuse_contractions: Fuse matmul chains into ``amplite::contract``: ``auto`` (on only where a GPU
+            measurement for this GPU, contraction backend and dtype shows it faster;
+            ``amplite.ops.fusion_measurements``), ``on``/``off`` or a bool.
         trust_pickle: Allow unpickling (runs code from the file); see ``docs/security.md``.
         model_factory: ``module:callable`` building the model for a state-dict file.
         import_modules: Modules to import before loading (custom-op libraries, pytree types of a .pt2).

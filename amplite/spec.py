@@ -107,10 +107,11 @@ class ConvertSpec:
             ConfigError: For the first value that is not valid, with the fix.
         """
         source = "argument" if level is not None else (LEVEL_ENV if os.environ.get(LEVEL_ENV) else "default")
-        fuse, fuse_reason = resolve_fuse(fuse_contractions)
+        low = precision_dtype(precision)
+        fuse, fuse_reason = resolve_fuse(fuse_contractions, low)  # measured per (GPU, backend, dtype)
         dims = parse_dynamic_dims(dynamic_dims)
         return cls(
-            precision=precision_dtype(precision),
+            precision=low,
             level=resolve_level(level),
             level_source=source,
             overrides=make_overrides(keep_fp32, force_low),

@@ -117,7 +117,7 @@ def run_jobs(jobs: list[Job], *, workers: int, soft_end: float, hard_end: float,
                               "log_tail": _tail(tmp / f"{job.name.replace(':', '_')}.log")}  # fmt: skip
             log(f"  {job.name}: {status} after {done[job.name]['seconds']:.0f} s, {len(done[job.name]['rows'])} rows")
     for job in queue:
-        done[job.name] = {"rows": [], "status": "not run (the suite's time budget)", "seconds": 0.0, "log_tail": ""}
+        done[job.name] = {"rows": [], "status": "not run: budget", "seconds": 0.0, "log_tail": ""}
     return done
 
 

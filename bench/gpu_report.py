@@ -55,7 +55,10 @@ def train_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
     """Each target with its measured value and whether it is met (None where nothing was measured)."""
+    from bench import gpu_issue41
+
     out: list[dict[str, Any]] = train_targets(data.get("train", [])) + deploy_targets(data.get("deploy", []))
+    out += gpu_issue41.targets(data)
     transformer = {r["model"] for r in data["e2e"] if r.get("variant")} - {"resnet50", "tiny-cnn"}
     for model in sorted(transformer):
         for batch in data["meta"]["batches"]:
@@ -76,7 +79,7 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
     gain = sorted(gains)[len(gains) // 2] if gains else None
     out.append({"target": "fusion pays (median unfused/fused latency > 1; decides --fuse-contractions auto)",
                 "value": gain, "met": None if gain is None else gain > 1.0,
-                "detail": "if met with cuTENSOR: add the GPU to fusion_default.MEASURED_FASTER"})  # fmt: skip
+                "detail": "per dtype: see Fusion measurements (amplite/ops/fusion_measurements.py)"})  # fmt: skip
     for problem in sorted({r["problem"] for r in data["micro"] if r["problem"].startswith("attn")}):
         for dtype in ("fp16", "bf16"):
             rows = [r for r in data["micro"] if r["problem"] == problem and r["dtype"] == dtype and "ms" in r]
@@ -90,14 +93,15 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 def render(data: dict[str, Any]) -> str:
     """RESULTS-gpu.md."""
+    from bench import gpu_issue41
+
     m = data["meta"]
     lines = [
         "# GPU suite results" + (" (DRY RUN: CPU, tiny shapes; numbers mean nothing)" if m["dry_run"] else ""),
         "",
+        *gpu_issue41.header_lines(data),
         f"Device: {m['device']} · torch {m['torch']} (CUDA {m['cuda']}) · Python {m['python']} · "
         f"nvmath-python {m['nvmath']} · {m.get('seconds', 0):.0f} s",
-        "",
-        f"`amplite::contract` backend: {m['contract_backend']}",
         "",
         "## Targets",
         "",
@@ -142,7 +146,8 @@ def render(data: dict[str, Any]) -> str:
     for r in data["onnx"]:
         lines.append(f"| {r['model']} | {r.get('precision', '')} | {r.get('provider', '')} | "
                      f"{_f(r['ms']) if 'ms' in r else r.get('error', '')} |")  # fmt: skip
-    return "\n".join(lines + train_lines(data) + deploy_lines(data) + job_lines(data)) + "\n"
+    extra = gpu_issue41.decode_lines(data) + gpu_issue41.fusion_lines(data)
+    return "\n".join(lines + train_lines(data) + deploy_lines(data) + extra + job_lines(data)) + "\n"
 
 
 def train_lines(data: dict[str, Any]) -> list[str]:

@@ -1,10 +1,15 @@
 """Training step time and memory on the GPU, one model per process (a job of ``bench/gpu_suite.py``, issue 28).
 
-The models are bench/bench_train_big.py's (GPT-2 23.2 M, BERT-MLM 23.5 M, ResNet-34 21.3 M; ``tiny``, a
-2-layer GPT-2, for ``--dry-run``) and the variants too: FP32, ``torch.autocast`` bf16, amplite O1/O2 bf16
+The models are issue 41's GPT-2 124 M (``gpt2-124m``: 12 layers, d 768, 12 heads, vocab 50257, seq 1024,
+batch 8) and ResNet-50 (``resnet50``: bottleneck [3, 4, 6, 3], 1000 classes, 224², batch 64, channels_last
+model and images), bench/bench_train_big.py's (GPT-2 23.2 M, BERT-MLM 23.5 M, ResNet-34 21.3 M) and, for
+``--dry-run``, ``tiny`` (a 2-layer GPT-2) and ``tiny-cnn`` (a 2-stage ResNet, channels_last); the variants are
+bench_train_big's: FP32, ``torch.autocast`` bf16, amplite O1/O2 bf16
 (``prepare_training``), the whole model in bf16, and ``torch.compile`` of the autocast model and of
 amplite's ``net``. Every variant gets its own model (same seed) and the same batches; all are prepared and
 warmed up first (compilation happens there), then timed interleaved, round by round, holding the GPU lock.
+
+FP32 runs with TF32 off (matmul and cuDNN), the baseline of issue 41's ratios.
 
 Step time: median over rounds of the median of ``--steps`` steps (forward, loss, backward, AdamW, zero_grad;
 ``loss.item()`` synchronises). Memory (CUDA): what the variant keeps between steps (weights, every copy of
@@ -36,11 +41,41 @@ from bench import bench_train_big as big  # noqa: E402
 from bench.gpu_jobs import emit, gpu_lock, past_deadline  # noqa: E402
 
 VARIANTS = big.VARIANTS
+#: Issue 41's models (built here) and the dry run's stand-ins for them; bench_train_big builds the others.
+MODELS = ["gpt2-124m", "resnet50", *big.MODELS, "tiny", "tiny-cnn"]
+CHANNELS_LAST = ("resnet50", "tiny-cnn")
+
+
+def _issue41(name: str, n: int) -> tuple[torch.nn.Module, list[Any], Any]:
+    """GPT-2 124 M / ResNet-50 (or their tiny stand-ins) in train mode, ``n`` batches, the loss."""
+    import torch.nn.functional as F
+
+    from bench.corpus import ImageLogits, _hf
+
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    if name in CHANNELS_LAST:
+        tiny = name == "tiny-cnn"
+        m = _hf("ResNetForImageClassification", "ResNetConfig", embedding_size=8 if tiny else 64,
+                depths=[1, 1] if tiny else [3, 4, 6, 3], hidden_sizes=[16, 32] if tiny else [256, 512, 1024, 2048],
+                layer_type="bottleneck", hidden_act="relu", num_labels=10 if tiny else 1000)  # fmt: skip
+        b, side, classes = (2, 32, 10) if tiny else (64, 224, 1000)
+        batches = [(torch.randn(b, 3, side, side, generator=g).contiguous(memory_format=torch.channels_last),
+                    torch.randint(0, classes, (b,), generator=g)) for _ in range(n)]  # fmt: skip
+        model = ImageLogits(m).to(memory_format=torch.channels_last).train()
+        return model, batches, lambda out, y: F.cross_entropy(out.float(), y)
+    vocab, seq, batch = 50257, 1024, 8
+    m = _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=vocab, n_positions=seq, n_embd=768, n_layer=12, n_head=12,
+            use_cache=False, attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)  # fmt: skip
+    ids = [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(n)]
+    return big.Logits(m).train(), [(x, x) for x in ids], big.next_token_loss
 
 
 def build(name: str, n: int, device: torch.device) -> tuple[torch.nn.Module, list[Any], Any]:
-    """bench_train_big's model ``name`` (or ``tiny``) on ``device`` with ``n`` batches."""
-    if name == "tiny":
+    """Model ``name`` (see the module docstring) on ``device`` with ``n`` batches."""
+    if name in ("gpt2-124m", *CHANNELS_LAST):
+        model, batches, loss = _issue41(name, n)
+    elif name == "tiny":
         from bench.corpus import _hf
 
         torch.manual_seed(0)
@@ -51,7 +86,7 @@ def build(name: str, n: int, device: torch.device) -> tuple[torch.nn.Module, lis
         model, batches, loss = big.Logits(m).train(), [(x, x) for x in ids], big.next_token_loss
     else:
         model, batches, loss = big.build(name, n)
-    return model.to(device), [(x.to(device), t.to(device)) for x, t in batches], loss
+    return model.to(device), [(x.to(device), t.to(device)) for x, t in batches], loss  # .to keeps channels_last
 
 
 def _sync(device: torch.device) -> None:
@@ -123,7 +158,7 @@ def run(name: str, variants: list[str], device: torch.device, rounds: int, steps
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, choices=[*big.MODELS, "tiny"])
+    ap.add_argument("--model", required=True, choices=MODELS)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--rounds", type=int, default=3)
@@ -131,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
+    # Issue 41's ratios are against FP32 with TF32 off; torch's default leaves cuDNN's TF32 on.
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     run(args.model, args.variants.split(","), torch.device(args.device), args.rounds, args.steps, args.warmup)
     return 0
 

@@ -209,15 +209,6 @@ def test_einsum_backend_scales_before_rounding(dtype):
     assert contract_mod.torch_contract("mk,kn->mn", q, k, c, 1.0, 2.0).item() == 8192.0
 
 
-def test_einsum_backend_does_not_branch_on_device(monkeypatch):
-    """The CUDA einsum path once rounded before alpha: the backend now upcasts wherever it runs."""
-    seen = []
-    real = torch.einsum
-    monkeypatch.setattr(torch, "einsum", lambda eq, *ops: seen.append([o.dtype for o in ops]) or real(eq, *ops))
-    contract_mod.torch_contract("mk,kn->mn", torch.ones(2, 3).half(), torch.ones(3, 2).half(), None, 1.0, 0.0)
-    assert seen == [[torch.float32, torch.float32]]
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend", ["torch", "cutensor"])
@@ -256,16 +247,22 @@ def test_fuse_auto_is_off_without_a_measurement(monkeypatch):
     assert fd.resolve("on") == (True, "on (requested)") and fd.resolve(False)[0] is False
     with pytest.raises(ConfigError, match="auto, on, off"):
         fd.resolve("maybe")
-    # A GPU with a working cuTENSOR: still off until MEASURED_FASTER lists it, on once it does.
+    # A GPU with a working cuTENSOR: still off until the measurement table says fusion is faster there.
+    from amplite.ops import fusion_measurements as fm
+
+    monkeypatch.delenv("AMPLITE_CONTRACT_BACKEND", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     monkeypatch.setattr(cb, "probe", lambda d, dt=torch.float16: cb.Probe(True))
     on, why = fd.resolve("auto")
-    assert not on and why == "auto: off (no bench/gpu_suite.py measurement shows fusion faster on NVIDIA H200 yet)"
-    monkeypatch.setattr(fd, "MEASURED_FASTER", {"H200": "bench/RESULTS-gpu.md"})
+    assert not on and why == (
+        "auto: off (no measurement for (NVIDIA H200, cutensor, float16) in amplite/ops/fusion_measurements.py)"
+    )
+    faster = tuple(fm.Measurement("H200", "cutensor", dt, 1.2, "x") for dt in ("float16", "bfloat16"))
+    monkeypatch.setattr(fm, "MEASUREMENTS", faster)
     assert fd.resolve("auto")[0] is True
     monkeypatch.setattr(cb, "probe", lambda d, dt=torch.float16: cb.Probe(False, "no lib"))
-    assert fd.resolve("auto") == (False, "auto: off (cuTENSOR unusable on NVIDIA H200: no lib)")
+    assert fd.resolve("auto")[0] is False  # the fallback backend was not measured
 
 
 def test_convert_records_the_fusion_choice():
@@ -356,3 +353,24 @@ def test_full_size_bias_goes_in_as_c_and_operands_are_unbound(plan_nvmath: None)
     cutensor_backend.contract("mk,kn->mn", a, b, c, 1.0, 0.0)  # beta = 0: no C at all
     assert not _Plan.made[-1].has_c and len(_Plan.made) == 2
     assert amplite.ops is not None and CONTRACT is not None
+
+
+def test_spec_resolves_auto_for_the_conversion_dtype(monkeypatch):
+    """The spec asks the table about its own precision: a bf16 conversion is decided by the bf16 entry."""
+    from amplite.ops import fusion_measurements as fm
+    from amplite.spec import ConvertSpec
+
+    monkeypatch.delenv("AMPLITE_CONTRACT_BACKEND", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(cb, "probe", lambda d, dt=torch.float16: cb.Probe(True))
+    table = (
+        fm.Measurement("H100", "cutensor", "bfloat16", 1.25, "bench/RESULTS-gpu.md (run X)"),
+        fm.Measurement("H100", "cutensor", "float16", 0.9, "bench/RESULTS-gpu.md (run X)"),
+    )
+    monkeypatch.setattr(fm, "MEASUREMENTS", table)
+    bf16 = ConvertSpec.build(precision="bf16")
+    assert bf16.fuse is True and "1.25 (bench/RESULTS-gpu.md (run X))" in bf16.fuse_reason
+    fp16 = ConvertSpec.build(precision="fp16")
+    assert fp16.fuse is False and "not faster" in fp16.fuse_reason and "0.90" in fp16.fuse_reason
+    assert fp16.to_config()["fuse_contractions_reason"] == fp16.fuse_reason

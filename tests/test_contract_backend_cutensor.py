@@ -24,7 +24,7 @@ contract_mod = importlib.import_module("amplite.ops.contract")  # the module; am
 LOGGER = "amplite.contract"
 
 
-PREFIX = "amplite::contract falls back to torch.einsum: "
+PREFIX = "amplite::contract falls back to the torch GEMM: "
 
 
 class Rec:
@@ -554,10 +554,10 @@ def test_plan_key_separates_what_rebinding_requires(nv: types.ModuleType, monkey
 def test_backend_description_lines(monkeypatch) -> None:
     """The report's contract_backend line for CPU, forced torch, all good, partial and total failure."""
     monkeypatch.delenv("AMPLITE_CONTRACT_BACKEND", raising=False)
-    assert contract_mod.backend_description("cpu") == "torch.einsum on FP32-upcast operands (CPU)"
+    assert contract_mod.backend_description("cpu") == f"torch: {contract_mod.FALLBACK} (CPU)"
     monkeypatch.setenv("AMPLITE_CONTRACT_BACKEND", " Torch ")
     assert contract_mod.backend_description("cuda") == (
-        "torch.einsum on FP32-upcast operands (CUDA; AMPLITE_CONTRACT_BACKEND=torch)"
+        f"torch: {contract_mod.FALLBACK} (CUDA; AMPLITE_CONTRACT_BACKEND=torch)"
     )
     monkeypatch.delenv("AMPLITE_CONTRACT_BACKEND")
     monkeypatch.setattr(cb, "nvmath_version", lambda: "1.0.0")
@@ -569,11 +569,12 @@ def test_backend_description_lines(monkeypatch) -> None:
     assert asked == [(torch.device("cuda:0"), torch.float16), (torch.device("cuda:0"), torch.bfloat16)]
     verdicts[torch.bfloat16] = cb.Probe(False, "no bf16")
     assert contract_mod.backend_description("cuda") == (
-        "cutensor for float16 (nvmath-python 1.0.0, cuTENSOR 2.3.1); torch.einsum fallback for bfloat16: no bf16"
+        "cutensor for float16 (nvmath-python 1.0.0, cuTENSOR 2.3.1); "
+        f"torch fallback ({contract_mod.FALLBACK}) for bfloat16: no bf16"
     )
     verdicts[torch.float16] = cb.Probe(False, "no fp16")
     assert contract_mod.backend_description("cuda") == (
-        "torch.einsum on FP32-upcast operands (CUDA; cuTENSOR unusable: float16: no fp16; bfloat16: no bf16)"
+        f"torch: {contract_mod.FALLBACK} (CUDA; cuTENSOR unusable: float16: no fp16; bfloat16: no bf16)"
     )
 
 
@@ -637,28 +638,78 @@ def test_resolve_unknown_choice_names_the_choices() -> None:
 def test_resolve_auto_without_cuda(monkeypatch) -> None:
     """auto (also None, ' Auto ') is off without CUDA, saying so."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    why = "auto: off (no CUDA device; fusion only pays with cuTENSOR on a GPU)"
+    why = "auto: off (no CUDA device; fusion is measured on GPUs only)"
     assert fd.resolve(None) == fd.resolve(" Auto ") == fd.resolve("auto") == (False, why)
 
 
-def test_resolve_auto_on_a_gpu(monkeypatch) -> None:
-    """Both fp16 and bf16 must pass the probe (first failure named); then the GPU must be measured faster."""
+def _gpu(monkeypatch, name: str, verdicts: dict) -> None:
+    monkeypatch.delenv("AMPLITE_CONTRACT_BACKEND", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200 NVL")
-    asked: list[tuple[Any, torch.dtype]] = []
-    verdicts = {torch.float16: cb.Probe(False, "fp16 bad"), torch.bfloat16: cb.Probe(False, "bf16 bad")}
-    monkeypatch.setattr(cb, "probe", lambda d, dt: asked.append((d, dt)) or verdicts[dt])
-    monkeypatch.setattr(fd, "MEASURED_FASTER", {"A100": "a.md", "H200": "bench/RESULTS-gpu.md"})
-    assert fd.resolve("auto") == (False, "auto: off (cuTENSOR unusable on NVIDIA H200 NVL: fp16 bad)")
-    assert asked == [("cuda", torch.float16), ("cuda", torch.bfloat16)]
-    verdicts[torch.float16] = cb.Probe(True)
-    assert fd.resolve("auto") == (False, "auto: off (cuTENSOR unusable on NVIDIA H200 NVL: bf16 bad)")
-    verdicts[torch.bfloat16] = cb.Probe(True)
-    assert fd.resolve("auto") == (True, "auto: on (measured faster on NVIDIA H200 NVL: bench/RESULTS-gpu.md)")
-    monkeypatch.setattr(fd, "MEASURED_FASTER", {"A100": "a.md"})
-    assert fd.resolve("auto") == (
-        False, "auto: off (no bench/gpu_suite.py measurement shows fusion faster on NVIDIA H200 NVL yet)"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    monkeypatch.setattr(cb, "probe", lambda d, dt=torch.float16: verdicts[dt])
+
+
+def test_resolve_auto_decides_per_device_backend_and_dtype(monkeypatch) -> None:
+    """The entry for (GPU, the backend that would run, dtype) decides, and the reason names it."""
+    from amplite.ops import fusion_measurements as fm
+
+    verdicts = {torch.float16: cb.Probe(True), torch.bfloat16: cb.Probe(False, "no bf16")}
+    _gpu(monkeypatch, "NVIDIA H200 NVL", verdicts)
+    table = (
+        fm.Measurement("H200", "cutensor", "float16", 1.31, "RESULTS-gpu.md run A"),
+        fm.Measurement("H200", "torch", "bfloat16", 0.97, "RESULTS-gpu.md run B"),
+        fm.Measurement("A100", "cutensor", "bfloat16", 1.5, "a100.md"),
+    )
+    monkeypatch.setattr(fm, "MEASUREMENTS", table)
+    assert fd.resolve("auto", torch.float16) == (
+        True, "auto: on (fusion measured faster for (NVIDIA H200 NVL, cutensor, float16): "
+        "unfused/fused 1.31 (RESULTS-gpu.md run A))",
     )  # fmt: skip
+    # bf16 has no cuTENSOR here: the fallback's own measurement (slower) decides.
+    assert fd.resolve("auto", torch.bfloat16) == (
+        False, "auto: off (fusion measured not faster for (NVIDIA H200 NVL, torch, bfloat16): "
+        "unfused/fused 0.97 (RESULTS-gpu.md run B))",
+    )  # fmt: skip
+    # dtype unknown (batch): both must be measured faster, the first refusal is named.
+    assert fd.resolve("auto")[0] is False and "torch, bfloat16" in fd.resolve("auto")[1]
+    verdicts[torch.bfloat16] = cb.Probe(True)  # now cuTENSOR for bf16 too: no entry for that triple
+    assert fd.resolve("auto", torch.bfloat16) == (
+        False,
+        "auto: off (no measurement for (NVIDIA H200 NVL, cutensor, bfloat16) in amplite/ops/fusion_measurements.py)",
+    )  # fmt: skip
+
+
+def test_resolve_auto_with_the_empty_table_is_off_saying_why(monkeypatch) -> None:
+    """The shipped table is empty (no GPU run measured fusion yet): auto is off with the reason."""
+    from amplite.ops import fusion_measurements as fm
+
+    assert fm.MEASUREMENTS == ()
+    _gpu(monkeypatch, "NVIDIA H100 80GB HBM3", {torch.float16: cb.Probe(True), torch.bfloat16: cb.Probe(True)})
+    assert fd.resolve("auto", torch.float16) == (
+        False,
+        "auto: off (no measurement for (NVIDIA H100 80GB HBM3, cutensor, float16) "
+        "in amplite/ops/fusion_measurements.py)",
+    )  # fmt: skip
+
+
+def test_resolve_auto_longest_device_match_wins(monkeypatch) -> None:
+    from amplite.ops import fusion_measurements as fm
+
+    _gpu(monkeypatch, "NVIDIA H100 PCIe", {torch.float16: cb.Probe(False, "x"), torch.bfloat16: cb.Probe(False, "x")})
+    monkeypatch.setattr(fm, "MEASUREMENTS", (
+        fm.Measurement("H100", "torch", "float16", 1.2, "sxm"),
+        fm.Measurement("H100 PCIe", "torch", "float16", 0.9, "pcie"),
+    ))  # fmt: skip
+    assert fd.resolve("auto", torch.float16)[0] is False and "(pcie)" in fd.resolve("auto", torch.float16)[1]
+
+
+def test_resolve_auto_forced_unusable_cutensor_is_off(monkeypatch) -> None:
+    """AMPLITE_CONTRACT_BACKEND=cutensor with cuTENSOR unusable: off with the reason, no crash."""
+    bad = cb.Probe(False, "no lib")
+    _gpu(monkeypatch, "NVIDIA H200", {torch.float16: bad, torch.bfloat16: bad})
+    monkeypatch.setenv("AMPLITE_CONTRACT_BACKEND", "cutensor")
+    on, why = fd.resolve("auto", torch.float16)
+    assert not on and why.startswith("auto: off (no usable contraction backend (") and "no lib" in why
 
 
 # --- counters, plan keys, devices, gradients and shape errors ------------------------------------------------

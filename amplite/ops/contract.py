@@ -24,9 +24,9 @@ Backends, chosen at run time per call (:func:`active_backend`):
 * ``"cutensor"``: CUDA tensors, with nvmath-python 1.x installed (``pip install amplite[cutensor]``) and
   cuTENSOR passing a real probe on that device and dtype (``cutensor_backend.probe``). Any failure, at
   the probe or on a later call, falls back to ``"torch"`` with the reason logged once.
-* ``"torch"``: ``torch.einsum`` on operands upcast to FP32 (fp64 stays fp64), then scaling and bias, then
-  one cast back. This is the reference semantics; on CUDA it costs the upcast and an FP32 GEMM, so it is
-  the correctness fallback, not the fast path.
+* ``"torch"``: one ``bmm``/``baddbmm`` on permute/reshape views of the operands in their own dtype
+  (:mod:`amplite.ops.gemm_lowering`): the GEMM accumulates in FP32, applies ``alpha``/``beta`` in FP32 and
+  rounds once, so it keeps the numerics above at the cost of the unfused graph's own GEMM, never more.
 
 ``AMPLITE_CONTRACT_BACKEND=cutensor|torch`` overrides the choice for CUDA tensors (``cutensor`` fails loudly,
 with the probe's reason, when cuTENSOR is unusable). CPU tensors always use ``"torch"``: cuTENSOR has no
@@ -42,9 +42,12 @@ from collections.abc import Sequence
 import torch
 
 from amplite.ops import cutensor_backend
+from amplite.ops.gemm_lowering import gemm_contract
 
 ENV_BACKEND = "AMPLITE_CONTRACT_BACKEND"
 BACKENDS = ("cutensor", "torch")
+#: How the ``torch`` backend computes, for the report's ``contract_backend`` line.
+FALLBACK = "bmm/baddbmm on the operands' dtype, FP32 accumulation"
 
 
 @functools.lru_cache(maxsize=1024)
@@ -137,9 +140,9 @@ def backend_description(device: torch.device | str) -> str:
     """
     device = torch.device(device)
     if device.type != "cuda":
-        return "torch.einsum on FP32-upcast operands (CPU)"
+        return f"torch: {FALLBACK} (CPU)"
     if os.environ.get(ENV_BACKEND, "").strip().lower() == "torch":
-        return f"torch.einsum on FP32-upcast operands (CUDA; {ENV_BACKEND}=torch)"
+        return f"torch: {FALLBACK} (CUDA; {ENV_BACKEND}=torch)"
     verdicts = {dt: cutensor_backend.probe(device, dt) for dt in (torch.float16, torch.bfloat16)}
     ok = [str(dt).removeprefix("torch.") for dt, v in verdicts.items() if v.ok]
     failed = {str(dt).removeprefix("torch."): v.reason for dt, v in verdicts.items() if not v.ok}
@@ -148,18 +151,25 @@ def backend_description(device: torch.device | str) -> str:
         return f"cutensor ({versions})"
     why = "; ".join(f"{k}: {r}" for k, r in failed.items())
     if ok:
-        return f"cutensor for {', '.join(ok)} ({versions}); torch.einsum fallback for {why}"
-    return f"torch.einsum on FP32-upcast operands (CUDA; cuTENSOR unusable: {why})"
+        return f"cutensor for {', '.join(ok)} ({versions}); torch fallback ({FALLBACK}) for {why}"
+    return f"torch: {FALLBACK} (CUDA; cuTENSOR unusable: {why})"
 
 
 def torch_contract(
     equation: str, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None, alpha: float, beta: float
 ) -> torch.Tensor:
-    """The ``torch.einsum`` backend (also the reference the tests compare against).
+    """The ``torch`` backend: one GEMM in the operands' dtype (:func:`gemm_lowering.gemm_contract`).
 
-    FP32 accumulation, scaling and bias, one rounding at the end, on every device: rounding the product
-    first (as a low-precision einsum would) can overflow where cuTENSOR, which scales in FP32, does not.
+    FP32 accumulation, scaling and bias inside the GEMM, one rounding at the end, on every device, with no
+    FP32 copy of the operands. Also the decomposition AOTInductor packages (``deploy/aoti.py``).
     """
+    return gemm_contract(equation, a, b, c, alpha, beta)
+
+
+def reference_contract(
+    equation: str, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None, alpha: float, beta: float
+) -> torch.Tensor:
+    """The semantics spelled out: ``torch.einsum`` on FP32-upcast operands, one cast back (tests, probes)."""
     dtype = a.dtype
     wide = torch.promote_types(dtype, torch.float32)  # fp16/bf16 -> fp32; fp64 stays fp64
     out = torch.einsum(equation, a.to(wide), b.to(wide))

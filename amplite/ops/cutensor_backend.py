@@ -6,11 +6,11 @@ nvmath-python is imported lazily, only when a CUDA tensor is contracted: CPU-onl
 broadcast bias) and compares it with ``torch.einsum``; the verdict is cached for the process. Any
 failure (nvmath-python missing or older than 1.0, ``nvmath.tensor`` absent, cuTENSOR too old for nvmath,
 a planning or execution error, a wrong result) makes :func:`probe` report the reason, which is logged
-once and shown in the report's ``contract_backend``; the op then uses the einsum backend.
+once and shown in the report's ``contract_backend``; the op then uses the ``torch`` GEMM backend.
 
 **Per-call fallback.** A problem cuTENSOR cannot express (:func:`canonicalize`), or any exception while
 planning or executing one (unsupported shape, stride or alignment), makes :func:`contract` return None
-so the caller falls back to ``torch.einsum``; the failure is logged once per reason and the problem's
+so the caller falls back to the ``torch`` GEMM backend; the failure is logged once per reason and the problem's
 key is remembered, so it is not planned again.
 
 **Plans.** Each distinct problem, keyed by (equation, shapes, strides, dtype, device, pointer alignments),
@@ -71,12 +71,12 @@ class Unavailable(RuntimeError):
 
 
 def warn_once(reason: str) -> None:
-    """Log ``reason`` (a fallback to the einsum backend) once per process."""
+    """Log ``reason`` (a fallback to the ``torch`` GEMM backend) once per process."""
     with _lock:
         if reason in _logged:
             return
         _logged.add(reason)
-    log.warning("amplite::contract falls back to torch.einsum: %s", reason)
+    log.warning("amplite::contract falls back to the torch GEMM: %s", reason)
 
 
 def nvmath_version() -> str:

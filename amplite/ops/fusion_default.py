@@ -1,16 +1,19 @@
 """What ``--fuse-contractions auto`` (the default) means: fuse only where a measurement showed it pays.
 
-Fusing contractions into ``amplite::contract`` is a speed decision, not an accuracy one: it pays only where
-the cuTENSOR backend runs and beats the permute+contiguous+bmm it replaces. ``auto`` therefore turns fusion
-on only when all of these hold, and off otherwise:
+Fusing contractions into ``amplite::contract`` is a speed decision, not an accuracy one. Whether it pays
+depends on the GPU, on the backend the op runs on there (cuTENSOR, or the ``torch`` GEMM fallback) and on
+the dtype, so ``auto`` looks that triple up in the measurement table
+(:data:`amplite.ops.fusion_measurements.MEASUREMENTS`, filled from ``bench/gpu_suite.py`` runs) and fuses
+only when the entry found says the fused models were faster. The reason, recorded in the report's
+``config.fuse_contractions_reason``, names the measurement that decided, or why none could:
 
-* the conversion runs where CUDA is available;
-* the cuTENSOR backend passes its probe there (``cutensor_backend.probe``, fp16 and bf16);
-* ``MEASURED_FASTER`` lists this GPU: a ``bench/gpu_suite.py`` run on it showed the fused models faster
-  than the unfused ones (the table in ``bench/RESULTS-gpu.md``).
+* no CUDA device (fusion is measured on GPUs only);
+* no entry for this (GPU, backend, dtype), e.g. an empty table;
+* an entry measuring fusion slower (unfused/fused ≤ 1).
 
-No GPU run exists yet, so ``MEASURED_FASTER`` is empty and ``auto`` means off everywhere. ``on`` / ``off``
-(or ``True`` / ``False`` from the Python API) force the choice.
+When the conversion's dtype is not known (``amplite batch`` resolves ``auto`` once for every manifest
+entry), fp16 and bf16 must both be measured faster. ``on`` / ``off`` (or ``True`` / ``False`` from the
+Python API) force the choice.
 """
 
 from __future__ import annotations
@@ -18,16 +21,51 @@ from __future__ import annotations
 import torch
 
 from amplite.errors import ConfigError
+from amplite.ops.fusion_measurements import Measurement
 
 CHOICES = ("auto", "on", "off")
-
-#: GPU names (``torch.cuda.get_device_name()`` substrings) on which bench/gpu_suite.py measured fusion with
-#: cuTENSOR faster than without, each with where the measurement is recorded. Data, filled from a GPU run.
-MEASURED_FASTER: dict[str, str] = {}
+LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def resolve(choice: bool | str | None) -> tuple[bool, str]:
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def lookup(device_name: str, backend: str, dtype: torch.dtype) -> Measurement | None:
+    """The table's entry for (GPU, backend, dtype); the longest matching device substring wins."""
+    from amplite.ops import fusion_measurements
+
+    found = [
+        m for m in fusion_measurements.MEASUREMENTS
+        if m.device in device_name and m.backend == backend and m.dtype == _dtype_name(dtype)
+    ]  # fmt: skip
+    return max(found, key=lambda m: len(m.device)) if found else None
+
+
+def _decide(name: str, dtype: torch.dtype) -> tuple[bool, str]:
+    from amplite.ops.contract import active_backend
+
+    try:
+        backend = active_backend("cuda", dtype)
+    except (RuntimeError, ValueError) as e:  # AMPLITE_CONTRACT_BACKEND=cutensor with cuTENSOR unusable, or bad
+        return False, f"no usable contraction backend ({e})"
+    m = lookup(name, backend, dtype)
+    triple = f"({name}, {backend}, {_dtype_name(dtype)})"
+    if m is None:
+        return False, f"no measurement for {triple} in amplite/ops/fusion_measurements.py"
+    verdict = "faster" if m.unfused_over_fused > 1.0 else "not faster"
+    return m.unfused_over_fused > 1.0, (
+        f"fusion measured {verdict} for {triple}: unfused/fused {m.unfused_over_fused:.2f} ({m.source})"
+    )
+
+
+def resolve(choice: bool | str | None, dtype: torch.dtype | None = None) -> tuple[bool, str]:
     """Whether to fuse for ``choice`` (``auto``/``on``/``off`` or a bool), and why, for the report.
+
+    Args:
+        choice: The user's choice; None means ``auto``.
+        dtype: The conversion's low-precision dtype; None (or a dtype the table cannot hold, FP8) asks
+            for fp16 and bf16 both to be measured faster.
 
     Raises:
         ConfigError: For a choice other than those .
@@ -43,14 +81,12 @@ def resolve(choice: bool | str | None) -> tuple[bool, str]:
     if value != "auto":
         return value == "on", f"{value} (requested)"
     if not torch.cuda.is_available():
-        return False, "auto: off (no CUDA device; fusion only pays with cuTENSOR on a GPU)"
+        return False, "auto: off (no CUDA device; fusion is measured on GPUs only)"
     name = torch.cuda.get_device_name()
-    from amplite.ops import cutensor_backend
-
-    bad = [v.reason for dt in (torch.float16, torch.bfloat16) if not (v := cutensor_backend.probe("cuda", dt)).ok]
-    if bad:
-        return False, f"auto: off (cuTENSOR unusable on {name}: {bad[0]})"
-    where = next((ref for key, ref in MEASURED_FASTER.items() if key in name), None)
-    if where is None:
-        return False, f"auto: off (no bench/gpu_suite.py measurement shows fusion faster on {name} yet)"
-    return True, f"auto: on (measured faster on {name}: {where})"
+    reasons = []
+    for dt in (dtype,) if dtype in LOW_DTYPES else LOW_DTYPES:
+        on, why = _decide(name, dt)
+        if not on:
+            return False, f"auto: off ({why})"
+        reasons.append(why)
+    return True, f"auto: on ({'; '.join(reasons)})"
