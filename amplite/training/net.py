@@ -178,8 +178,9 @@ class TrainingNet(nn.Module):
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
-        """The train-mode GraphModule most recently used."""
-        return self._variants[0].train
+        """The train-mode GraphModule most recently used (whole, also when it runs in checkpointed parts)."""
+        variant = self._variants[0]
+        return variant.flat if variant.flat is not None else variant.train
 
     @property
     def eval_graph(self) -> torch.fx.GraphModule:

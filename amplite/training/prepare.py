@@ -66,7 +66,7 @@ def prepare_training(
 
     Raises:
         AmpliteError: An untraceable train-mode forward (naming the op and source line), an optimizer
-            over parameters that are not the model's, gradient checkpointing, or a bad option.
+            over parameters that are not the model's, or a bad option.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"prepare_training needs an nn.Module, got {type(model).__name__}", "pass the FP32 model")
