@@ -99,14 +99,17 @@ def _worker(rank: int, port: int, out: str) -> None:
         for h in hooks:
             h.remove()
         full = {n: p.full_tensor() for n, p in model.named_parameters()}
+        net.eval()
+        with torch.no_grad():
+            evaluated = net(xs[0])  # the eval graph, split per unit the same way
         errors = {
             "after": _error(lambda: _after_order(xs[0][mine])),
             "O2": _error(lambda: _prepare(_shard(_Model()), xs[0][mine], "O2")),
             "param_dtype": _error(lambda: _prepare(
                 _shard(_Model(), mp_policy=fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)), xs[0][mine], "O1")),
         }  # fmt: skip
-        torch.save({"losses": losses, "full": full, "shards": shard_shapes, "ops": ops.seen, "calls": calls,
-                    "errors": errors},
+        torch.save({"losses": losses, "full": full, "eval": evaluated, "shards": shard_shapes, "ops": ops.seen,
+                    "calls": calls, "errors": errors},
                    f"{out}/rank{rank}.pt")  # fmt: skip
     finally:
         dist.destroy_process_group()
@@ -166,6 +169,9 @@ def test_fsdp2_losses_equal_one_process_on_the_concatenated_batch(ranks):
     for name, p in model.named_parameters():
         assert torch.equal(a["full"][name], b["full"][name])
         torch.testing.assert_close(a["full"][name], p.detach(), rtol=0, atol=2e-3)
+    net.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(a["eval"], net(xs[0]), rtol=0.02, atol=0.02)  # bf16 logits, weights within 2e-3
 
 
 def test_fsdp2_masters_are_sharded_gathered_per_block_and_the_plan_applies(ranks):

@@ -150,12 +150,13 @@ def unit_graph(gm: torch.fx.GraphModule, units: dict[str, nn.Module]) -> torch.f
     """``gm`` split so that each non-root unit's nodes run in :class:`InUnit`; parameters are read inside."""
     paths = [p for p in units if p]
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    index = {n: i for i, n in enumerate(nodes)}
     owner: dict[torch.fx.Node, str | None] = {}
     for node in reversed(nodes):  # nodes amplite added (casts) go with their first user
         unit = _unit_of(node, paths)
         if unit is None and node.meta.get("nn_module_stack") is None:
             users = [u for u in node.users if u in owner]
-            unit = owner[min(users, key=nodes.index)] if users else None
+            unit = owner[min(users, key=index.__getitem__)] if users else None
         owner[node] = unit
     parts, part, last = {}, -1, object()
     for node in nodes:
@@ -173,7 +174,8 @@ def unit_graph(gm: torch.fx.GraphModule, units: dict[str, nn.Module]) -> torch.f
             sub = getattr(split, call.target)
             _read_inside(split, call, sub)
             setattr(split, call.target, InUnit(sub, units[unit]))
-    split.graph.eliminate_dead_code()
+    for node in [n for n in split.graph.nodes if n.op == "get_attr" and not n.users]:
+        split.graph.erase_node(node)  # now read inside the parts (no general DCE: a part may only mutate)
     split.recompile()
     return split
 
