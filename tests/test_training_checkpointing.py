@@ -116,9 +116,9 @@ def test_checkpointing_saves_less_for_backward():
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             net(x).sum().backward()
         saved[mode] = sum(storages.values())
-    # kept: the regions' inputs and outputs (8 tensors of 64x32, measured 48 KiB of 198 KiB); recomputed: the
-    # 64x128 activations inside the blocks
-    assert 0 < saved["non-reentrant"] < 0.3 * saved[None], saved
+    # kept: the regions' bf16 inputs and the head's (measured 24 KiB of 198 KiB; 48 KiB while an FP32 copy of
+    # each input, cast outside the region, was kept as well); recomputed: the 64x128 activations in the blocks
+    assert 0 < saved["non-reentrant"] < 0.15 * saved[None], saved
 
 
 def test_fsdp_checkpoint_wrapper():

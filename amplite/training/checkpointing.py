@@ -115,6 +115,18 @@ def _partitions(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
     for k, (lo, hi) in spans.items():
         for i in range(lo, hi + 1):
             owner.setdefault(i, k)  # overlapping spans (reordered by a pass): the earlier region keeps it
+    index = {n: i for i, n in enumerate(nodes)}
+    for k, (lo, _) in sorted(spans.items(), key=lambda item: item[1][0]):
+        # untagged nodes right before a region that only it uses (a cast amplite put on the region's input) join
+        # it: the region then saves the value before the cast, not a second, often FP32, copy of it
+        i = lo - 1
+        while i >= 0 and i not in owner and nodes[i].meta.get(KEY) is None:
+            node = nodes[i]
+            if node.op in ("call_function", "call_method", "call_module"):
+                if not node.users or any(owner.get(index[u]) != k for u in node.users):
+                    break
+                owner[i] = k
+            i -= 1
     parts: dict[torch.fx.Node, int] = {}
     part, last = -1, object()
     for i, node in enumerate(nodes):
