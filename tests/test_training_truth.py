@@ -1,6 +1,6 @@
 """prepare_training is never silently wrong: input checks on every graph, the user's model as the source of
 truth at O2 (freeze, unfreeze, load_state_dict), clipping over net.parameters(), FP32 accumulation with a
-plain loss.backward(), gradient checkpointing refused, step-time input errors as AmpliteErrors."""
+plain loss.backward(), step-time input errors as AmpliteErrors."""
 
 from __future__ import annotations
 
@@ -142,12 +142,6 @@ def test_plain_backward_accumulates_micro_batches_in_fp32_masters():
     for g, p in zip(once, model.parameters(), strict=True):
         assert p.grad.dtype == torch.float32
         assert torch.equal(p.grad, 8 * g)  # FP32 sums of identical terms are exact; bf16 would round
-
-
-def test_gradient_checkpointing_is_refused_with_the_fix():
-    model = _Mlp(ckpt=True)
-    with pytest.raises(ConfigError, match=r"gradient checkpointing.*gradient_checkpointing_disable"):
-        _prep(model)
 
 
 def test_state_dict_of_net_is_the_model_checkpoint_and_loads_back(tmp_path):

@@ -104,12 +104,7 @@ class AmplitePrecision(Precision):
                 f"AmplitePrecision trains with one optimizer, configure_optimizers returned {len(optimizers)}",
                 "return one optimizer (param groups can hold different learning rates)",
             )
-        if trainer.world_size > 1:
-            raise ConfigError(
-                "AmplitePrecision supports one process for now: its lazy trace under a multi-process "
-                "strategy's model wrapper is untested",
-                "train on one device, or use amplite.prepare_training with DDP(net) directly",
-            )
+        _refuse_sharded(trainer)
         opt = optimizers[0]
         return getattr(opt, "_optimizer", opt)  # a LightningOptimizer wraps the user's optimizer
 
@@ -174,3 +169,15 @@ class AmplitePrecision(Precision):
         """The converted :class:`~amplite.training.TrainingNet` (None before the first batch); ``net.info``
         holds the plan and the report facts."""
         return self.amp.net
+
+
+def _refuse_sharded(trainer: Any) -> None:
+    """DDP-style strategies train through the converted forward (the model DDP wraps calls it); a strategy
+    that shards or re-wraps the parameters (FSDP, DeepSpeed) would hand the graph parameters it never read."""
+    name = type(getattr(trainer, "strategy", None)).__name__
+    if "FSDP" in name or "DeepSpeed" in name:
+        raise ConfigError(
+            f"AmplitePrecision does not run under Lightning's {name}: it shards the parameters the converted "
+            "graph reads",
+            "use strategy='ddp' (or 'ddp_spawn') with AmplitePrecision, or Lightning's own precision with FSDP",
+        )

@@ -15,7 +15,8 @@ scaling) instead of autocast: the Trainer runs on a copy of the arguments with a
   copies).
 
 The model itself keeps the FP32 master weights, so ``save_model``/``save_pretrained`` write the FP32 checkpoint
-that ``from_pretrained`` loads. One process only for now (see docs/training.md).
+that ``from_pretrained`` loads. Multi-process DDP (``torchrun``, ``accelerate launch``) trains through the
+converted forward of the model DDP wraps; FSDP and DeepSpeed are refused (see docs/training.md).
 """
 
 from __future__ import annotations
@@ -188,12 +189,7 @@ class AmpliteTrainer(transformers.Trainer):
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not amp.ready:
-                if self.accelerator.num_processes > 1:
-                    raise ConfigError(
-                        "AmpliteTrainer supports one process for now: its lazy trace under Accelerate's "
-                        "multi-process model wrapper is untested",
-                        "train on one device, or use amplite.prepare_training with DDP(net) directly",
-                    )
+                _refuse_sharded(self.accelerator)
                 with original_forward(target):
                     amp.prepare(target, opt.inner, args, kwargs)
             return amp.forward(target, *args, **kwargs)
@@ -242,6 +238,19 @@ class AmpliteTrainer(transformers.Trainer):
         """The converted :class:`~amplite.training.TrainingNet` (None before the first batch)."""
         opt = self._amplite()
         return opt.amp.net if opt is not None else None
+
+
+def _refuse_sharded(accelerator: Any) -> None:
+    """Under DDP the model the Trainer calls is ``DDP(model)``, whose forward reaches the converted one (so the
+    reducer sees every gradient); FSDP and DeepSpeed shard the parameters the converted graph reads."""
+    kind = str(getattr(accelerator, "distributed_type", "")).upper()
+    if "FSDP" in kind or "DEEPSPEED" in kind:
+        raise ConfigError(
+            f"AmpliteTrainer does not run under {kind.split('.')[-1]}: it shards the parameters the converted graph "
+            "reads",
+            "train with DDP (torchrun / accelerate launch without an FSDP or DeepSpeed config), or with the "
+            "Trainer's own bf16=True under FSDP",
+        )
 
 
 __all__ = ["AmpliteOptimizer", "AmpliteTrainer"]

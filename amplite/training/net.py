@@ -23,6 +23,8 @@ import torch.fx
 from torch import nn
 
 from amplite.errors import ConfigError, InputSpecError
+from amplite.training.distributed import ORDER as FSDP_ORDER
+from amplite.training.distributed import fsdp_units, run_in_root
 
 _aten = torch.ops.aten
 #: Ops whose last positional argument is ``train`` (a bool): dropout flavours in the training IR.
@@ -115,9 +117,14 @@ class TrainingNet(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the train graph in train mode and the eval graph in eval mode (of the graph for this batch)."""
-        self._check_model()
+        sharded = self.info.get("fsdp_units")  # FSDP swaps sharded/unsharded parameter objects by design
+        if not sharded:
+            self._check_model()
         variant = self._select(args, kwargs)
-        return (variant.train if self.training else variant.eval)(*args, **kwargs)
+        graph = variant.train if self.training else variant.eval
+        if sharded:  # the root's own __call__ runs FSDP's root hooks around the graph
+            return run_in_root(self.model, graph, args, kwargs)
+        return graph(*args, **kwargs)
 
     def _select(self, args: tuple, kwargs: dict) -> Any:
         reasons = []
@@ -162,6 +169,9 @@ class TrainingNet(nn.Module):
             now = mod._parameters.get(attr)
             if now is not p or now.dtype != dtype:
                 name = next((n for n, q in self.model.named_parameters() if q is now), attr)
+                if fsdp_units(self.model):
+                    raise ConfigError(f"fully_shard was applied after prepare_training (parameter {name!r} is now "
+                                      "a shard)", f"apply it first: {FSDP_ORDER}")  # fmt: skip
                 raise ConfigError(
                     f"the model's parameter {name!r} was replaced or changed dtype after prepare_training: the "
                     "graphs read the parameter objects they were prepared with",
@@ -178,8 +188,9 @@ class TrainingNet(nn.Module):
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
-        """The train-mode GraphModule most recently used."""
-        return self._variants[0].train
+        """The train-mode GraphModule most recently used (whole, also when it runs in checkpointed parts)."""
+        variant = self._variants[0]
+        return variant.flat if variant.flat is not None else variant.train
 
     @property
     def eval_graph(self) -> torch.fx.GraphModule:

@@ -20,6 +20,7 @@ from amplite.converter.inputs import normalize_inputs
 from amplite.errors import ConfigError, InputSpecError
 from amplite.levels import resolve_level
 from amplite.policy import Level, Override, PrecisionPolicy, make_overrides
+from amplite.training.distributed import check_fsdp, unit_graph, unsharded
 from amplite.training.lowcast import LowCopies
 from amplite.training.net import TrainingNet
 from amplite.training.optim import MixedPrecisionOptimizer, check_optimizer, warn_o3
@@ -66,7 +67,7 @@ def prepare_training(
 
     Raises:
         AmpliteError: An untraceable train-mode forward (naming the op and source line), an optimizer
-            over parameters that are not the model's, gradient checkpointing, or a bad option.
+            over parameters that are not the model's, or a bad option.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"prepare_training needs an nn.Module, got {type(model).__name__}", "pass the FP32 model")
@@ -82,7 +83,8 @@ def prepare_training(
     if inputs is None:
         raise InputSpecError("no example inputs: the model needs a batch to be traced", "pass one batch of inputs")
     copies = LowCopies(policy.low_dtype)
-    tracer = functools.partial(_trace, model, policy, lvl, copies)
+    units = check_fsdp(model, precision, lvl)  # fully_shard-ed: traced unsharded, run per unit
+    tracer = functools.partial(_trace, model, policy, lvl, copies, units)
     first = tracer(inputs, initial_dynamic(inputs, model, dynamic_batch, dict(dynamic_dims or {})))
     if lvl is Level.O3:
         warn_o3()
@@ -90,6 +92,7 @@ def prepare_training(
         "precision": precision,
         "level": lvl.value,
         "masters": "none (rounded to the low dtype after each step)" if lvl is Level.O3 else "fp32",
+        "fsdp_units": len(units),
     }
     net = TrainingNet(model, first, tracer, info, max_graphs=max_graphs)
     net.train(model.training)
@@ -97,8 +100,18 @@ def prepare_training(
     return net, opt
 
 
-def _trace(model: nn.Module, policy: PrecisionPolicy, level: Level, copies: LowCopies, inputs: Any, dynamic: Any):
-    return trace_variant(model, inputs, policy, level, dynamic, copies)
+def _trace(model: nn.Module, policy: PrecisionPolicy, level: Level, copies: LowCopies, units: dict[str, nn.Module],
+           inputs: Any, dynamic: Any):  # fmt: skip
+    if not units:
+        return trace_variant(model, inputs, policy, level, dynamic, copies)
+    with unsharded(model, units):
+        variant = trace_variant(model, inputs, policy, level, dynamic, copies)
+    if variant.info["checkpointed_regions"]:
+        raise ConfigError("activation checkpointing inside fully_shard-ed layers is not supported by amplite yet",
+                          "turn checkpointing off under fully_shard, or use DDP with checkpointing")  # fmt: skip
+    variant.flat = variant.flat or variant.train
+    variant.train, variant.eval = unit_graph(variant.flat, units), unit_graph(variant.eval, units)
+    return variant
 
 
 __all__ = ["MixedPrecisionOptimizer", "TrainingNet", "prepare_training"]

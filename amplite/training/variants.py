@@ -35,6 +35,7 @@ from amplite.converter.tracing import summarize_exception
 from amplite.errors import ConfigError, ExportError
 from amplite.passes.range_guard import RangeRules
 from amplite.policy import Level, PrecisionPolicy
+from amplite.training.checkpointing import checkpoint_graph, mark_regions
 from amplite.training.lowcast import LowCopies, read_user_tensors
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -53,6 +54,7 @@ class Variant:
     range_constraints: dict[Any, Any]
     dynamic: DynamicSet  # what was asked to be dynamic
     info: dict[str, Any] = field(default_factory=dict)
+    flat: torch.fx.GraphModule | None = None  # the whole train graph when ``train`` runs it in checkpointed parts
 
     def flatten(self, args: tuple, kwargs: dict) -> list[tuple[Any, Any]] | None:
         """The inputs flattened in the program's order, or None when their structure differs."""
@@ -144,27 +146,13 @@ def _dynamic_shapes(model: nn.Module, inputs: Inputs, dynamic: DynamicSet) -> An
 
 
 @contextlib.contextmanager
-def tracing_context(model: nn.Module) -> Iterator[dict[str, bool]]:
-    """Train mode, grad on, the class's own ``forward``, no KV cache; report gradient checkpointing.
+def tracing_context(model: nn.Module) -> Iterator[dict[str, int]]:
+    """Train mode, grad on, the class's own ``forward``, no KV cache; checkpointed calls tagged.
 
     Yields:
-        ``{"checkpoint": bool}``, set when the forward called ``torch.utils.checkpoint``.
+        ``{"regions": n}``: how many outermost ``torch.utils.checkpoint`` calls the forward made (their
+        nodes are tagged for :func:`~amplite.training.checkpointing.checkpoint_graph`).
     """
-    import torch.utils.checkpoint as ckpt
-
-    seen = {"checkpoint": False}
-    real_fn, real_gen = ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator
-
-    class _Spy:
-        @staticmethod
-        def apply(*args: Any) -> Any:
-            seen["checkpoint"] = True
-            return real_fn.apply(*args)
-
-    def spy_gen(*args: Any, **kwargs: Any) -> Any:
-        seen["checkpoint"] = True
-        return real_gen(*args, **kwargs)
-
     modes = [(m, m.training) for m in model.modules()]
     patched = model.__dict__.pop("forward", None)  # an integration's patched forward: trace the real one
     config = getattr(model, "config", None)
@@ -173,11 +161,9 @@ def tracing_context(model: nn.Module) -> Iterator[dict[str, bool]]:
         model.train()
         if cache is True:
             config.use_cache = False
-        ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = _Spy, spy_gen  # type: ignore[misc]
-        with torch.inference_mode(False), torch.enable_grad():
+        with mark_regions() as seen, torch.inference_mode(False), torch.enable_grad():
             yield seen
     finally:
-        ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = real_fn, real_gen  # type: ignore[misc]
         if cache is True:
             config.use_cache = True
         if patched is not None:
@@ -189,16 +175,6 @@ def tracing_context(model: nn.Module) -> Iterator[dict[str, bool]]:
             "amplite traces the model for training with use_cache=False (config.use_cache is True): a KV cache "
             "is for generation, training keeps none; the model's config is unchanged",
             stacklevel=4,
-        )
-
-
-def _gradient_checkpointing(model: nn.Module, seen: bool) -> None:
-    if seen or getattr(model, "is_gradient_checkpointing", False):
-        raise ConfigError(
-            "the model uses gradient checkpointing (torch.utils.checkpoint): amplite's traced graph would keep "
-            "every activation instead of recomputing it, silently using the memory checkpointing saves",
-            "turn it off for amplite (model.gradient_checkpointing_disable(), or call the blocks directly), "
-            "or train that model with torch.autocast",
         )
 
 
@@ -251,15 +227,14 @@ def trace_variant(
     """Export ``model`` in train mode on ``inputs``, run amplite's passes, read the user's tensors.
 
     Raises:
-        AmpliteError: Inputs that do not fit ``forward``, an untraceable forward, gradient checkpointing.
+        AmpliteError: Inputs that do not fit ``forward``, an untraceable forward.
     """
     from amplite.training.net import to_eval_graph
 
     bind_inputs(model, inputs)
-    with tracing_context(model) as seen:
+    with tracing_context(model):
         shapes = _dynamic_shapes(model, inputs, dynamic) if dynamic else None
         program = _export(model, inputs, shapes)
-        _gradient_checkpointing(model, seen["checkpoint"])
     user_inputs = {s.arg.name for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"}
     holders = [types.SimpleNamespace(meta={"val": n.meta.get("val")})
                for n in program.graph.nodes if n.op == "placeholder" and n.name in user_inputs]  # fmt: skip
@@ -271,13 +246,17 @@ def trace_variant(
         gm, records, plan = done.module, done.records, done.plan
     low = read_user_tensors(gm, model, copies)
     eval_gm, counters = to_eval_graph(gm)
+    runner, regions = checkpoint_graph(gm)  # checkpointed regions recompute in backward (eval needs none)
     info = {
         "low_copies": low,
         "records": records,
         "plan": plan,
         "mode_switch": counters,
+        "checkpointed_regions": regions,
         # facts of the FP32 program for reports; the program itself is not kept (its graph holds memory)
         "graph_before": graph_stats(program.graph, policy.low_dtype),
         "weight_bytes_before": weight_bytes(program),
     }
-    return Variant(gm, eval_gm, program.call_spec.in_spec, holders, dict(program.range_constraints), dynamic, info)
+    return Variant(
+        runner, eval_gm, program.call_spec.in_spec, holders, dict(program.range_constraints), dynamic, info, flat=gm
+    )
