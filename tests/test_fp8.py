@@ -299,3 +299,24 @@ def test_export_keeps_the_op_as_one_node() -> None:
 
     ep = torch.export.export(M(), (torch.randn(2, 3, 40).bfloat16(),))
     assert [str(n.target) for n in ep.graph.nodes if n.op == "call_function"] == [FP8_OP]
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mid = nn.Embedding(50, 32), nn.Linear(32, 32)
+        self.head = nn.Linear(32, 50, bias=False)
+        self.head.weight = self.emb.weight  # the LM head reads the embedding's tensor
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mid(self.emb(ids))))
+
+
+def test_a_weight_shared_with_an_embedding_stays_low_once() -> None:
+    torch.manual_seed(0)
+    r = amplite.convert(Tied().eval(), (torch.randint(0, 50, (2, 6)),), precision="fp8")
+    by_module = {e["module"]: e for e in plan(r).values() if e["op"] in (FP8_OP, "linear.default")}
+    assert by_module["mid"]["dtype"] == "float8_e4m3fn"
+    assert (by_module["head"]["dtype"], by_module["head"]["reason"]) == ("bfloat16", "fp8-kept:shared-weight")
+    fp8_bytes = [t.nbytes for t in r.program.state_dict.values() if t.dtype == FP8_DTYPE]
+    assert fp8_bytes == [32 * 32]  # no e4m3 copy of the 50x32 embedding beside its bf16 one

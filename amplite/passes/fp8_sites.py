@@ -2,12 +2,13 @@
 
 Nothing here decides: :meth:`amplite.policy.PrecisionPolicy.for_fp8` does, from two strings this module
 reads off the graph — why the op has no FP8 kernel (no stored 2-D weight operand, an op ``_scaled_mm``
-cannot compute), and whether the calibrated activation range would overflow e4m3 after scaling — and
+cannot compute, a weight shared with a reader that stays in another dtype), and whether the calibrated activation range would overflow e4m3 after scaling — and
 the :class:`~amplite.passes.meta.Fp8Site` the ``fp8_matmul`` pass rewrites the node from.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 
 import torch.fx
@@ -29,6 +30,23 @@ def stored_weight(node: object) -> torch.fx.Node | None:
     while isinstance(node, torch.fx.Node) and cast_dtype(node) is not None:
         node = node.args[0]
     return node if isinstance(node, torch.fx.Node) and node.op == "get_attr" else None
+
+
+def _shared(w: torch.fx.Node) -> bool:
+    """Whether the tensor ``w`` reads is also read by something that cannot run in FP8 (an embedding tied to
+    the LM head): an e4m3 copy would add its bytes beside the one kept for that reader."""
+    gm = w.graph.owning_module
+    if gm is None:
+        return False
+    tensor = operator.attrgetter(str(w.target))(gm)
+    for reader in w.graph.find_nodes(op="get_attr"):
+        if reader is not w and operator.attrgetter(str(reader.target))(gm) is not tensor:
+            continue
+        for user in reader.users:
+            spec = op_tables.FP8_WEIGHT_OPS.get(op_tables.op_name(user.target) or "")
+            if spec is None or len(user.args) <= spec[1] or stored_weight(user.args[spec[1]]) is not reader:
+                return True
+    return False
 
 
 def fp8_fact(
@@ -56,6 +74,8 @@ def fp8_fact(
     xv, wv = fake_value(x), fake_value(w)
     if w is None or not isinstance(wv, torch.Tensor) or wv.dim() != 2 or not wv.dtype.is_floating_point:
         return "no-weight-operand", "", None
+    if _shared(w):
+        return "shared-weight", "", None
     if not isinstance(xv, torch.Tensor) or xv.dim() < 1 or not xv.dtype.is_floating_point:
         return "no-float-activation", "", None
     if op == "addmm.default" and (not isinstance(fake_value(node.args[0]), torch.Tensor)
