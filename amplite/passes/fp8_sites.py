@@ -2,8 +2,9 @@
 
 Nothing here decides: :meth:`amplite.policy.PrecisionPolicy.for_fp8` does, from two strings this module
 reads off the graph — why the op has no FP8 kernel (no stored 2-D weight operand, an op ``_scaled_mm``
-cannot compute, a weight shared with a reader that stays in another dtype), and whether the calibrated activation range would overflow e4m3 after scaling — and
-the :class:`~amplite.passes.meta.Fp8Site` the ``fp8_matmul`` pass rewrites the node from.
+cannot compute, a weight shared with a reader that stays in another dtype), and whether the calibrated
+activation range would overflow e4m3 after scaling — and the :class:`~amplite.passes.meta.Fp8Site` the
+``fp8_matmul`` pass rewrites the node from.
 """
 
 from __future__ import annotations
