@@ -77,7 +77,7 @@ def scaled_mm_2d(
         if np_ != n:
             sb[:, n:] = 1.0
     a = _pad(xq, mp, kp)
-    b = _pad(wq, np_, kp).t()  # [K, N] column-major, as the kernel wants its second operand
+    b = _pad(wq.contiguous(), np_, kp).t()  # [K, N] column-major, as the kernel wants its second operand
     bias_p = None if bias is None else _pad(bias.to(out_dtype).reshape(1, -1), 1, np_).reshape(-1)
     out = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=bias_p, out_dtype=out_dtype)
     return out[:m, :n] if (mp, np_) != (m, n) else out
