@@ -320,3 +320,14 @@ def test_a_weight_shared_with_an_embedding_stays_low_once() -> None:
     assert (by_module["head"]["dtype"], by_module["head"]["reason"]) == ("bfloat16", "fp8-kept:shared-weight")
     fp8_bytes = [t.nbytes for t in r.program.state_dict.values() if t.dtype == FP8_DTYPE]
     assert fp8_bytes == [32 * 32]  # no e4m3 copy of the 50x32 embedding beside its bf16 one
+
+
+def test_a_batch_manifest_takes_fp8_with_its_default_level(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from amplite.batch.manifest import parse_manifest
+
+    monkeypatch.delenv("AMPLITE_LEVEL", raising=False)
+    p = tmp_path / "jobs.toml"
+    p.write_text('[[model]]\npath = "m.pt2"\nprecision = "fp8"\n\n[[model]]\nname = "b"\npath = "m.pt2"\n'
+                 'precision = "fp8"\nlevel = "O3"\n')  # fmt: skip
+    a, b = parse_manifest(p)
+    assert (a.precision, a.level, b.level) == ("fp8", "O2", "O3")
