@@ -66,7 +66,8 @@ class Fp8Matmul:
         nodes = [n for n in gm.graph.nodes if n.op == "call_function" and FP8_KEY in n.meta]
         for n in gm.graph.nodes:
             plan = n.meta.get(PRECISION_KEY)
-            if n not in nodes and plan and plan["mode"] == "low" and op_tables.op_name(n.target) in _COMPUTE_BOUND:
+            low = plan is not None and plan["mode"] == "low"
+            if FP8_KEY not in n.meta and low and op_tables.op_name(n.target) in _COMPUTE_BOUND:
                 counters[f"kept_low:{plan['reason'].split(' ')[0]}"] += 1
         if not nodes:
             return PassResult(gm, False, counters)
