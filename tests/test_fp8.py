@@ -7,6 +7,7 @@ rounding), so one layer lands near 27 dB and these 3-4 layer models above the de
 
 from __future__ import annotations
 
+import importlib
 import math
 import subprocess
 import sys
@@ -331,3 +332,23 @@ def test_a_batch_manifest_takes_fp8_with_its_default_level(tmp_path: Path, monke
                  'precision = "fp8"\nlevel = "O3"\n')  # fmt: skip
     a, b = parse_manifest(p)
     assert (a.precision, a.level, b.level) == ("fp8", "O2", "O3")
+
+
+def test_without_a_scaled_mm_kernel_the_reference_path_computes_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = importlib.import_module("amplite.ops.fp8_linear")  # the package exports the op under the module's name
+    torch.manual_seed(0)
+    x, w = torch.randn(6, 40).bfloat16(), torch.randn(24, 40)
+    q, s = quantize_weight(w)
+    xs = x.float().abs().amax() / E4M3_MAX
+    fast = torch.ops.amplite.fp8_linear(x, q, s.reshape(-1), xs, None)
+
+    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("no FP8 GEMM on this device")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    mod._kernel_ok.cache_clear()
+    try:
+        slow = torch.ops.amplite.fp8_linear(x, q, s.reshape(-1), xs, None)
+    finally:
+        mod._kernel_ok.cache_clear()
+    assert torch.allclose(slow.float(), fast.float(), rtol=2**-7, atol=1e-3)
