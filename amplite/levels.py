@@ -66,8 +66,9 @@ def precision_name(dtype: torch.dtype) -> str:
     return _NAMES[precision_dtype(dtype)]
 
 
-def resolve_level(level: str | Level | None) -> Level:
-    """Resolve the level: explicit argument > ``AMPLITE_LEVEL`` > O1.
+def resolve_level(level: str | Level | None, precision: str | torch.dtype | None = None) -> Level:
+    """Resolve the level: explicit argument > ``AMPLITE_LEVEL`` > O1 (O2 for ``precision="fp8"``, whose
+    weights are stored in e4m3 as O2 stores them low).
 
     Raises:
         ConfigError: If the level (from either source) is not O0-O3.
@@ -77,7 +78,8 @@ def resolve_level(level: str | Level | None) -> Level:
         level = os.environ.get(LEVEL_ENV) or None
         source = LEVEL_ENV
     if level is None:
-        return Level.O1
+        fp8 = isinstance(precision, str) and precision.strip().lower() == FP8
+        return Level.O2 if fp8 else Level.O1
     if isinstance(level, Level):
         return level
     text = str(level).strip().upper()

@@ -265,6 +265,18 @@ def resolve(entry: str) -> torch._ops.OpOverload | None:
         return None
 
 
+#: Matrix products ``--precision fp8`` runs as ``amplite::fp8_linear`` when their weight operand is a stored
+#: 2-D tensor: ``(activation position, weight position, weight layout)``; ``nk``: ``[out, in]`` as
+#: ``nn.Linear`` stores it, ``kn``: ``[in, out]`` (``x @ W``, GPT-2's ``Conv1D`` via ``addmm``). Every other
+#: compute-bound op stays in the low dtype under FP8 (no e4m3 kernel for it: convolutions, batched products).
+FP8_WEIGHT_OPS: dict[str, tuple[int, int, str]] = {
+    "linear.default": (0, 1, "nk"),
+    "matmul.default": (0, 1, "kn"),
+    "mm.default": (0, 1, "kn"),
+    "addmm.default": (1, 2, "kn"),
+}
+
+
 def op_name(target: object) -> str | None:
     """The table key ('softmax.int') for an ATen overload, or None for other callables."""
     if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":

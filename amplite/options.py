@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 
 from amplite.errors import ConfigError
-from amplite.levels import Level, precision_dtype, precision_name
+from amplite.levels import Level, precision_name, split_precision
 from amplite.passes.range_guard import RangeRules
 from amplite.policy import Override
 from amplite.spec import ConvertSpec
@@ -86,8 +86,9 @@ class ConvertOptions:
     """A conversion's options as the user gives them (names, strings, patterns), before resolution.
 
     Attributes:
-        precision: ``fp16`` or ``bf16`` (or the dtype); None: fp16, except that ``check`` of a converted file
-            reads the file's own.
+        precision: ``fp16``, ``bf16`` or ``fp8`` (or the dtype); None: fp16, except that ``check`` of a converted
+            file reads the file's own. ``fp8``: matrix products with a stored weight in ``float8_e4m3fn``, the
+            rest bf16; default level O2 (docs/fp8.md).
         level: ``O0``-``O3``; None reads ``AMPLITE_LEVEL``, else O1.
         keep_fp32: Patterns to keep in FP32 (``op:``, ``module:``, ``node:`` or unprefixed), or
             :class:`~amplite.policy.Override` rules carrying their own source (the budget search's pins).
@@ -119,8 +120,8 @@ class ConvertOptions:
     """
 
     precision: str | torch.dtype | None = _opt(
-        None, "fp16 or bf16 (default fp16; check --converted: the file's own).", "--precision", "-p",
-        cli_type=str | None, kind="string", manifest="fp16 or bf16", paths=_BOTH,
+        None, "fp16, bf16 or fp8 (default fp16; check --converted: the file's own).", "--precision", "-p",
+        cli_type=str | None, kind="string", manifest="fp16, bf16 or fp8", paths=_BOTH,
     )
     level: str | Level | None = _opt(
         None, "O0-O3 (default: $AMPLITE_LEVEL, else O1).", "--level", "-l",
@@ -250,7 +251,7 @@ class ConvertOptions:
             low_precision_io=self.low_precision_io, dynamic_batch=self.dynamic_batch, dynamic_dims=self.dynamic_dims,
             fuse_contractions=self.fuse_contractions, range_rules=self.range_rules, data_max=self.data_max,
             max_reduction_depth=self.max_reduction_depth, range_percentile=self.range_percentile,
-            fold_batchnorm=self.fold_batchnorm, gpu_profile=self.gpu_profile,
+            fold_batchnorm=self.fold_batchnorm, gpu_profile=self.gpu_profile, calibrated=self.calibration is not None,
         )  # fmt: skip
 
     def loading(self) -> Loading:
@@ -266,8 +267,11 @@ class ConvertOptions:
 
     @property
     def precision_name(self) -> str:
-        """``fp16`` or ``bf16`` (``ConfigError`` for anything else)."""
-        return precision_name(precision_dtype(self.precision)) if self.precision is not None else "fp16"
+        """``fp16``, ``bf16`` or ``fp8`` (``ConfigError`` for anything else)."""
+        if self.precision is None:
+            return "fp16"
+        low, fp8 = split_precision(self.precision)
+        return "fp8" if fp8 else precision_name(low)
 
     def for_reference(self) -> ConvertOptions:
         """The options of the FP32 reference export: this model read and traced the same way, converted to

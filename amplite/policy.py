@@ -90,6 +90,8 @@ class Decision:
     mode: Mode
     reason: str
     source: RuleSource = RuleSource.LEVEL
+    #: A ``low`` decision whose matrix product runs in ``float8_e4m3fn`` (``--precision fp8``).
+    fp8: bool = False
 
     @property
     def priority(self) -> int:
@@ -208,6 +210,8 @@ class PrecisionPolicy:
     #: Stripped from module paths before patterns see them: a wrapper amplite adds around the user's model
     #: (the checkpoint path's ``lm.``) is not part of the names the user writes.
     module_prefix: str = ""
+    #: ``--precision fp8``'s activation scheme (``static`` or ``dynamic``); empty: no FP8.
+    fp8: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", precision_dtype(self.precision))
@@ -240,6 +244,29 @@ class PrecisionPolicy:
     def mixed(self) -> bool:
         """Whether the level mixes precisions (O1/O2): the graph-shaped rules apply only then."""
         return self.level in (Level.O1, Level.O2)
+
+    def for_fp8(self, current: Decision, no_kernel: str, overflow: str) -> Decision:
+        """Whether a matrix product the plan made low runs in FP8 (``--precision fp8``).
+
+        A second decision, after :meth:`decide`: not which precision (the layers' question, answered first)
+        but which low format, asked only of ops the layers made ``low``; it never changes a mode.
+
+        Args:
+            current: The decision so far.
+            no_kernel: Why the op has no FP8 kernel here (``no-weight-operand``, ``no-fp8-kernel:conv2d``), or ''.
+            overflow: The range fact that keeps it out of e4m3 (``fp8-range:overflow ...``, with the measured
+                value), or ''.
+
+        A pin (``--force-low``, the budget search's ``fp8-error`` pins) names its dtype: the op stays in the
+        low dtype; FP32 decisions stay FP32. Otherwise the op runs in FP8, or stays low with the reason why not.
+        """
+        if not self.fp8 or current.mode != "low" or current.pinned:
+            return current
+        if no_kernel:
+            return Decision("low", f"fp8-kept:{no_kernel}", RuleSource.OP_TABLE)
+        if overflow:
+            return Decision("low", overflow, RuleSource.RANGE)
+        return Decision("low", f"fp8:{self.fp8}", RuleSource.LEVEL, fp8=True)
 
     @staticmethod
     def is_discrete_decision(op: str) -> bool:

@@ -49,7 +49,7 @@ class SavedConversion:
 def default_output(model: str | Path, precision: str, level: str | None) -> Path:
     """``NAME.<precision>.<level>.pt2`` next to the model file."""
     model = Path(model)
-    return model.with_name(f"{model.name.split('.')[0]}.{precision}.{resolve_level(level).value}.pt2")
+    return model.with_name(f"{model.name.split('.')[0]}.{precision}.{resolve_level(level, precision).value}.pt2")
 
 
 def written_by_amplite(model: str | Path, report_path: Path, output: Path | None = None) -> bool:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from amplite.converter.tracing import parse_dynamic_dims
 from amplite.errors import ConfigError
-from amplite.levels import LEVEL_ENV, Level, precision_dtype, precision_name, resolve_level
+from amplite.levels import FP8, LEVEL_ENV, Level, precision_name, resolve_level, split_precision
 from amplite.ops.fusion_default import resolve as resolve_fuse
 from amplite.passes.range_guard import RangeRules
 from amplite.policy import Override, PrecisionPolicy, make_overrides
@@ -51,6 +51,35 @@ class RangeSpec:
 
 
 @dataclass(frozen=True)
+class Fp8Spec:
+    """``--precision fp8``: matrix products with a stored weight in ``float8_e4m3fn`` (docs/fp8.md).
+
+    Attributes:
+        activations: ``static`` (one FP32 scale per tensor, amax/448 of the calibration data) or ``dynamic``
+            (one scale per token, from its own amax, computed at run time).
+        reason: Why that scheme.
+        weights: Weight scale granularity: ``per-output-channel``.
+    """
+
+    activations: Literal["static", "dynamic"]
+    reason: str
+    weights: str = "per-output-channel"
+
+    @classmethod
+    def of(cls, calibrated: bool) -> Fp8Spec:
+        """Static scales when calibration data is given, else dynamic per token."""
+        if calibrated:
+            return cls("static", "calibration data given (calibration= / --calib / --calib-loader): "
+                       "per-tensor scales amax/448 of the calibrated activations")  # fmt: skip
+        return cls("dynamic", "no calibration data: per-token scales from each row's amax at run time")
+
+    def to_config(self) -> dict[str, str]:
+        """The report's ``config.fp8``."""
+        return {"format": "float8_e4m3fn", "activations": self.activations, "activation_reason": self.reason,
+                "weights": self.weights, "scale": "amax/448, FP32"}  # fmt: skip
+
+
+@dataclass(frozen=True)
 class ConvertSpec:
     """What a conversion does, resolved and checked.
 
@@ -67,6 +96,8 @@ class ConvertSpec:
         ranges: The range rules' settings.
         fold_batchnorm: Fold inference BatchNorm into the preceding convolution.
         gpu_profile: GPU of the report's time estimate.
+        fp8: ``--precision fp8``'s settings (``precision`` is then bf16, the dtype of everything not in
+            FP8), or None.
     """
 
     precision: torch.dtype = torch.float16
@@ -81,6 +112,7 @@ class ConvertSpec:
     ranges: RangeSpec = field(default_factory=RangeSpec)
     fold_batchnorm: bool = True
     gpu_profile: str = "H100"
+    fp8: Fp8Spec | None = None
 
     @classmethod
     def build(
@@ -100,19 +132,24 @@ class ConvertSpec:
         range_percentile: float | None = None,
         fold_batchnorm: bool = True,
         gpu_profile: str = "H100",
+        calibrated: bool = False,
     ) -> ConvertSpec:
-        """The spec of ``amplite.convert``'s keyword arguments (same names and defaults).
+        """The spec of ``amplite.convert``'s keyword arguments (same names and defaults; ``calibrated``:
+        calibration data was given, which makes FP8's activation scales static).
 
         Raises:
             ConfigError: For the first value that is not valid, with the fix.
         """
         source = "argument" if level is not None else (LEVEL_ENV if os.environ.get(LEVEL_ENV) else "default")
-        low = precision_dtype(precision)
+        low, fp8 = split_precision(precision)
+        resolved = resolve_level(level, precision)  # FP8's default level: O2
+        if fp8 and resolved is Level.O0:
+            raise ConfigError("--precision fp8 at O0 converts nothing", "use --level O2 (fp8's default) or O1/O3")
         fuse, fuse_reason = resolve_fuse(fuse_contractions, low)  # measured per (GPU, backend, dtype)
         dims = parse_dynamic_dims(dynamic_dims)
         return cls(
             precision=low,
-            level=resolve_level(level),
+            level=resolved,
             level_source=source,
             overrides=make_overrides(keep_fp32, force_low),
             low_precision_io=bool(low_precision_io),
@@ -123,16 +160,18 @@ class ConvertSpec:
             ranges=RangeSpec(range_rules, data_max, max_reduction_depth, range_percentile),
             fold_batchnorm=bool(fold_batchnorm),
             gpu_profile=gpu_profile,
+            fp8=Fp8Spec.of(calibrated) if fp8 else None,
         )
 
     @property
     def precision_name(self) -> str:
-        """``fp16`` or ``bf16``."""
-        return precision_name(self.precision)
+        """``fp16``, ``bf16`` or ``fp8``."""
+        return FP8 if self.fp8 is not None else precision_name(self.precision)
 
     def policy(self) -> PrecisionPolicy:
         """The precision policy of this spec."""
-        return PrecisionPolicy(self.precision, self.level, self.overrides, self.low_precision_io)
+        fp8 = self.fp8.activations if self.fp8 is not None else ""
+        return PrecisionPolicy(self.precision, self.level, self.overrides, self.low_precision_io, fp8=fp8)
 
     def range_rules(self) -> RangeRules | None:
         """The range rules to apply, or None when they are off (explicitly, or by level)."""
@@ -170,4 +209,6 @@ class ConvertSpec:
             "fuse_contractions_reason": self.fuse_reason,
             "range_rules": vars(rules) if rules else None,
             "fold_batchnorm": self.fold_batchnorm,
+            **({"fp8": {**self.fp8.to_config(), "level": f"{self.level.value} ({self.level_source}; "
+                        "fp8's default is O2)"}} if self.fp8 is not None else {}),
         }

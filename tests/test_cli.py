@@ -113,7 +113,7 @@ def test_export_failure_names_the_source_line(cli, tmp_path: Path, out_dir: Path
 def test_bad_options_and_outputs(cli, model_files, tmp_path: Path, out_dir: Path) -> None:
     pt2 = model_files("mlp")["pt2"]
     assert_clean_error(cli("convert", pt2, "-o", out_dir / "m.pt2", "--level", "O7"), out_dir, "unknown level")
-    assert_clean_error(cli("convert", pt2, "-o", out_dir / "m.pt2", "-p", "fp8"), out_dir, "unknown precision")
+    assert_clean_error(cli("convert", pt2, "-o", out_dir / "m.pt2", "-p", "fp4"), out_dir, "unknown precision")
     assert_clean_error(cli("convert", pt2, "-o", tmp_path / "nodir" / "m.pt2"), out_dir, "does not exist")
     assert_clean_error(cli("convert", pt2, "-o", out_dir), out_dir, "is a directory")
     assert_clean_error(cli("convert", pt2, "-o", out_dir / "m.bin"), out_dir, "output format")

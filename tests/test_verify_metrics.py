@@ -66,7 +66,8 @@ def test_parse_tolerance_splits_and_keeps_defaults() -> None:
     assert [parse_criterion(c).metric for c in tol.criteria] == ["sqnr_db", "top1", "allclose", "max_abs"]
     json.dumps(vars(tol))  # the report stores vars(tolerance): it must be JSON as it is
     with pytest.raises(ConfigError):
-        parse_tolerance([], "fp8")
+        parse_tolerance([], "fp4")
+    assert parse_tolerance([], "fp8").min_sqnr_db == DEFAULT_TOLERANCES["fp8"].min_sqnr_db  # --precision fp8
 
 
 def test_scoped_criteria_replace_unscoped_for_their_output() -> None:
@@ -492,8 +493,8 @@ def test_unscoped_criterion_applies_to_every_output() -> None:
 
 def test_unknown_precision_in_tolerance_names_the_fix() -> None:
     with pytest.raises(ConfigError) as info:
-        parse_tolerance([], "fp8")
-    assert info.value.one_line() == "unknown precision 'fp8' — fix: use fp16 or bf16"
+        parse_tolerance([], "fp4")
+    assert info.value.one_line() == "unknown precision 'fp4' — fix: use one of: fp16, bf16, fp8"
 
 
 def test_batches_are_stacked_by_rows_of_the_last_dimension() -> None:

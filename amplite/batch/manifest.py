@@ -190,14 +190,14 @@ def make_job(data: dict[str, Any], base: Path, line_of: Any, *, where: str) -> J
         )
     values["name"] = name
     precision = values.get("precision", "fp16")
-    if precision not in ("fp16", "bf16"):
+    if precision not in ("fp16", "bf16", "fp8"):
         raise _fail(
-            where, line_of("precision"), "precision", f"unknown precision {precision!r}", "use fp16 or bf16"
+            where, line_of("precision"), "precision", f"unknown precision {precision!r}", "use fp16, bf16 or fp8"
         )
     if "level" not in values:  # as `amplite convert` does: $AMPLITE_LEVEL, else O1; fixed now for the hash
         from amplite.levels import resolve_level
 
-        values["level"] = resolve_level(None).value
+        values["level"] = resolve_level(None, precision).value  # fp8's default is O2
     _check_policy(values, where, line_of)
     return Job(**values, line=line_of("name") if "name" in data else line_of("path"))
 

@@ -173,7 +173,7 @@ def _strings(v: Any) -> bool:
 
 #: The recorded config keys read back, each with its check.
 _RECORDED: dict[str, Callable[[Any], bool]] = {
-    "precision": lambda v: v in ("fp16", "bf16"),
+    "precision": lambda v: v in ("fp16", "bf16", "fp8"),
     "level": lambda v: v in ("O0", "O1", "O2", "O3"),
     "level_source": lambda v: isinstance(v, str),
     "keep_fp32": _strings,

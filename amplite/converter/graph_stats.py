@@ -43,6 +43,9 @@ def node_compute_dtype(node: torch.fx.Node) -> torch.dtype | None:
     operands = [a for a in node.all_input_nodes if isinstance(fake_value(a), torch.Tensor)]
     floats = [a for a in operands if fake_value(a).dtype.is_floating_point]
     pool = [a for a in floats if fake_value(a).dim() > 0] or floats
+    fp8 = [fake_value(a).dtype for a in pool if fake_value(a).dtype.itemsize == 1]
+    if fp8:  # an e4m3 product (amplite::fp8_linear): its scales are FP32, its products e4m3
+        return fp8[0]
     if pool:
         out = fake_value(pool[0]).dtype
         for a in pool[1:]:

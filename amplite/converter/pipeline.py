@@ -36,6 +36,7 @@ from amplite.passes.annotate_precision import AnnotatePrecision
 from amplite.passes.base import Pass, PassManager, PassRecord
 from amplite.passes.cleanup_casts import CleanupCasts
 from amplite.passes.fold_batchnorm import FOLDED_PREFIX, FoldBatchNorm
+from amplite.passes.fp8_matmul import Fp8Matmul
 from amplite.passes.graph_utils import module_path, retype, source_line
 from amplite.passes.guard_constants import GuardConstants, SaturateFills
 from amplite.passes.insert_casts import InsertCasts
@@ -77,18 +78,22 @@ def build_passes(
     fuse_contractions: bool = False,
     ranges: Mapping[str, ValueRange] | None = None,
     range_rules: RangeRules | None = None,
+    fp8_ranges: Mapping[str, ValueRange] | None = None,
 ) -> list[Pass]:
-    """The pass list for a policy, in order (``range_guard`` first when ranges are given)."""
+    """The pass list for a policy, in order (``range_guard`` first when ranges are given; ``fp8_ranges``: the
+    calibrated ranges static FP8 activation scales come from)."""
     passes: list[Pass] = []
     if ranges is not None and range_rules is not None:
         passes.append(RangeGuard(ranges, range_rules, policy.low_dtype))
     passes += [
         GuardConstants(policy.low_dtype),  # correctness, not accuracy: runs with or without range rules
-        AnnotatePrecision(policy),
+        AnnotatePrecision(policy, fp8_ranges, fp8_clip_check=range_rules is not None),
         SaturateFills(policy.low_dtype),
         InsertCasts(low_precision_io=policy.low_precision_io),
         CleanupCasts(),
     ]
+    if policy.fp8:  # after the plan and its casts, before weights are stored low
+        passes.append(Fp8Matmul())
     if policy.level in (Level.O2, Level.O3):
         passes.append(StoreLowPrecisionParams())
     else:  # O1: the user's weights stay FP32; constants amplite derived (folded BatchNorm) need not
@@ -196,15 +201,19 @@ def rewrite(
     records: list[PassRecord] = []
     if fold_batchnorm:  # before calibration: folding changes the conv outputs the ranges describe
         gm, records = PassManager([FoldBatchNorm()])(gm)
-    if range_rules is None:
+    static_fp8 = policy.fp8 == "static"  # activation scales from calibrated ranges, whatever the low dtype
+    if range_rules is None and not static_fp8:
         ranges = None
-    elif ranges is None and policy.low_dtype != torch.float16:
+    elif ranges is None and policy.low_dtype != torch.float16 and not static_fp8:
         ranges = {}  # bf16 has FP32's range: only the depth rule applies, and it needs shapes, not values
     elif ranges is None:
         calib_start = perf_counter()
-        ranges = collect_ranges(gm, batches, range_rules.percentile)
+        ranges = collect_ranges(gm, batches, range_rules.percentile if range_rules is not None else None)
         timings["calibration"] = perf_counter() - calib_start
-    passes = build_passes(policy, fuse_contractions=fuse_contractions, ranges=ranges, range_rules=range_rules)
+    # bf16's range rules judge shapes only (as without FP8); FP8 reads the values for its scales
+    guard = ranges if policy.low_dtype == torch.float16 or ranges is None else {}
+    passes = build_passes(policy, fuse_contractions=fuse_contractions, ranges=guard, range_rules=range_rules,
+                          fp8_ranges=ranges if static_fp8 else None)  # fmt: skip
     with quiet_shapes(original):  # a pass reading a symbolic size must not pin the program's dynamic dims
         gm, rest = PassManager(passes)(gm)
     timings["passes"] = perf_counter() - start

@@ -25,6 +25,7 @@ import torch.fx
 from amplite import op_tables
 from amplite.converter.graph_stats import node_compute_dtype, short, size_hint
 from amplite.estimate.profiles import GpuProfile
+from amplite.ops.fp8_linear import fp8_linear
 from amplite.passes.graph_utils import cast_dtype, fake_value
 
 MATMULS = frozenset(
@@ -108,6 +109,8 @@ def contraction_flops(op: str, node: torch.fx.Node, out_numel: int) -> float:
         if op in ATTENTION:
             q, k = fake_value(node.args[0]), fake_value(node.args[1])
             return 4.0 * numel(q) * hint(k.shape[-2])
+        if node.target is fp8_linear._opoverload:  # x [..., K] @ w[N, K].T
+            return 2.0 * out_numel * hint(fake_value(node.args[0]).shape[-1])
         if op == "einsum.default" or _is_contract(node):
             return _einsum_flops(node, out_numel)
     except (TypeError, AttributeError, IndexError, ValueError):
@@ -135,8 +138,15 @@ def _einsum_flops(node: torch.fx.Node, out_numel: int) -> float:
     return 2.0 * out_numel * contracted
 
 
+#: Profiles with FP8 tensor cores (Hopper, Ada), which run e4m3 products at twice their dense bf16 rate;
+#: elsewhere (A100) ``_scaled_mm`` has no kernel and an FP8 product is estimated at bf16's rate.
+FP8_TENSOR_CORES = frozenset({"H100", "H200", "L4", "RTX4090"})
+
+
 def peak_tflops(profile: GpuProfile, dtype: torch.dtype | None, contraction: bool, tf32: bool) -> float:
     """The peak a node runs against: tensor cores for low-precision contractions, else CUDA cores."""
+    if contraction and dtype == torch.float8_e4m3fn:
+        return profile.bf16_tflops * (2 if profile.name in FP8_TENSOR_CORES else 1)
     if contraction and dtype == torch.float16:
         return profile.fp16_tflops
     if contraction and dtype == torch.bfloat16:

@@ -12,7 +12,7 @@ from torch.export import ExportedProgram
 
 from amplite.converter.emit import read_conversion
 from amplite.errors import ConfigError, ExportError, InputSpecError
-from amplite.levels import precision_dtype
+from amplite.levels import split_precision
 from amplite.options import ConvertOptions
 from amplite.report.document import Report
 from amplite.report.sections import Baseline, Config, Fp32Nodes, Gradients, Graph, Layerwise, Plan, Ranges, Weights
@@ -48,7 +48,7 @@ class Pair:
 
     @property
     def low(self) -> torch.dtype:
-        return precision_dtype(self.precision)
+        return split_precision(self.precision)[0]  # fp8: bf16, the dtype of everything not in FP8
 
 
 def pair(model: Any, example_inputs: Any, converted: Any, options: ConvertOptions, gold: Any, golden: Any,

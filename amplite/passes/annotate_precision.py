@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -26,8 +27,18 @@ from torch.utils import _pytree as pytree
 from amplite import op_tables
 from amplite.errors import ConfigError
 from amplite.passes.base import PassResult
+from amplite.passes.fp8_sites import fp8_fact
 from amplite.passes.graph_utils import cast_dtype, dtypes_of, fake_value, is_float_tensor, module_path
-from amplite.passes.meta import OUT_DTYPE_KEY, PRECISION_KEY, RANGE_KEY, RANGE_LOW_KEY, PrecisionAnnotation
+from amplite.passes.meta import (
+    FP8_KEY,
+    OUT_DTYPE_KEY,
+    PRECISION_KEY,
+    RANGE_KEY,
+    RANGE_LOW_KEY,
+    Fp8Site,
+    PrecisionAnnotation,
+)
+from amplite.passes.range_guard import ValueRange
 from amplite.policy import Decision, Level, NodeFacts, PrecisionPolicy, RuleSource
 
 _COMPUTE_BOUND = frozenset(op_tables.LOW_PRECISION_OPS)
@@ -76,17 +87,25 @@ class AnnotatePrecision:
 
     Args:
         policy: The precision policy to apply.
+        fp8_ranges: Calibrated ranges for FP8's static activation scales (None: dynamic per token).
+        fp8_clip_check: Keep out of FP8 a product whose calibrated activation would overflow e4m3 after
+            scaling (the range rules are on).
     """
 
     name = "annotate_precision"
 
-    def __init__(self, policy: PrecisionPolicy) -> None:
+    def __init__(
+        self, policy: PrecisionPolicy, fp8_ranges: Mapping[str, ValueRange] | None = None, fp8_clip_check: bool = True
+    ) -> None:
         self.policy = policy
+        self.fp8_ranges = fp8_ranges
+        self.fp8_clip_check = fp8_clip_check
 
     def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
         counters: Counter[str] = Counter()
         out_dtype: dict[torch.fx.Node, Any] = {}
         decisions = self._decisions(gm)
+        sites = self._fp8(decisions)
         for node in gm.graph.nodes:
             val = fake_value(node)
             if node.op != "call_function":
@@ -101,6 +120,8 @@ class AnnotatePrecision:
                 )
             else:
                 out_dtype[node] = self._plan_node(node, decisions.get(node), out_dtype, counters)
+                if node in sites and node.meta.get(PRECISION_KEY, {}).get("mode") == "low":
+                    node.meta[FP8_KEY] = sites[node]  # the fp8_matmul pass rewrites it
             node.meta[OUT_DTYPE_KEY] = out_dtype[node]
         return PassResult(gm, False, counters)
 
@@ -139,6 +160,21 @@ class AnnotatePrecision:
 
     def _decide(self, facts: dict[torch.fx.Node, NodeFacts]) -> dict[torch.fx.Node, Decision]:
         return {node: self.policy.decide(f) for node, f in facts.items()}
+
+    def _fp8(self, decisions: dict[torch.fx.Node, Decision]) -> dict[torch.fx.Node, Fp8Site]:
+        """FP8 decisions for the compute-bound ops the plan made low (``--precision fp8``), last: every rule
+        that keeps an op FP32 has spoken. Returns the sites the ``fp8_matmul`` pass rewrites."""
+        sites: dict[torch.fx.Node, Fp8Site] = {}
+        if not self.policy.fp8:
+            return sites
+        for node, dec in list(decisions.items()):
+            if dec.mode != "low" or dec.pinned or op_tables.op_name(node.target) not in _COMPUTE_BOUND:
+                continue
+            no_kernel, overflow, site = fp8_fact(node, self.fp8_ranges, self.fp8_clip_check)
+            decisions[node] = self.policy.for_fp8(dec, no_kernel, overflow)
+            if decisions[node].fp8 and site is not None:
+                sites[node] = site
+        return sites
 
     def _plan_node(
         self,

@@ -10,6 +10,7 @@ Passes talk to later passes (and to ``converter/pipeline.collect_plan``) only th
 * ``SATURATE_KEY`` (guard_constants): ``[(operand, kind)]`` fills to saturate (popped when done).
 * ``CAST_KEY`` (graph_utils.make_cast): ``True`` on every cast amplite inserted.
 * ``CONTRACT_KEY`` (fuse_contractions): ``{"rule", "absorbed"}`` of a fused ``amplite::contract``.
+* ``FP8_KEY`` (annotate_precision): a :class:`Fp8Site` on a matrix product the plan runs in FP8.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ RANGE_LOW_KEY = "amplite_range_low"
 SATURATE_KEY = "amplite_saturate"
 CAST_KEY = "amplite_cast"
 CONTRACT_KEY = "amplite_contract"
+FP8_KEY = "amplite_fp8"
 
 #: Every declared key.
-KEYS = (PRECISION_KEY, OUT_DTYPE_KEY, RANGE_KEY, RANGE_LOW_KEY, SATURATE_KEY, CAST_KEY, CONTRACT_KEY)
+KEYS = (PRECISION_KEY, OUT_DTYPE_KEY, RANGE_KEY, RANGE_LOW_KEY, SATURATE_KEY, CAST_KEY, CONTRACT_KEY, FP8_KEY)
 
 
 class PrecisionAnnotation(TypedDict):
@@ -44,3 +46,19 @@ class PrecisionAnnotation(TypedDict):
     dtype: torch.dtype | None
     reason: str
     rule: str
+
+
+class Fp8Site(TypedDict):
+    """``node.meta[FP8_KEY]``: what ``fp8_linear`` needs to rewrite one matrix product.
+
+    Attributes:
+        x: Argument position of the activation.
+        w: Argument position of the weight (a ``get_attr``, maybe behind casts).
+        layout: ``nk`` (``[out, in]``, ``linear``) or ``kn`` (``[in, out]``, ``x @ W``).
+        amax: The calibrated |activation| the static scale maps onto 448 (None: dynamic per token).
+    """
+
+    x: int
+    w: int
+    layout: str
+    amax: float | None

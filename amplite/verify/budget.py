@@ -1,5 +1,8 @@
 """Accuracy budget: when the rule-based plan misses the tolerance, move the fewest nodes back to FP32.
 
+Under ``--precision fp8`` a node the plan ran in FP8 moves back to the low dtype (bf16) instead: a
+``force_low`` pin (``budget:fp8-error``), which keeps it out of FP8 (:meth:`PrecisionPolicy.for_fp8`).
+
 Candidates are the converted graph's low-precision nodes ranked by the error each one *introduces*
 (the isolated "shadow" error of the layer-wise analysis). The search tries the worst node alone, then
 all candidates (if even that fails, it stops: no subset can do better, and it reports the best plan
@@ -64,12 +67,17 @@ def fallback_search(
     low = spec.precision
     run_inputs = lower_inputs(result.inputs, low) if spec.low_precision_io else result.inputs
     ranked = _candidates(result, run_inputs, low)
+    measured = dict(ranked)
     n = len(ranked)
     bound = max_trials if max_trials is not None else 2 * math.ceil(math.log2(max(n, 2))) + 10
     steps = [Step(0, "plan", 0, False, _worst(result.report.outputs), 0.0)]
     cache: dict[frozenset[str], bool] = {}
     rules = spec.range_rules()
     ranges = result.pipeline.ranges  # calibrated once, by the conversion that missed the tolerance
+    fp8 = frozenset(p["node"] for p in result.report.data["plan"] if p["dtype"] == "float8_e4m3fn")
+
+    def _pins(names: list[str]) -> list[Override]:
+        return pins(names, fp8, measured)
 
     def trial(names: list[str], kind: str) -> bool:
         key = frozenset(names)
@@ -116,7 +124,11 @@ def fallback_search(
         "candidates": n,
         "trials": len(steps) - 1,
         "trial_bound": bound,
-        "moved_to_fp32": [_describe(result, name, sqnr) for name, sqnr in ranked if name in moved],
+        "moved_to_fp32": [
+            {**_describe(result, name, sqnr), "to": "bfloat16" if name in fp8 else "float32"}
+            for name, sqnr in ranked
+            if name in moved
+        ],
         "prune": {"before": before, "after": len(chosen), "trials": prune_trials, "bound": prune_bound},
         "steps": [asdict(s) for s in steps],
         "seconds": round(perf_counter() - start, 3),
@@ -125,10 +137,25 @@ def fallback_search(
     return final, budget
 
 
-def _pins(names: list[str]) -> list[Override]:
-    """The search's FP32 pins: ``node:`` rules whose source is the budget search (reason
-    ``budget:isolated-error``), never the user's, so the report says who moved each node."""
-    return [Override("keep_fp32", f"node:{name}", RuleSource.BUDGET, why="isolated-error") for name in names]
+def pins(
+    names: list[str], fp8: frozenset[str] = frozenset(), measured: dict[str, float | str] | None = None
+) -> list[Override]:
+    """The search's pins: ``node:`` rules whose source is the budget search, never the user's, so the report
+    says who moved each node. A node the plan ran in FP8 moves to the low dtype (``budget:fp8-error``: a pin
+    names its dtype, so it leaves FP8 and stays bf16, the reason holding its measured isolated SQNR); any other
+    to FP32 (``budget:isolated-error``)."""
+    measured = measured or {}
+
+    def fp8_why(name: str) -> str:
+        sqnr = measured.get(name)
+        return f"fp8-error isolated-sqnr={sqnr:.1f}dB" if isinstance(sqnr, float) else "fp8-error"
+
+    return [
+        Override("force_low", f"node:{name}", RuleSource.BUDGET, why=fp8_why(name))
+        if name in fp8
+        else Override("keep_fp32", f"node:{name}", RuleSource.BUDGET, why="isolated-error")
+        for name in names
+    ]
 
 
 #: At most this many prune trials (one per node of the bisected plan, least harmful first).

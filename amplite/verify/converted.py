@@ -15,7 +15,7 @@ from torch.export import ExportedProgram
 
 from amplite.converter.graph_stats import graph_stats, node_compute_dtype, weight_bytes
 from amplite.errors import LoadError
-from amplite.levels import precision_dtype
+from amplite.levels import split_precision
 from amplite.passes.graph_utils import cast_dtype, module_path, source_line
 
 
@@ -36,8 +36,11 @@ def load_converted(converted: str | Path | ExportedProgram) -> ExportedProgram:
 
 
 def infer_precision(program: ExportedProgram) -> str:
-    """fp16 or bf16: the low dtype the converted graph computes in (fp16 when it has neither)."""
+    """fp16, bf16 or fp8: the low dtype the converted graph computes in (fp16 when it has none); fp8 when
+    any product runs in ``float8_e4m3fn`` (``--precision fp8``)."""
     stats = graph_stats(program.graph)["nodes_by_dtype"]
+    if stats.get("float8_e4m3fn", 0):
+        return "fp8"
     return "bf16" if stats.get("bfloat16", 0) > stats.get("float16", 0) else "fp16"
 
 
@@ -47,7 +50,7 @@ def infer_level(program: ExportedProgram, precision: str) -> str:
     stored low at O1 too."""
     from amplite import op_tables
 
-    low = precision_dtype(precision)
+    low = split_precision(precision)[0]
     fp32_list = {"low": 0, "fp32": 0}
     any_low = False
     for node in program.graph.nodes:
@@ -93,7 +96,7 @@ def converted_facts(conv: ExportedProgram, path: Any, precision: str,
                     recorded: dict[str, Any] | None = None) -> ConvertedFacts:  # fmt: skip
     """What a converted file shows: its ``config`` is what the file records of its conversion (``recorded``,
     from ``emit.read_conversion``), else what the graph shows (precision, inferred level)."""
-    low = precision_dtype(precision)
+    low = split_precision(precision)[0]
     plan = []
     for node in conv.graph.nodes:
         if node.op != "call_function" or cast_dtype(node) is not None:

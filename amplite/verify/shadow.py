@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from amplite import op_tables
+from amplite.ops.fp8_linear import fp8_linear
 from amplite.passes.graph_utils import cast_dtype, module_path, source_line
 from amplite.verify.node_errors import NodeError, node_error
 from amplite.verify.ranges import range_stats
@@ -54,7 +55,8 @@ def pair_nodes(ref: torch.fx.Graph, conv: torch.fx.Graph) -> dict[torch.fx.Node,
     pairs: dict[torch.fx.Node, torch.fx.Node] = {}
     for n in conv.nodes:
         r = by_name.get(n.name)
-        if r is None or r.op != n.op or not (r.target == n.target or n.op in ("placeholder", "get_attr")):
+        if r is None or r.op != n.op or not (r.target == n.target or n.op in ("placeholder", "get_attr")
+                                             or _fp8_of(r, n)):
             continue
         if n.op == "call_function" and (module_path(r) != module_path(n) or not _same_shape(r, n)):
             continue
@@ -76,6 +78,12 @@ def pair_nodes(ref: torch.fx.Graph, conv: torch.fx.Graph) -> dict[torch.fx.Node,
             pairs[n] = queue.pop(0)
     _pair_folded_batchnorm(pairs)
     return pairs
+
+
+def _fp8_of(ref: torch.fx.Node, conv: torch.fx.Node) -> bool:
+    """Whether ``conv`` is the ``amplite::fp8_linear`` that ``--precision fp8`` made of the product ``ref``
+    (it keeps the node's name)."""
+    return conv.target is fp8_linear._opoverload and op_tables.op_name(ref.target) in op_tables.FP8_WEIGHT_OPS
 
 
 aten = torch.ops.aten

@@ -1,0 +1,354 @@
+"""``--precision fp8``: e4m3 matrix products with FP32 scales, the rest bf16 O2 (docs/fp8.md).
+
+Bounds: a linear layer in e4m3 rounds its activation and its weight (3 mantissa bits each, ~30 dB per
+rounding), so one layer lands near 27 dB and these 3-4 layer models above the default fp8 gate of 20 dB
+(``verify/criteria.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import amplite
+from amplite.errors import ConfigError
+from amplite.ops.fp8_linear import reference, scaled_mm_2d
+from amplite.ops.fp8_numerics import E4M3_MAX, FP8_DTYPE, quantize_dynamic_per_token, quantize_weight
+from bench.bench_fp8 import per_tensor_dynamic
+
+ROOT = Path(__file__).resolve().parents[1]
+FP8_OP = "amplite.fp8_linear.default"
+
+
+def sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.double(), out.double()
+    return 20 * math.log10(ref.norm().item() / (ref - out).norm().item())
+
+
+class Net(nn.Module):
+    """A conv (no e4m3 kernel), two linears, activation×activation products (no weight), ``x @ W``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(8, 8, 3, padding=1)
+        self.a = nn.Linear(16, 48)
+        self.ln = nn.LayerNorm(48)
+        self.b = nn.Linear(48, 16)
+        self.W = nn.Parameter(torch.randn(16, 12) * 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(torch.relu(self.a(self.conv(x))))
+        h = torch.softmax(h @ h.transpose(1, 2), -1) @ h
+        return self.b(h) @ self.W
+
+
+def net() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return Net().eval(), torch.randn(4, 8, 16)
+
+
+def plan(result: amplite.ConversionResult) -> dict[str, dict]:
+    return {p["node"]: p for p in result.report.data["plan"]}
+
+
+def counters(result: amplite.ConversionResult) -> dict[str, int]:
+    return next(p["counters"] for p in result.report.data["passes"] if p["name"] == "fp8_matmul")
+
+
+def test_module_conversion_puts_weight_products_in_fp8() -> None:
+    model, x = net()
+    r = amplite.convert(model, (x,), precision="fp8")
+    cfg = r.report.data["config"]
+    assert (cfg["precision"], cfg["level"], cfg["fp8"]["activations"]) == ("fp8", "O2", "dynamic")
+    p = plan(r)
+    fp8 = {n for n, e in p.items() if e["dtype"] == "float8_e4m3fn"}
+    assert {p[n]["module"] for n in fp8} == {"a", "b", ""}  # both linears and x @ W
+    assert all(p[n]["op"] == FP8_OP and p[n]["reason"] == "fp8:dynamic" and p[n]["rule"] == "level" for n in fp8)
+    conv = next(e for e in p.values() if e["op"].startswith("conv1d"))
+    assert (conv["dtype"], conv["reason"], conv["rule"]) == ("bfloat16", "fp8-kept:no-fp8-kernel:conv1d", "op-table")
+    act = [e for e in p.values() if e["reason"] == "fp8-kept:no-weight-operand"]
+    assert len(act) == 2 and all(e["dtype"] == "bfloat16" for e in act)
+    assert next(e for e in p.values() if e["op"].startswith("layer_norm"))["dtype"] == "float32"  # FP32 island
+    graph_ops = [str(n.target) for n in r.program.graph.nodes if n.op == "call_function"]
+    assert graph_ops.count(FP8_OP) == 3 and not any("linear" in op and "fp8" not in op for op in graph_ops)
+    assert counters(r) == {"fp8_nodes": 3, "weights_fp8": 3, "bytes_saved": counters(r)["bytes_saved"],
+                           "kept_low:fp8-kept:no-weight-operand": 2, "kept_low:fp8-kept:no-fp8-kernel:conv1d": 1}
+    sd = r.program.state_dict
+    assert sd["a.weight"].dtype == FP8_DTYPE and sd["W"].dtype == FP8_DTYPE and sd["W"].shape == (16, 12)
+    assert sd["a.weight_scale"].dtype == torch.float32 and sd["a.weight_scale"].shape == (48,)
+    # per output channel: the dequantized weight is the weight to within e4m3's half step (2^-4 relative)
+    deq = sd["a.weight"].float() * sd["a.weight_scale"][:, None]
+    assert torch.allclose(deq, model.a.weight, rtol=2**-4, atol=1e-6)
+    out = r.report.data["verification"]["outputs"][0]
+    assert r.passed and out["sqnr_db"] >= 20.0
+    assert sqnr(model(x), r.program.module()(x).float()) >= 20.0
+
+
+class Wide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(512, 512), nn.Linear(512, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.nn.functional.gelu(self.a(x)))
+
+
+def test_pt2_loads_in_a_fresh_process_on_another_batch_and_is_smaller(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, x = Wide().eval(), torch.randn(4, 7, 512)
+    fp8 = amplite.convert(model, (x,), precision="fp8", dynamic_batch=True)
+    bf16 = amplite.convert(model, (x,), precision="bf16", level="O2", dynamic_batch=True)
+    fp8.save(tmp_path / "m.fp8.pt2")
+    bf16.save(tmp_path / "m.bf16.pt2")
+    size = (tmp_path / "m.fp8.pt2").stat().st_size / (tmp_path / "m.bf16.pt2").stat().st_size
+    assert size < 0.6, size  # 1 byte per weight + an FP32 scale per output channel, vs 2 (+ ~50 kB of archive)
+    new = torch.randn(9, 7, 512)
+    torch.save(new, tmp_path / "x.pt")
+    code = ("import sys, torch, amplite; p = torch.export.load(sys.argv[1]); "
+            "torch.save(p.module()(torch.load(sys.argv[2])), sys.argv[3])")  # fmt: skip
+    args = [sys.executable, "-c", code, tmp_path / "m.fp8.pt2", tmp_path / "x.pt", tmp_path / "y.pt"]
+    done = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    y = torch.load(tmp_path / "y.pt")
+    assert y.shape == (9, 7, 64)
+    assert sqnr(model(new), y.float()) >= 20.0
+
+
+def _inputs_of(model: nn.Module, names: list[str], batches: list[torch.Tensor]) -> dict[str, float]:
+    """max |input| of each named submodule over ``batches``, measured on the FP32 model."""
+    amax: dict[str, float] = dict.fromkeys(names, 0.0)
+    hooks = [getattr(model, n).register_forward_pre_hook(
+        lambda m, a, n=n: amax.__setitem__(n, max(amax[n], a[0].abs().max().item()))) for n in names]  # fmt: skip
+    with torch.no_grad():
+        for b in batches:
+            model(b)
+    for h in hooks:
+        h.remove()
+    return amax
+
+
+def test_static_scales_are_amax_over_448_of_the_calibration_data() -> None:
+    model, x = net()
+    calib = [torch.randn(4, 8, 16) * s for s in (0.5, 1.0, 3.0)]
+    r = amplite.convert(model, (x,), precision="fp8", calibration=[(c,) for c in calib])
+    assert r.report.data["config"]["fp8"]["activations"] == "static"
+    expected = _inputs_of(model, ["a", "b"], calib)
+    buffers = r.program.graph_signature.inputs_to_buffers
+    module_of = {n: e["module"] for n, e in plan(r).items()}
+    seen = {}
+    for node in r.program.graph.nodes:
+        if str(node.target) == FP8_OP and module_of[node.name] in expected:
+            scale = r.program.state_dict[buffers[node.args[3].name]]
+            seen[module_of[node.name]] = scale.item()
+    assert seen.keys() == {"a", "b"}
+    for name, value in seen.items():
+        assert value == pytest.approx(expected[name] / E4M3_MAX, rel=1e-6)
+    assert all(e["reason"] == "fp8:static" for e in plan(r).values() if e["dtype"] == "float8_e4m3fn")
+
+
+def test_a_planted_wrong_weight_scale_fails_the_gate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cli) -> None:
+    model, x = net()
+    assert amplite.convert(model, (x,), precision="fp8").passed
+    torch.export.save(torch.export.export(model, (x,)), tmp_path / "m.pt2")
+    torch.save((x,), tmp_path / "x.pt")
+    assert cli("check", tmp_path / "m.pt2", "--inputs", tmp_path / "x.pt", "--precision", "fp8").exit_code == 0
+
+    def doubled(w: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        q, s = quantize_weight(w, per_channel)
+        return q, s * 2
+
+    monkeypatch.setattr("amplite.passes.fp8_matmul.quantize_weight", doubled)
+    assert amplite.convert(model, (x,), precision="fp8").passed is False
+    assert cli("check", tmp_path / "m.pt2", "--inputs", tmp_path / "x.pt", "--precision", "fp8").exit_code == 1
+
+
+class Outlier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_a_layer_whose_range_overflows_e4m3_stays_bf16_with_its_reason() -> None:
+    torch.manual_seed(0)
+    model, x = Outlier().eval(), torch.randn(64, 16)
+    calib = [torch.randn(64, 16) for _ in range(3)]
+    calib[1][5, 3] = 1000.0  # one outlier: the 99th percentile does not see it, saturation at 448·scale would
+    r = amplite.convert(model, (x,), precision="fp8", calibration=[(c,) for c in calib], range_percentile=99.0)
+    by_module = {e["module"]: e for e in plan(r).values() if e["op"] in (FP8_OP, "linear.default")}
+    kept = by_module["a"]
+    assert (kept["dtype"], kept["rule"]) == ("bfloat16", "range")
+    assert kept["reason"].startswith("fp8-range:overflow max|x|=1000 > 448·scale=")
+    assert by_module["b"]["dtype"] == "float8_e4m3fn"  # tanh bounds b's input: no outlier there
+    assert counters(r)["kept_low:fp8-range:overflow"] == 1
+    # scaled from the maximum instead (no percentile), the outlier fits: the layer runs in FP8
+    r = amplite.convert(model, (x,), precision="fp8", calibration=[(c,) for c in calib])
+    assert {e["module"] for e in plan(r).values() if e["dtype"] == "float8_e4m3fn"} == {"a", "b"}
+
+
+class Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 128), nn.Linear(128, 32)
+        with torch.no_grad():  # output channels of very different magnitudes: per-tensor weight scales lose them
+            self.a.weight.mul_(torch.logspace(-2, 0, 128)[:, None])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_fp8_is_no_worse_than_per_tensor_dynamic_scaling() -> None:
+    torch.manual_seed(0)
+    model = Tokens().eval()
+    x = torch.randn(2, 32, 64) * torch.logspace(-2, 1, 32)[None, :, None]  # tokens spread over 3 decades
+    ref = model(x)
+    with per_tensor_dynamic(model):
+        baseline = sqnr(ref, model(x))
+    dynamic = amplite.convert(model, (x,), precision="fp8").report.data["verification"]["outputs"][0]["sqnr_db"]
+    calib = [(x * 0.9,), (x * 1.1,)]
+    static = amplite.convert(model, (x,), precision="fp8", calibration=calib)
+    static_db = static.report.data["verification"]["outputs"][0]["sqnr_db"]
+    assert dynamic >= baseline and static_db >= baseline, (dynamic, static_db, baseline)
+
+
+def test_the_users_model_is_bit_identical_after_conversion(tmp_path: Path) -> None:
+    model, x = net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    r = amplite.convert(model, (x,), precision="fp8", calibration=[(x,)])
+    r.save(tmp_path / "m.pt2")
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_the_budget_search_moves_fp8_nodes_back_to_bf16() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16)).eval()
+    x = torch.randn(8, 32)
+    first = amplite.convert(model, (x,), precision="fp8")
+    worst = first.report.data["verification"]["outputs"][0]["sqnr_db"]
+    r = amplite.convert(model, (x,), precision="fp8", tolerance=[f"sqnr>={worst + 3:.1f}"], fallback_search=True)
+    moved = r.report.data["budget"]["moved_to_fp32"]
+    assert r.passed and moved and all(m["to"] == "bfloat16" for m in moved)
+    p = plan(r)
+    for m in moved:
+        assert (p[m["node"]]["dtype"], p[m["node"]]["rule"]) == ("bfloat16", "budget")
+        assert p[m["node"]]["reason"].startswith("budget:fp8-error isolated-sqnr=")
+    assert any(e["dtype"] == "float8_e4m3fn" for e in p.values())  # only what was needed left FP8
+
+
+def test_bad_combinations_are_one_line_errors(tmp_path: Path, cli) -> None:
+    model, x = net()
+    with pytest.raises(ConfigError, match="fp8 at O0"):
+        amplite.convert(model, (x,), precision="fp8", level="O0")
+    torch.export.save(torch.export.export(model, (x,)), tmp_path / "m.pt2")
+    torch.save((x,), tmp_path / "x.pt")
+    for extra in (("--level", "O0"), ("--precision", "fp9")):
+        args = ["convert", tmp_path / "m.pt2", "--inputs", tmp_path / "x.pt", "--precision", "fp8", *extra]
+        res = cli(*args)
+        assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert not list(tmp_path.glob("m.fp8*")), "nothing is written on a refused combination"
+
+
+def test_inspect_shows_the_fp8_plan(tmp_path: Path, cli) -> None:
+    model, x = net()
+    torch.export.save(torch.export.export(model, (x,)), tmp_path / "m.pt2")
+    torch.save((x,), tmp_path / "x.pt")
+    res = cli("inspect", tmp_path / "m.pt2", "--inputs", tmp_path / "x.pt", "--precision", "fp8")
+    assert res.exit_code == 0
+    assert res.output.count("fp8:dynamic") == 3 and "fp8-kept:no-weight-operand" in res.output
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 60, 40), (2, 16, 32, 48), (1, 1, 7, 3)])
+def test_the_op_pads_and_reshapes_what_the_kernel_does_not_take(shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    *lead, k, n = shape
+    x, w, b = torch.randn(*lead, k).bfloat16(), torch.randn(n, k), torch.randn(n).bfloat16()
+    q, s = quantize_weight(w)
+    s = s.reshape(-1)
+    y = torch.ops.amplite.fp8_linear(x, q, s, None, b)
+    assert y.shape == (*lead, n) and y.dtype == torch.bfloat16
+    xq, sx = quantize_dynamic_per_token(x.reshape(-1, k))
+    plain = reference(xq, q, sx.reshape(-1), s, b, torch.bfloat16)
+    assert torch.allclose(y.reshape(-1, n).float(), plain.float(), rtol=2**-7, atol=1e-3)  # one bf16 rounding
+    padded = scaled_mm_2d(xq, q, sx.reshape(-1), s, b, torch.bfloat16, granule=16)  # CUDA's shape rules
+    assert torch.equal(padded, scaled_mm_2d(xq, q, sx.reshape(-1), s, b, torch.bfloat16, granule=1))
+    tensorwise = scaled_mm_2d(xq, q, sx.reshape(-1).amax(), s.amax(), None, torch.bfloat16, granule=16)
+    assert tensorwise.shape == (xq.shape[0], n)
+
+
+def test_export_keeps_the_op_as_one_node() -> None:
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            q, s = quantize_weight(torch.randn(24, 40))
+            self.register_buffer("w", q)
+            self.register_buffer("s", s.reshape(-1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.amplite.fp8_linear(x, self.w, self.s, None, None)
+
+    ep = torch.export.export(M(), (torch.randn(2, 3, 40).bfloat16(),))
+    assert [str(n.target) for n in ep.graph.nodes if n.op == "call_function"] == [FP8_OP]
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mid = nn.Embedding(50, 32), nn.Linear(32, 32)
+        self.head = nn.Linear(32, 50, bias=False)
+        self.head.weight = self.emb.weight  # the LM head reads the embedding's tensor
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mid(self.emb(ids))))
+
+
+def test_a_weight_shared_with_an_embedding_stays_low_once() -> None:
+    torch.manual_seed(0)
+    r = amplite.convert(Tied().eval(), (torch.randint(0, 50, (2, 6)),), precision="fp8")
+    by_module = {e["module"]: e for e in plan(r).values() if e["op"] in (FP8_OP, "linear.default")}
+    assert by_module["mid"]["dtype"] == "float8_e4m3fn"
+    assert (by_module["head"]["dtype"], by_module["head"]["reason"]) == ("bfloat16", "fp8-kept:shared-weight")
+    fp8_bytes = [t.nbytes for t in r.program.state_dict.values() if t.dtype == FP8_DTYPE]
+    assert fp8_bytes == [32 * 32]  # no e4m3 copy of the 50x32 embedding beside its bf16 one
+
+
+def test_a_batch_manifest_takes_fp8_with_its_default_level(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from amplite.batch.manifest import parse_manifest
+
+    monkeypatch.delenv("AMPLITE_LEVEL", raising=False)
+    p = tmp_path / "jobs.toml"
+    p.write_text('[[model]]\npath = "m.pt2"\nprecision = "fp8"\n\n[[model]]\nname = "b"\npath = "m.pt2"\n'
+                 'precision = "fp8"\nlevel = "O3"\n')  # fmt: skip
+    a, b = parse_manifest(p)
+    assert (a.precision, a.level, b.level) == ("fp8", "O2", "O3")
+
+
+def test_without_a_scaled_mm_kernel_the_reference_path_computes_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = importlib.import_module("amplite.ops.fp8_linear")  # the package exports the op under the module's name
+    torch.manual_seed(0)
+    x, w = torch.randn(6, 40).bfloat16(), torch.randn(24, 40)
+    q, s = quantize_weight(w)
+    xs = x.float().abs().amax() / E4M3_MAX
+    fast = torch.ops.amplite.fp8_linear(x, q, s.reshape(-1), xs, None)
+
+    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("no FP8 GEMM on this device")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    mod._kernel_ok.cache_clear()
+    try:
+        slow = torch.ops.amplite.fp8_linear(x, q, s.reshape(-1), xs, None)
+    finally:
+        mod._kernel_ok.cache_clear()
+    assert torch.allclose(slow.float(), fast.float(), rtol=2**-7, atol=1e-3)
