@@ -117,11 +117,11 @@ def convert_to_files(
         )  # fmt: skip
         return SavedConversion(conv, written, report_path)  # type: ignore[arg-type]
     dest = Path(output) if output is not None else default_output(model, precision, opts.level)
+    emit.check_writable(dest)
     targets = emit.plan_outputs(dest, formats)
     report_path = Path(report) if report is not None else dest.with_name(dest.stem + ".report.json")
     _guard(model, inputs_file, opts.calibration, targets, report_path, external_data,
            derived=output is None, derived_report=report is None)  # fmt: skip
-    emit.check_writable(dest)
     if (opset is not None or external_data or onnx_layernorm != "off") and "onnx" not in dict(targets):
         raise ConfigError("--opset, --external-data and --onnx-layernorm apply to ONNX output",
                           "add --format onnx (or -o X.onnx)")  # fmt: skip

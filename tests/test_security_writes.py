@@ -351,7 +351,7 @@ def test_html_report_with_hostile_names_renders_no_link_or_image(runs: dict, tmp
             session, errors = browser.load(d / name / "report.html")
             assert errors == [], errors[:3]
             found = browser.evaluate(session, """(() => ({
-                links: document.querySelectorAll('a[href], a[*|href]').length,
+                links: document.querySelectorAll('a[href], a[*|href], .xtick a, .ytick a, .gtitle a').length,
                 images: document.querySelectorAll('img, image').length,
                 bold: Array.from(document.querySelectorAll('.xtick text, .ytick text')).filter(
                     t => t.querySelector('tspan[style*="bold"], a')).length,

@@ -28,7 +28,7 @@ def read_summary(path: Path) -> dict[str, Any]:
     """
     p = path / "summary.json" if path.is_dir() else path
     problem = not_a_file(p)  # a FIFO would block the read
-    if problem is not None:
+    if problem is not None and problem != "does not exist":
         raise MergeError(f"batch summary {str(p)!r} {problem}", "pass the output directories of finished "
                          "`amplite batch` runs")  # fmt: skip
     try:
@@ -79,9 +79,21 @@ _ROW_FIELDS: dict[str, Any] = {
 }  # fmt: skip
 
 
+def _path_safe(v: str) -> bool:
+    """Whether ``v`` can be part of a path (no NUL byte, no character the file system encoding refuses)."""
+    try:
+        os.fsencode(v)
+    except UnicodeError:
+        return False
+    return "\x00" not in v
+
+
 def _row_problem(row: dict[str, Any]) -> str:
     if "status" not in row:
         return "no 'status'"
+    for key in ("name", "output_dir"):  # the model's directory is found by them
+        if key in row and not _path_safe(row[key]):
+            return f"{key!r} cannot be part of a path (a NUL byte or an unencodable character)"
     bad = next((k for k, ok in _ROW_FIELDS.items() if k in row and not ok(row[k])), None)
     if bad == "status":
         return f"'status' is not one of {', '.join(STATUSES)}"

@@ -25,8 +25,6 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import TypeVar
 
-from amplite.paths import mode_kind
-
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -39,6 +37,11 @@ MAX_SOURCE_BYTES = 2 << 20
 BOUNDED_BYTES = 64 << 10
 #: Default seconds one file may take in that child (``amplite migrate --file-timeout``).
 FILE_TIMEOUT = 60.0
+
+
+# as amplite.paths words them (migrate imports nothing else of amplite)
+_KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}  # fmt: skip
 
 
 def read_source(path: str | os.PathLike[str]) -> bytes:
@@ -55,7 +58,8 @@ def read_source(path: str | os.PathLike[str]) -> bytes:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"not read: it is {mode_kind(st.st_mode)}, not a regular file")
+            raise ValueError(f"not read: it is {_KINDS.get(stat.S_IFMT(st.st_mode), 'a special file')}, "
+                             "not a regular file")  # fmt: skip
         if st.st_size > MAX_SOURCE_BYTES:
             raise ValueError(f"not parsed: {st.st_size:,} bytes, more than the {MAX_SOURCE_BYTES >> 20} MiB "
                              "amplite migrates (split the file, or migrate it by hand)")  # fmt: skip
