@@ -102,6 +102,7 @@ def _outputs(model: Path, d: Path) -> tuple[list[list[object]], Any]:
         ["check", model, "--report", w / "rep"],
         ["golden", model, "-o", w / "gold", "--update-golden"],
         ["convert", model, "-o", d / "c.pt2", "--report", "-"],
+        ["check", model, "--junit", "-"],
     ]
     return calls, (w, outside, _state(d))
 
@@ -233,7 +234,7 @@ def runs(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
 
 def test_outputs_never_follow_or_replace_links_devices_or_fifos(runs: dict) -> None:
     d, (_, _, before), results = runs["outputs"]
-    *refusals, stdout_run = results
+    *refusals, stdout_run, junit_run = results
     needles = ["is a symbolic link", "is a FIFO", "is a socket", "is a symbolic link", "is a symbolic link",
                "is a symbolic link"]  # fmt: skip
     for res, needle in zip(refusals, needles, strict=True):
@@ -246,6 +247,9 @@ def test_outputs_never_follow_or_replace_links_devices_or_fifos(runs: dict) -> N
     report = json.loads(stdout_run["out"])  # --report -: the JSON report alone on stdout
     assert report["schema"] == "amplite.report" and report["outputs"][0]["path"].endswith("c.pt2")
     assert "amplite fp16 O1" in stdout_run["err"]  # the summary went to stderr
+    assert junit_run["rc"] == 0, junit_run["err"][-2000:]
+    suite = ET.fromstring(junit_run["out"])  # --junit -: the XML alone on stdout, the verdict table on stderr
+    assert suite.tag == "testsuites" and "amplite check: PASS" in junit_run["err"]
 
 
 def test_batch_never_overwrites_files_it_did_not_write_and_merge_checks_rows(runs: dict) -> None:
@@ -283,12 +287,18 @@ def test_files_of_a_named_directory_never_lead_outside_it(runs: dict) -> None:
     assert not (d / "c.pt2").exists()
 
 
-def test_overlapping_safetensors_offsets_in_a_checkpoint_are_refused(tmp_path: Path) -> None:
+def test_checkpoint_output_directory_that_is_a_link_is_refused_and_overlapping_offsets_too(tmp_path: Path) -> None:
     from amplite.errors import AmpliteError
     from amplite.save import convert_to_files
     from bench.checkpoint_archs import make_checkpoint
 
     ckpt = make_checkpoint("llama", tmp_path / "src")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(AmpliteError, match="is a symbolic link") as info:
+        convert_to_files(ckpt, output=tmp_path / "link", formats="safetensors", verify=False)
+    assert info.value.exit_code == 2 and list((tmp_path / "elsewhere").iterdir()) == []
+    assert (tmp_path / "link").is_symlink()
     shard = sorted(ckpt.glob("*.safetensors"))[0]
     raw = shard.read_bytes()
     size = int.from_bytes(raw[:8], "little")
