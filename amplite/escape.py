@@ -77,8 +77,9 @@ def markdown_code(text: object) -> str:
 
 
 def html(text: object) -> str:
-    """Text for HTML (and for plotly labels, which read a few tags): escaped, control characters visible."""
-    return _html.escape(_ANY_CONTROL.sub(_visible, str(text)), quote=True)
+    """Text for HTML (and for plotly labels, which read a few tags): escaped, control characters visible (tab
+    and newline are whitespace there and stay)."""
+    return _html.escape(_CONTROL.sub(_visible, str(text)), quote=True)
 
 
 def xml(text: object) -> str:

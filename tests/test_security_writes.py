@@ -398,3 +398,26 @@ def test_migrate_skips_fifos_huge_and_slow_files_and_migrates_the_rest(tmp_path:
     assert cpu < 40, cpu
     alone = run_one(["migrate", src / "a_fifo.py"], tmp_path, timeout=60)
     assert alone.returncode == 2 and alone.stderr.count("\n") == 1 and "is a FIFO" in alone.stderr, alone.stderr
+
+
+def test_each_escaper_keeps_text_inert_in_its_medium() -> None:
+    from markdown_it import MarkdownIt
+
+    from amplite import escape
+
+    hostile = "<img src=x>[l](http://e.x) **b** `c` | www.e.x \x1b[2K\r\t\n\x01\x9b\u202e\udcff"
+    md = MarkdownIt("commonmark", {"html": True}).enable("table")
+    for text in (escape.markdown(hostile), escape.markdown_code(hostile), escape.markdown_code("`a``")):
+        rendered = md.render(f"| a |\n|---|\n| {text} |\n")
+        assert "<img" not in rendered and "<a " not in rendered and "<strong>" not in rendered, rendered
+        assert rendered.count("<td>") == 1 and "\n" not in text and "\x1b" not in text
+    assert md.render(escape.markdown_code("`a``")).strip() == "<p><code>`a``</code></p>"
+    assert escape.terminal(hostile) == ("<img src=x>[l](http://e.x) **b** `c` | www.e.x \\x1b[2K\\x0d\t\\x0a\\x01\\x9b"
+                                        "\\u202e\\udcff")  # fmt: skip
+    assert escape.terminal("a\nb", newlines=True) == "a\nb"
+    assert escape.tsv("a\tb\nc\\") == "a\\tb\\nc\\\\"
+    assert "<" not in escape.html(hostile) and "\x1b" not in escape.html(hostile) and "\t\n" in escape.html(hostile)
+    el = ET.Element("case", name=escape.xml(hostile))
+    el.text = escape.xml(hostile)
+    back = ET.fromstring(ET.tostring(el, encoding="unicode").encode())  # raw, \x01 would make it invalid XML
+    assert back.text is not None and "\\x01" in back.text and "\\udcff" in back.get("name")
