@@ -70,8 +70,12 @@ def read_source(path: str | os.PathLike[str]) -> bytes:
 
 
 def _child(fn: Callable[[T], R], task: T, send: multiprocessing.connection.Connection) -> None:
-    send.send(fn(task))
-    send.close()
+    try:
+        send.send(fn(task))
+    except BaseException:  # nothing sent is the parent's "crashed"; no traceback on the user's terminal
+        pass
+    finally:
+        send.close()
 
 
 def run_bounded(fn: Callable[[T], R], task: T, seconds: float) -> tuple[str, R | None]:
