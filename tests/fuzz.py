@@ -316,7 +316,13 @@ class Checkpoint(Target):
         map_keys(ckpt, model.lm)
 
 
-TARGETS: dict[str, Target] = {t.name: t for t in (Pt2(), Inputs(), Safetensors(), Checkpoint())}
+def _write_targets() -> tuple[Target, ...]:
+    from tests.fuzz_writes import Reports, Summaries  # what amplite writes (issue 45); imports this module
+
+    return Reports(), Summaries()  # type: ignore[return-value]
+
+
+TARGETS: dict[str, Target] = {t.name: t for t in (Pt2(), Inputs(), Safetensors(), Checkpoint(), *_write_targets())}
 
 
 # ----- the run ---------------------------------------------------------------------------------------------------

@@ -18,7 +18,9 @@ from tests import fuzz
 from tests.conftest import once_per_run
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = {"pt2": 120, "inputs": 60, "safetensors": 60, "checkpoint": 30}
+CASES = {"pt2": 120, "inputs": 60, "safetensors": 60, "checkpoint": 30, "reports": 20, "summaries": 40}
+#: Targets whose mutations keep the file readable (hostile names only): every case must render, none is refused.
+RENDERED = {"reports"}
 
 
 _DRIVER = """
@@ -56,6 +58,9 @@ def test_short_fuzz_run_finds_nothing(target: str, fuzz_runs: dict[str, dict]) -
     summary = json.loads(res["stdout"].strip().splitlines()[-1])
     assert res["rc"] == 0 and summary["findings"] == 0, res["stdout"][-3000:]
     refused = summary["verdicts"].get(f"{target}:refused", 0)
+    if target in RENDERED:  # each case went through every renderer and its medium's check
+        assert summary["verdicts"] == {f"{target}:ok": CASES[target]}, summary
+        return
     assert refused > CASES[target] // 2  # the mutations reach the checks (a fuzzer that mutates nothing fails)
 
 
@@ -85,3 +90,16 @@ def test_a_crash_is_a_finding(tmp_path: Path) -> None:
 
     assert fuzz._one(Boom(), tmp_path, 5)[0] == "crash"
     assert fuzz._one(Refuse(), tmp_path, 5)[0] == "refused"
+
+
+def test_the_media_check_sees_markup_and_escapes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The write-side verdict: with Markdown's escaper switched off, a hostile name is a finding."""
+    from tests import fuzz_writes
+
+    t = fuzz.TARGETS["reports"]
+    data = json.loads(t.seed(tmp_path).read_text())
+    data["check"]["name"] = "<img src=x onerror=fuzz()>\x1b[2K"
+    fuzz_writes.check_media(data)  # escaped: no finding
+    monkeypatch.setattr("amplite.report.markdown._code", lambda s: f"`{s}`" if "<" not in str(s) else str(s))
+    with pytest.raises(AssertionError, match=r"report\.md"):
+        fuzz_writes.check_media(data)

@@ -179,8 +179,11 @@ def merge_shards(shard_dirs: Sequence[str | Path], out_dir: str | Path) -> Batch
     try:
         guard_outputs(reads, [("-o's summary.json (-o)", Path(out_dir) / "summary.json"),
                               ("-o's summary.md (-o)", Path(out_dir) / "summary.md")])  # fmt: skip
+        summ.guard_summaries(Path(out_dir))
     except ConfigError as exc:
         raise MergeError(exc.problem, "pass a new -o directory for the merged summary") from None
-    doc, _, _ = summ.merge_summaries(shard_dirs, out_dir)
+    from amplite.batch.merge import merge_summaries
+
+    doc, _, _ = merge_summaries(shard_dirs, out_dir)
     results = [JobResult.from_row(r) for r in doc["models"]]
     return BatchResult(results, Path(out_dir), float(doc.get("seconds") or 0.0), bool(doc.get("interrupted")))

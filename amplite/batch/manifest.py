@@ -22,6 +22,7 @@ from amplite.batch.keys_table import (
 )
 from amplite.errors import ConfigError
 from amplite.options import ConvertOptions
+from amplite.paths import not_a_file
 
 try:
     import tomllib
@@ -246,8 +247,9 @@ def parse_manifest(
             a code key without ``trust_code``, or unpickling without the CLI's ``--trust-pickle``.
     """
     p = Path(path)
-    if not p.is_file():
-        raise ManifestError(f"manifest {str(p)!r} does not exist", "pass the path of a .toml manifest")
+    problem = not_a_file(p)
+    if problem is not None:
+        raise ManifestError(f"manifest {str(p)!r} {problem}", "pass the path of a .toml manifest")
     text = p.read_text(encoding="utf-8")
     try:
         doc = tomllib.loads(text)

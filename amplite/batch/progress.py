@@ -7,6 +7,9 @@ import sys
 import time
 from typing import Any, Protocol, TextIO
 
+from amplite.escape import console as safe_console
+from amplite.escape import terminal
+
 _STYLE = {"ok": "green", "unverified": "yellow", "verify_failed": "yellow", "cancelled": "dim"}
 
 
@@ -45,7 +48,7 @@ class NullProgress:
 def _line(row: dict[str, Any]) -> str:
     secs = f"{row['seconds']:.1f}s" if row.get("seconds") is not None else ""
     tail = " (resumed)" if row.get("resumed") else (f"  {row['error']}" if row.get("error") else "")
-    return f"{row['status']:<13} {row['name']}  {secs}{tail}"
+    return terminal(f"{row['status']:<13} {row['name']}  {secs}{tail}")
 
 
 class PlainProgress:
@@ -81,7 +84,7 @@ class RichProgress:
     model; a line is printed above the display for each finished one."""
 
     def __init__(self, console: Any = None) -> None:
-        from rich.console import Console, Group
+        from rich.console import Group
         from rich.live import Live
         from rich.progress import (
             BarColumn,
@@ -93,7 +96,7 @@ class RichProgress:
             TimeRemainingColumn,
         )
 
-        self.console = console or Console(highlight=False)
+        self.console = console or safe_console(highlight=False)
         self.bar = Progress(
             TextColumn("[bold]batch"),
             BarColumn(),

@@ -28,7 +28,7 @@ from amplite.batch.signals import BatchTerminated
 from amplite.batch.summary import BatchResult, JobResult
 from amplite.batch.worker import RESULT
 from amplite.errors import ConfigError, EmitError
-from amplite.paths import guard_outputs
+from amplite.paths import guard_outputs, not_a_file
 
 #: Seconds a model may take when neither the manifest nor the caller sets a timeout.
 DEFAULT_TIMEOUT = 3600.0
@@ -79,12 +79,13 @@ def _prepare(job: Job, out: Path, resume: bool) -> tuple[dict[str, Any] | None, 
     """(row, key): a row when the job needs no worker (missing file, or resumed), and its resume hash."""
     at = f" (manifest line {job.line})" if job.line else ""
     for label, path in (("model file", job.path), ("inputs file", job.inputs_file)):
-        if path and not Path(path).is_file():
+        problem = not_a_file(path) if path else None
+        if problem is not None:
             return record_failure(
                 job.to_dict(),
                 str(out),
                 "error",
-                f"{label} {path!r} does not exist{at} — fix: correct the path",
+                f"{label} {path!r} {problem}{at} — fix: correct the path",
             ), None
     try:
         key = job_key(job)
@@ -248,6 +249,7 @@ def guard_batch_outputs(jobs: Sequence[Job], out: Path) -> None:
     summaries = [("the batch summary (--out)", out / n) for n in ("summary.json", "summary.md")]
     try:
         guard_outputs(reads, summaries, [("--out", out)] if out.is_file() else dirs)
+        summ.guard_summaries(out, "--out")
     except ConfigError as exc:
         raise ManifestError(exc.problem, exc.fix) from None
     for label, d in dirs:
@@ -328,6 +330,8 @@ def convert_many(
                 on_result(result)
     finally:
         gen.close()
-    doc = summ.read_summary(Path(out_dir))
+    from amplite.batch.merge import read_summary
+
+    doc = read_summary(Path(out_dir))
     results = [by_name.get(r["name"]) or JobResult.from_row(r) for r in doc["models"]]
     return BatchResult(results, Path(out_dir), time.perf_counter() - start, bool(doc.get("interrupted")))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from amplite.errors import ConfigError
+from amplite.escape import markdown
+from amplite.paths import check_output, derived_output
 
 SCHEMA = "amplite.batch_summary"
 SCHEMA_VERSION = 1
@@ -76,8 +77,40 @@ def failure_row(job: Mapping[str, Any], status: str, error: str | None) -> dict[
     }
 
 
+#: The files a batch writes into its ``-o`` directory itself (next to the per-model directories).
+SUMMARY_FILES = ("summary.json", "summary.md")
+_MAX_OURS = 64 << 20  # a summary larger than this is not one amplite wrote (4,000 models take ~4 MB)
+
+
+def written_by_batch(path: Path) -> bool:
+    """Whether the regular file ``path`` is a summary ``amplite batch`` wrote (its schema, or its heading)."""
+    try:
+        if path.stat().st_size > _MAX_OURS:
+            return False
+        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".json":
+            doc = json.loads(text)
+            return isinstance(doc, dict) and doc.get("schema") == SCHEMA
+        return text.startswith("# amplite batch: ")
+    except (OSError, ValueError, RecursionError):
+        return False
+
+
+def guard_summaries(out_dir: Path, option: str = "-o") -> None:
+    """Refuse a batch (or merge) whose ``summary.json``/``summary.md`` would replace a file amplite did not
+    write: the rule of the converter's default names (:func:`amplite.paths.derived_output`).
+
+    Raises:
+        ConfigError: Naming the file and the fix.
+    """
+    for name in SUMMARY_FILES:
+        derived_output(out_dir / name, written_by_batch, f"the batch summary ({option})",
+                       f"pass another {option} directory, or move that file away")  # fmt: skip
+
+
 def write_text(path: Path, text: str) -> Path:
     """Write ``text`` to ``path`` atomically (temp file in the same directory, then rename)."""
+    check_output(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -133,13 +166,13 @@ def _fmt(row: Mapping[str, Any], col: str) -> str:
     v = {
         "model": row["name"],
         "status": row["status"] + (" (resumed)" if row.get("resumed") else ""),
-        "params": row["params"],
-        "low-prec compute": row["low_precision_share"],
-        "casts": row["casts"],
-        "size ratio": row["size_ratio"],
-        "worst SQNR dB": row["worst_sqnr_db"],
-        "time s": row["seconds"],
-        "error": row["error"],
+        "params": row.get("params"),
+        "low-prec compute": row.get("low_precision_share"),
+        "casts": row.get("casts"),
+        "size ratio": row.get("size_ratio"),
+        "worst SQNR dB": row.get("worst_sqnr_db"),
+        "time s": row.get("seconds"),
+        "error": row.get("error"),
     }[col]
     if v is None:
         return "" if col == "error" else "–"
@@ -151,7 +184,7 @@ def _fmt(row: Mapping[str, Any], col: str) -> str:
         return f"{v:.2f}"
     if col == "worst SQNR dB" and not isinstance(v, str):
         return f"{v:.1f}"
-    return str(v).replace("|", "\\|").replace("\n", " ")
+    return markdown(v)  # names and error text: no markup from a manifest or a model's error in summary.md
 
 
 def render_markdown(doc: Mapping[str, Any]) -> str:
@@ -180,98 +213,6 @@ def read_result(model_dir: Path) -> dict[str, Any] | None:
         return None
     files = row.get("files", [])
     return row if isinstance(files, list) and all(isinstance(f, str) for f in files) else None
-
-
-def read_summary(path: Path) -> dict[str, Any]:
-    """Load a ``summary.json`` (or the one in a directory).
-
-    Raises:
-        MergeError: Missing or not an amplite batch summary.
-    """
-    p = path / "summary.json" if path.is_dir() else path
-    try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise MergeError(
-            f"cannot read batch summary {str(p)!r}: {exc}",
-            "pass the output directories of finished `amplite batch` runs",
-        ) from None
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or _summary_shape(doc):
-        why = f" ({_summary_shape(doc)})" if isinstance(doc, dict) and doc.get("schema") == SCHEMA else ""
-        raise MergeError(
-            f"{str(p)!r} is not an amplite batch summary{why}", "pass `amplite batch` output directories"
-        )
-    return doc
-
-
-def _summary_shape(doc: dict[str, Any]) -> str:
-    """What is wrong with the fields :func:`merge_summaries` reads ('' when nothing)."""
-    models, shard = doc.get("models"), doc.get("shard")
-    if not isinstance(models, list) or not all(isinstance(r, dict) and isinstance(r.get("name"), str)
-                                                and isinstance(r.get("output_dir", ""), str) for r in models):
-        return "'models' is not a list of rows with a string 'name'"
-    if shard is not None and not (isinstance(shard, str) and re.fullmatch(r"\d{1,9}/\d{1,9}", shard)):
-        return "'shard' is not 'i/n'"
-    if not isinstance(doc.get("seconds") or 0, (int, float)):
-        return "'seconds' is not a number"
-    return ""
-
-
-def merge_summaries(
-    shard_dirs: Sequence[str | Path], out_dir: str | Path
-) -> tuple[dict[str, Any], Path, Path]:
-    """Combine shard summaries into ``out_dir/summary.json`` and ``summary.md``.
-
-    Rows keep pointing at their model directories (``output_dir`` is made relative to ``out_dir``); nothing
-    is copied. Shards must come from one ``--shard i/n`` split, with every index present once.
-
-    Raises:
-        MergeError: No shards, mixed shard counts, a shard given twice or missing, or a model in two shards.
-    """
-    if not shard_dirs:
-        raise MergeError("no shard directories given", "pass the output directory of every shard")
-    out = Path(out_dir)
-    docs = [(Path(d), read_summary(Path(d))) for d in shard_dirs]
-    shards = [doc.get("shard") for _, doc in docs]
-    if any(s is not None for s in shards):
-        if any(s is None for s in shards) or len({s.split("/")[1] for s in shards}) != 1:
-            raise MergeError(
-                f"the summaries come from different splits ({', '.join(map(str, shards))})",
-                "merge the shards of one `--shard i/n` run with the same n",
-            )
-        n = int(shards[0].split("/")[1])
-        seen = Counter(int(s.split("/")[0]) for s in shards)
-        twice = sorted(i for i, c in seen.items() if c > 1)
-        missing = sorted(set(range(n)) - set(seen))
-        if twice:
-            raise MergeError(f"shard {twice[0]}/{n} is given twice", "pass each shard's directory once")
-        if missing:
-            raise MergeError(
-                f"shard(s) {', '.join(f'{i}/{n}' for i in missing)} missing",
-                "run the missing shards (or pass their directories) before merging",
-            )
-    rows: list[dict[str, Any]] = []
-    owner: dict[str, Path] = {}
-    for d, doc in docs:
-        for row in doc["models"]:
-            if row["name"] in owner:
-                raise MergeError(
-                    f"model {row['name']!r} is in both {str(owner[row['name']])!r} and {str(d)!r}",
-                    "merge outputs of one split only",
-                )
-            owner[row["name"]] = d
-            target = (d / row.get("output_dir", row["name"])).resolve()
-            rows.append({**row, "output_dir": os.path.relpath(target, out.resolve())})
-    meta = {
-        "source": docs[0][1].get("source"),
-        "out_dir": str(out),
-        "shard": None,
-        "merged_from": [str(d) for d, _ in docs],
-        "seconds": max((doc.get("seconds") or 0.0) for _, doc in docs),
-        "interrupted": any(doc.get("interrupted") for _, doc in docs),
-    }
-    js, md = write_summary(out, rows, meta)
-    return {**meta, "models": rows}, js, md
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any
 
 from amplite.converter import emit
 from amplite.errors import ConfigError
+from amplite.paths import check_output
 
 FORMATS = ("safetensors", "pt2")
 
@@ -50,7 +51,9 @@ def check_outputs(targets: list[tuple[str, Path]]) -> None:
     for fmt, path in targets:
         if fmt == "pt2":
             emit.check_writable(path)
-        elif path.exists() and (not path.is_dir() or any(path.iterdir())):
+            continue
+        check_output(path, "-o", directory=True)
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise ConfigError(f"{path} exists", "choose a new output directory or remove it")
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from amplite import paths
 from amplite.errors import InputSpecError, LoadError
 
 INDEX = "model.safetensors.index.json"
@@ -76,7 +77,18 @@ def is_checkpoint_dir(path: str | Path) -> bool:
 
 
 def read_header(shard: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file (tensor name -> dtype, shape, data offsets)."""
+    """The JSON header of a safetensors file (tensor name -> dtype, shape, data offsets).
+
+    Checked as safetensors' own reader checks it when the file is opened later (so that its
+    ``SafetensorError`` never reaches the user): each tensor's range fits its dtype and shape and the ranges
+    tile the data exactly (no overlap, no gap).
+
+    Raises:
+        LoadError: Not a regular file (a FIFO would block), unreadable, or a header that does not fit the data.
+    """
+    problem = paths.not_a_file(shard)
+    if problem is not None:
+        raise LoadError(f"shard {str(shard)!r} {problem}", "re-download or regenerate that shard")
     try:
         with shard.open("rb") as fh:
             raw = fh.read(8)
@@ -107,28 +119,28 @@ def read_header(shard: Path) -> dict[str, Any]:
                             "shard)", "re-download or regenerate that shard")  # fmt: skip
     if bad:
         raise LoadError(f"{shard}: the safetensors header is not an object", "re-download or regenerate that shard")
+    ranges = sorted((m["data_offsets"][0], m["data_offsets"][1], n) for n, m in header.items() if n != "__metadata__")
+    at = 0
+    for start, end, name in ranges:
+        if start != at:
+            raise LoadError(f"{shard}: tensor {name!r} {'overlaps another' if start < at else 'leaves a gap before it'}"
+                            " in the data (corrupt shard)", "re-download or regenerate that shard")  # fmt: skip
+        at = end
+    if at != data_len:
+        raise LoadError(f"{shard}: the tensors do not cover the data ({at} of {data_len} bytes; corrupt shard)",
+                        "re-download or regenerate that shard")  # fmt: skip
     return header
 
 
 def inside(root: Path, name: object, what: str) -> Path:
-    """``root / name`` when it is a plain file name inside ``root`` (no ``..``, absolute path or symlink).
+    """``root / name`` when it is a plain file name inside ``root`` (no ``..``, absolute path or symlink):
+    :func:`amplite.paths.inside`, the rule for every directory amplite reads files from.
 
     Raises:
         LoadError: ``name`` leaves the directory, or is a symlink.
     """
-    if not isinstance(name, str) or not name or name != Path(name).name or name in (".", ".."):
-        raise LoadError(f"{root}: {what} {name!r} is not a file name inside the checkpoint directory",
-                        "keep every shard in the checkpoint directory itself (no paths, no '..')")  # fmt: skip
-    path = root / name
-    try:
-        link = path.is_symlink()
-    except OSError as exc:  # a name the file system refuses (too long, invalid bytes): not a file of this directory
-        fix = "keep every shard in the checkpoint directory under its own short file name"
-        raise LoadError(f"{root}: {what} {name[:80]!r} cannot be a file here ({exc.strerror})", fix) from None
-    if link:
-        raise LoadError(f"{path} is a symlink; amplite reads only files inside the checkpoint directory",
-                        "copy the file into the directory instead of linking it")  # fmt: skip
-    return path
+    return paths.inside(root, name, what, "the checkpoint directory",
+                        "copy the file into the directory instead of linking it")
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -230,18 +242,26 @@ def example_inputs_for(config: dict[str, Any], batch: int = 1, seq: int = 8) -> 
     return (ids,), kwargs
 
 
-def load_tensor(info: TensorInfo) -> torch.Tensor:
-    """One tensor's values from its shard (only that tensor is read)."""
+def _open_shard(shard: Path) -> Any:
+    """``safe_open`` on a shard; its ``SafetensorError`` (a shard changed after its header was read) is one
+    line naming the shard."""
     from safetensors import safe_open
 
-    with safe_open(str(info.shard), framework="pt") as fh:
+    try:
+        return safe_open(str(shard), framework="pt")
+    except Exception as exc:
+        raise LoadError(f"{shard} is not a readable safetensors shard ({type(exc).__name__}: {str(exc)[:200]})",
+                        "re-download or regenerate that shard") from None  # fmt: skip
+
+
+def load_tensor(info: TensorInfo) -> torch.Tensor:
+    """One tensor's values from its shard (only that tensor is read)."""
+    with _open_shard(info.shard) as fh:
         return fh.get_tensor(info.name)
 
 
 def iter_shard(shard: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of a shard, one at a time (memory-mapped read)."""
-    from safetensors import safe_open
-
-    with safe_open(str(shard), framework="pt") as fh:
+    with _open_shard(shard) as fh:
         for name in fh.keys():  # noqa: SIM118 (safe_open is not a mapping)
             yield name, fh.get_tensor(name)

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_map_only
 
 from amplite.checkpoint.source import INDEX, Checkpoint, TensorInfo
 from amplite.errors import EmitError
+from amplite.paths import check_output
 
 Progress = Callable[[int], None]  # called with bytes written
 _ST_NAMES = {
@@ -91,6 +92,7 @@ def write_safetensors_dir(
     Raises:
         EmitError: ``out_dir`` exists and is not empty, or cannot be written.
     """
+    check_output(out_dir, "-o", directory=True)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise EmitError(f"{out_dir} exists and is not empty", "choose a new output directory or remove it")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -186,6 +188,7 @@ def write_pt2(
         aliases: Weight -> an earlier weight with the same values (tied weights): its entry points to that
             weight's file, so the bytes are stored once.
     """
+    check_output(dest, "-o")
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
     os.close(fd)

@@ -9,7 +9,7 @@ import typer
 
 from amplite.cli.app import _inputs, _run, app
 from amplite.cli.options import DebugOpt, InputOpt, InputsFile, ModelArg, ToleranceOpt, conversion_options
-from amplite.cli.output import byte_progress, print_plan, print_summary
+from amplite.cli.output import byte_progress, print_plan, print_summary, summary_to_stderr
 from amplite.options import ConvertOptions
 
 
@@ -36,7 +36,7 @@ def convert(
     ] = "off",
     input: InputOpt = [],  # noqa: B006
     inputs: InputsFile = None,
-    report: Annotated[Path | None, typer.Option("--report", help="Report JSON path.")] = None,
+    report: Annotated[Path | None, typer.Option("--report", help="Report JSON path ('-': standard output).")] = None,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip numeric verification.")] = False,
     tolerance: ToleranceOpt = [],  # noqa: B006
     max_trials: Annotated[int | None, typer.Option("--max-trials", help="Bound on the FP32 fallback search.")] = None,
@@ -54,14 +54,15 @@ def convert(
     def body() -> int:
         from amplite.save import convert_to_files
 
-        with byte_progress() as progress:
-            saved = convert_to_files(
-                model, _inputs(input, inputs), output=output, formats=format, report=report,
-                external_data=external_data, opset=opset, onnx_layernorm=onnx_layernorm, tolerance=tolerance or None,
-                verify=not no_verify, max_trials=max_trials, verify_max_memory=verify_max_memory,
-                progress=progress, inputs_file=inputs, options=conversion,
-            )  # fmt: skip
-        print_summary(saved.result.report.data, saved.written, saved.report_path)
+        with summary_to_stderr(report is not None and str(report) == "-"):  # stdout holds the report
+            with byte_progress() as progress:
+                saved = convert_to_files(
+                    model, _inputs(input, inputs), output=output, formats=format, report=report,
+                    external_data=external_data, opset=opset, onnx_layernorm=onnx_layernorm,
+                    tolerance=tolerance or None, verify=not no_verify, max_trials=max_trials,
+                    verify_max_memory=verify_max_memory, progress=progress, inputs_file=inputs, options=conversion,
+                )  # fmt: skip
+            print_summary(saved.result.report.data, saved.written, saved.report_path)
         return saved.exit_code
 
     _run(debug, body)

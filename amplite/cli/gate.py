@@ -23,7 +23,7 @@ from amplite.cli.options import (
     conversion_options,
     loading_options,
 )
-from amplite.cli.output import out, print_check
+from amplite.cli.output import out, print_check, summary_to_stderr
 from amplite.options import ConvertOptions
 
 
@@ -45,7 +45,7 @@ def check(
     grad: Annotated[bool, typer.Option("--grad", help="Also compare parameter gradients (training check).")] = False,
     loss: Annotated[str | None, typer.Option("--loss", help="module:function(outputs) -> loss for --grad.")] = None,
     report: Annotated[Path | None, typer.Option("--report", help="Directory for report.json/.md/.html.")] = None,
-    junit: Annotated[Path | None, typer.Option("--junit", help="Write a JUnit XML file.")] = None,
+    junit: Annotated[Path | None, typer.Option("--junit", help="JUnit XML file ('-': standard output).")] = None,
     name: Annotated[str | None, typer.Option("--name", help="Model name in JUnit and reports.")] = None,
     train_steps: Annotated[
         int, typer.Option("--train-steps", help="Train FP32 and amplite copies N steps; gate on train_loss_gap.")
@@ -73,8 +73,9 @@ def check(
             layerwise=not no_layerwise, grad=grad, loss=loss, report_dir=report, junit=junit, name=name,
             train_steps=train_steps, lr=lr, inputs_file=inputs, options=conversion,
         )  # fmt: skip
-        publish_github_summary(res.report.data)
-        print_check(res)
+        with summary_to_stderr(junit is not None and str(junit) == "-"):
+            publish_github_summary(res.report.data)
+            print_check(res)
         return res.exit_code
 
     _run(debug, body)

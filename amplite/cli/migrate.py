@@ -23,25 +23,32 @@ def migrate(
     ] = False,
     dtype: Annotated[str, typer.Option("--dtype", help="bf16 or fp16, for --add-autocast.")] = "bf16",
     jobs: Annotated[int, typer.Option("--jobs", "-j", help="Worker processes (0: one per CPU).")] = 1,
+    file_timeout: Annotated[
+        float, typer.Option("--file-timeout", help="Seconds a file over 64 kB may take before it is skipped.")
+    ] = 60.0,
     debug: DebugOpt = False,
 ) -> None:
     """Rewrite training scripts from torch.cuda.amp / apex amp onto native torch.amp (in place, atomically)."""
 
     def body() -> int:
         from amplite.errors import ConfigError
+        from amplite.escape import terminal
         from amplite.migrate import format_report, migrate_paths
 
         if diff and check:
             raise ConfigError("--diff and --check are exclusive", "use --diff to see changes, --check in CI")
         if dtype not in ("bf16", "fp16"):
             raise ConfigError(f"unknown --dtype {dtype!r}", "use bf16 or fp16")
-        report = migrate_paths(paths, mode="diff" if diff else "check" if check else "write",
-                               add_autocast=add_autocast, dtype=dtype, jobs=jobs)  # fmt: skip
+        if not file_timeout > 0:
+            raise ConfigError(f"--file-timeout {file_timeout:g} is not positive", "give seconds, e.g. 60")
+        mode = "diff" if diff else "check" if check else "write"
+        report = migrate_paths(paths, mode=mode, add_autocast=add_autocast, dtype=dtype, jobs=jobs,
+                               file_timeout=file_timeout)  # fmt: skip
         if len(report.files) == 1 and report.files[0].refused:  # one hostile file: a one-line refusal
             only = report.files[0]
             raise ConfigError(f"{str(only.path)!r}: {only.error}", "nothing was changed; simplify the file, or "
                               "migrate the file it links to by its own path")  # fmt: skip
-        print(format_report(report).rstrip("\n"))
+        print(terminal(format_report(report).rstrip("\n"), newlines=True))  # diffs of the user's files too
         return report.exit_code
 
     _run(debug, body)

@@ -2,21 +2,37 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+from amplite import escape as safe
 
 # Every user-, model- or file-derived string printed through rich goes through escape(): rich reads
 # `[[model]]` or `[defaults]` as markup and would drop it.
 # soft_wrap: never break a line (paths, node lists) at the console width; CI logs and
 # pipes are 80 columns wide and users copy paths from them. Tables still fit the width.
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+# Both show control characters from names as text (amplite.escape.console): no hidden links or erased lines.
+out = safe.console(highlight=False, soft_wrap=True)
+err = safe.console(stderr=True, highlight=False, soft_wrap=True)
+
+
+@contextmanager
+def summary_to_stderr(on: bool) -> Iterator[None]:
+    """Print the human summary to stderr meanwhile, when a file is written to stdout (``--report -``)."""
+    if not on:
+        yield
+        return
+    out.file = sys.stderr
+    try:
+        yield
+    finally:
+        out.file = None  # type: ignore[assignment]  # rich: None is sys.stdout, looked up when printing
 
 
 def _nonfinite(o: dict[str, Any]) -> str:
@@ -118,8 +134,8 @@ def print_plan(data: dict[str, Any], only: str | None) -> None:
     if not out.is_terminal:
         print("node\top\tmodule\tdtype\treason")
         for r in rows:
-            print(f"{r['node']}\t{r['op']}\t{r['module']}\t{r['dtype'] or '-'}\t{r['reason']}")
-        print(footer)
+            print("\t".join(safe.tsv(v) for v in (r["node"], r["op"], r["module"], r["dtype"] or "-", r["reason"])))
+        print(safe.terminal(footer))
         return
     table = Table(title=f"precision plan ({data['config']['precision']}, {data['config']['level']})")
     for col in ("node", "op", "module", "dtype", "reason"):

@@ -17,6 +17,7 @@ import torch
 from torch.export import ExportedProgram
 
 from amplite.errors import ConfigError, EmitError
+from amplite.paths import STDOUT, check_output
 
 FORMATS = ("pt2", "onnx", "aoti")
 
@@ -65,8 +66,12 @@ def check_writable(path: str | Path) -> Path:
 
     Raises:
         EmitError: If the directory is missing, the path is a directory, or it is not writable.
+        ConfigError: The path is a symlink, a device, a FIFO or a socket (:func:`amplite.paths.check_output`).
     """
     p = Path(path)
+    if str(p) == STDOUT:
+        return p
+    check_output(p)
     parent = p.parent if str(p.parent) else Path(".")
     if p.is_dir():
         raise EmitError(f"output path {str(p)!r} is a directory", f"give a file path, e.g. {str(p / 'NAME')!r}")
@@ -189,5 +194,11 @@ _RECORDED: dict[str, Callable[[Any], bool]] = {
 
 
 def write_text(path: str | Path, text: str) -> Path:
-    """Write a text file atomically."""
+    """Write a text file atomically; ``-`` writes it to standard output (for ``--report -``/``--junit -``)."""
+    if str(path) == STDOUT:
+        import sys
+
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return Path(STDOUT)
     return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 
 from amplite.converter.input_files import read_input_file
 from amplite.errors import InputSpecError
+from amplite.paths import not_a_file
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -22,6 +24,10 @@ DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64, "long": torch.int64, "int32": torch.int32, "int": torch.int32,
     "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
 }  # fmt: skip
+
+#: Most bytes amplite generates for ``--input`` specs (each, and all random batches together): checked before
+#: anything is allocated, so ``--input x:200000x200000:float32`` (160 GB) is one line, not an OOM kill.
+MAX_GENERATED_BYTES = 16 << 30
 
 #: Default value range of integer inputs without an explicit ``[lo,hi)``.
 DEFAULT_INT_RANGE = (0, 10)
@@ -52,9 +58,13 @@ def parse_input_spec(spec: str, generator: torch.Generator) -> tuple[str, torch.
             f"unknown dtype {dtype_name!r} in --input {spec!r}", f"use one of {', '.join(sorted(DTYPES))}"
         )
     dtype = DTYPES[dtype_name]
-    shape = [int(s) for s in m["shape"].split("x")] if m["shape"] else []
+    dims = m["shape"].split("x") if m["shape"] else []
+    if any(not d or len(d) > 12 for d in dims):  # int() of 5,000 digits raises; 10^12 elements is beyond any bound
+        raise InputSpecError(f"bad shape {m['shape'][:40]!r} in --input {spec[:80]!r}", _SPEC_FIX)
+    shape = [int(s) for s in dims]
     if any(s <= 0 for s in shape):
         raise InputSpecError(f"every dimension must be positive in --input {spec!r}", _SPEC_FIX)
+    check_generated_bytes(math.prod(shape) * dtype.itemsize, f"--input {spec!r}")
     lo = float(m["lo"]) if m["lo"] is not None else None
     hi = float(m["hi"]) if m["hi"] is not None else None
     if lo is not None and hi is not None and hi <= lo:
@@ -71,8 +81,31 @@ def parse_input_spec(spec: str, generator: torch.Generator) -> tuple[str, torch.
     return m["name"], torch.randint(low, high, shape, generator=generator, dtype=dtype)
 
 
+def check_generated_bytes(nbytes: int, what: str) -> None:
+    """Refuse to generate more than :data:`MAX_GENERATED_BYTES` of inputs for ``what``.
+
+    Raises:
+        InputSpecError: Naming the size and the bound.
+    """
+    if nbytes > MAX_GENERATED_BYTES:
+        raise InputSpecError(f"{what} needs {nbytes / 2**30:,.1f} GiB, more than the {MAX_GENERATED_BYTES >> 30} GiB "
+                             "amplite generates", "give smaller shapes (or fewer random batches)")  # fmt: skip
+
+
+def spec_bytes(spec: str) -> int:
+    """The bytes one ``--input`` spec generates (0 when it does not parse: parsing it reports that)."""
+    m = _SPEC.match(spec.strip())
+    if not m or m["dtype"] not in DTYPES or any(len(d) > 12 for d in m["shape"].split("x")):
+        return 0
+    dims = [int(d) for d in m["shape"].split("x") if d] if m["shape"] else []
+    return math.prod(dims) * DTYPES[m["dtype"]].itemsize
+
+
 def inputs_from_specs(specs: list[str] | tuple[str, ...], seed: int = 0) -> Inputs:
     """Keyword inputs from ``--input`` specs (names are forward()'s parameter names)."""
+    for spec in specs:  # each, then all together, before anything is allocated
+        check_generated_bytes(spec_bytes(spec), f"--input {spec!r}")
+    check_generated_bytes(sum(spec_bytes(s) for s in specs), "the --input specs together")
     generator = torch.Generator().manual_seed(seed)
     kwargs: dict[str, Any] = {}
     for spec in specs:
@@ -93,8 +126,9 @@ def load_inputs_file(path: str | Path) -> Inputs:
         InputSpecError: Missing or unreadable file, or content that is not tensors.
     """
     p = Path(path)
-    if not p.is_file():
-        raise InputSpecError(f"inputs file {str(p)!r} does not exist", "pass an existing file to --inputs")
+    problem = not_a_file(p)
+    if problem is not None:
+        raise InputSpecError(f"inputs file {str(p)!r} {problem}", "pass an existing file to --inputs")
     data = read_input_file(p)  # every check on untrusted input files: amplite.converter.input_files
     if isinstance(data, torch.Tensor):
         return (data,), {}
@@ -117,6 +151,7 @@ def bind_inputs(model: torch.nn.Module, inputs: Inputs) -> Inputs:
         InputSpecError: Naming forward()'s parameters when the inputs do not bind.
     """
     args, kwargs = inputs
+    check_keywords(kwargs)
     try:
         sig = inspect.signature(model.forward)
     except (TypeError, ValueError):
@@ -130,6 +165,18 @@ def bind_inputs(model: torch.nn.Module, inputs: Inputs) -> Inputs:
             "name each --input after a parameter of forward(), or pass a matching --inputs file",
         ) from None
     return inputs
+
+
+def check_keywords(kwargs: dict[Any, Any]) -> None:
+    """Keyword inputs must be named by strings (a program's sample inputs or a dict may hold an int key).
+
+    Raises:
+        InputSpecError: Naming the key.
+    """
+    bad = [k for k in kwargs if not isinstance(k, str)]
+    if bad:
+        raise InputSpecError(f"a keyword input is named by a {type(bad[0]).__name__} ({str(bad[0])[:40]!r}), not a "
+                             "string", "name keyword inputs after forward()'s parameters")  # fmt: skip
 
 
 def program_signature(program: Any) -> tuple[list[str], int] | None:
@@ -169,6 +216,7 @@ def bind_to_program(program: Any, inputs: Inputs) -> Inputs:
         return inputs
     names, n_pos = found
     args, kwargs = inputs
+    check_keywords(kwargs)
     params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
     try:
         bound = inspect.Signature(params).bind(*args, **kwargs)

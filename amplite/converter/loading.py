@@ -26,6 +26,7 @@ from amplite.converter.archive import check_zip
 from amplite.converter.pt2 import import_user_modules, load_program
 from amplite.converter.tracing import summarize_exception
 from amplite.errors import InputSpecError, LoadError
+from amplite.paths import not_a_file
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -58,10 +59,11 @@ def detect_format(path: Path) -> str:
     Raises:
         LoadError: For missing files, directories, truncated archives and unknown content.
     """
-    if not path.exists():
-        raise LoadError(f"model file {str(path)!r} does not exist", "check the path")
     if path.is_dir():
         raise LoadError(f"{str(path)!r} is a directory, not a model file", "pass the model file inside it")
+    problem = not_a_file(path)  # a FIFO would block the read below, /dev/zero never ends
+    if problem is not None:
+        raise LoadError(f"model file {str(path)!r} {problem}", "check the path")
     with path.open("rb") as f:
         head = f.read(4)
     if head.startswith(b"PK"):

@@ -53,6 +53,7 @@ from amplite.converter.pt2_checks import (
     check_example_inputs,
     check_expansion,
     check_payload_metadata,
+    check_symbols,
 )
 from amplite.converter.tracing import summarize_exception
 from amplite.errors import LoadError
@@ -101,11 +102,14 @@ def _load(arch: Archive, trust_pickle: bool, custom: frozenset[str]) -> Exported
     state_dict = _payloads(arch, "weights", trust_pickle)
     constants = _payloads(arch, "constants", trust_pickle)
     sample = _unpickle(arch, _entry(arch, "sample_inputs"), trust_pickle)
-    if not (isinstance(sample, tuple) and len(sample) == 2 and isinstance(sample[1], dict)):
-        raise LoadError(f"{str(path)!r}: the example inputs are not (args, kwargs)", "re-save the model")
+    if not (isinstance(sample, tuple) and len(sample) == 2 and isinstance(sample[1], dict)
+            and all(isinstance(k, str) for k in sample[1])):  # fmt: skip
+        raise LoadError(f"{str(path)!r}: the example inputs are not (args, kwargs) with string keywords",
+                        "re-save the model")  # fmt: skip
     check_example_inputs(path, sample)
     program = _deserialize(arch, state_dict, constants, sample)
     check_call_graph(path, program)
+    check_symbols(path, program)
     why = check_program_ops(program, custom)
     if why is not None:
         raise LoadError(f"{str(path)!r}: {why}", "convert only programs written by torch.export.save")

@@ -158,3 +158,23 @@ def check_call_graph(path: Path, program: ExportedProgram) -> None:
         and len(set(names)) == len(names)
     ):
         raise LoadError(f"{str(path)!r}: the root signature's argument names are not distinct identifiers", _FIX)
+
+
+def check_symbols(path: Path, program: ExportedProgram) -> None:
+    """Every symbolic size the graph uses has a range constraint: torch's shape reasoning asserts on a symbol
+    without one ("vr must not be None") the first time a pass asks about it.
+
+    Raises:
+        LoadError: Naming the symbol.
+    """
+    known = {str(s) for s in program.range_constraints}
+    for node in program.graph.nodes:
+        vals = node.meta.get("val")
+        for val in vals if isinstance(vals, (list, tuple)) else [vals]:
+            sizes = [*val.shape, *val.stride()] if isinstance(val, torch.Tensor) else [val]
+            for size in sizes:
+                expr = getattr(getattr(size, "node", None), "expr", None)
+                free = {str(s) for s in getattr(expr, "free_symbols", ())}
+                if free - known:
+                    raise LoadError(f"{str(path)!r}: node {node.name!r} has a size with symbol "
+                                    f"{sorted(free - known)[0]!r}, which has no range constraint", _FIX)  # fmt: skip

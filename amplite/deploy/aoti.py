@@ -29,6 +29,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
+from amplite.converter import emit
 from amplite.errors import ConfigError, EmitError
 from amplite.verify.compare import OutputMetrics, Tolerance, output_names, tensor_metrics
 
@@ -134,7 +135,7 @@ def package_aoti(program: ExportedProgram, path: str | Path) -> AotiPackage:
         EmitError: AOTInductor failed, or the path cannot be written (nothing is left behind).
     """
     check_toolchain(program)
-    dest = Path(path)
+    dest = emit.check_writable(path)
     program, decomposed = _decompose_contractions(program)
     start = perf_counter()
     fd, tmp = tempfile.mkstemp(dir=dest.parent if str(dest.parent) else ".", prefix=f".{dest.name}.", suffix=".pt2")

@@ -8,6 +8,7 @@ from typing import Any
 
 from amplite.converter import emit
 from amplite.errors import ConfigError, EmitError
+from amplite.paths import check_output
 from amplite.report.document import Report
 from amplite.report.schema import write_report
 from amplite.report.sections import Check
@@ -47,6 +48,10 @@ def finish(report: Report, reasons: list[str], metrics: list[OutputMetrics], nam
     return res
 
 
+#: The files ``--report DIR`` holds.
+REPORT_FILES = ("report.json", "report.md", "report.html")
+
+
 def write_reports(data: Report | dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
     """Write report.json, report.md and report.html into ``out_dir`` (each atomically)."""
     from amplite.report.html import render_html
@@ -82,8 +87,11 @@ def prepare_outputs(report_dir: str | Path | None, junit: str | Path | None) -> 
     reports are written, so a failed run leaves nothing behind)."""
     d = Path(report_dir) if report_dir is not None else None
     if d is not None:
+        check_output(d, "--report", directory=True)
         if d.exists() and not d.is_dir():
             raise ConfigError(f"--report {str(d)!r} is a file", "give a directory for the reports")
+        for name in REPORT_FILES if d.is_dir() else ():  # each is checked now: none is written if one is a link
+            check_output(d / name, "--report")
         emit.check_writable(d / "report.json" if d.is_dir() else d)
     if junit is not None:
         j = Path(junit)

@@ -25,7 +25,16 @@ import libcst as cst
 
 from amplite.migrate._cst import matches_prefix
 from amplite.migrate._pipeline import DType, mentions_deprecated, migrate_module
-from amplite.migrate._safety import nesting_problem, precheck, quiet, run_in_pool
+from amplite.migrate._safety import (
+    BOUNDED_BYTES,
+    FILE_TIMEOUT,
+    nesting_problem,
+    precheck,
+    quiet,
+    read_source,
+    run_bounded,
+    run_in_pool,
+)
 from amplite.migrate._scan import AMP_PREFIXES, find_deprecated
 
 Mode = Literal["write", "diff", "check"]
@@ -143,9 +152,12 @@ def _migrate_file(task: tuple[str, Mode, bool, DType, dict[str, str]]) -> FileRe
     path = Path(name)
     result = FileResult(path)
     try:
-        source = path.read_bytes()
+        source = read_source(path)
     except OSError as exc:
         result.error = f"cannot read: {exc.strerror or exc}"
+        return result
+    except ValueError as exc:  # a FIFO, a device, a file too large to parse safely
+        result.error, result.refused = str(exc), True
         return result
     found = precheck(source)  # CPython's bounded parser first: libcst crashes on deep nesting
     if found is not None:
@@ -227,7 +239,7 @@ def collect_files(paths: Sequence[str | Path]) -> tuple[list[Path], list[FileRes
                                               "outside the directory given", refused=True))  # fmt: skip
                 else:
                     candidates.append(candidate)
-        elif path.is_file():
+        elif path.is_file() or os.path.lexists(path):  # a FIFO or device: read_source says what it is
             candidates = [path]
         else:
             missing.append(FileResult(path, error="no such file or directory"))
@@ -255,7 +267,7 @@ def reexported_names(files: Sequence[Path]) -> dict[Path, dict[str, str]]:
     imported: dict[str, dict[str, str]] = {}  # module's last name -> {name: where}
     for path in files:
         try:
-            source = path.read_bytes()
+            source = read_source(path)
             if nesting_problem(source) is not None:
                 continue
             with quiet():
@@ -295,6 +307,7 @@ def migrate_paths(
     add_autocast: bool = False,
     dtype: DType = "bf16",
     jobs: int = 1,
+    file_timeout: float = FILE_TIMEOUT,
 ) -> MigrateReport:
     """Migrate Python files to ``torch.amp``.
 
@@ -305,9 +318,12 @@ def migrate_paths(
         add_autocast: Also add autocast to plain FP32 training loops.
         dtype: ``"bf16"`` or ``"fp16"`` for ``add_autocast``.
         jobs: Worker processes (``<= 0``: one per CPU).
+        file_timeout: Seconds a file larger than ``_safety.BOUNDED_BYTES`` may take; it is migrated in a
+            child process, killed after that, and the file is skipped.
 
     Returns:
-        The report; files that cannot be read or parsed are listed with an error and skipped.
+        The report; files that cannot be read or parsed, are not regular files, are too large or take too
+        long are listed with an error (and why) and skipped; the rest are migrated.
     """
     if mode not in ("write", "diff", "check"):
         raise ValueError(f"mode must be 'write', 'diff' or 'check', not {mode!r}")
@@ -316,14 +332,35 @@ def migrate_paths(
     files, missing = collect_files(paths)
     keep = reexported_names(files)
     tasks = [(str(f), mode, add_autocast, dtype, keep[f]) for f in files]
+    large = {i for i, f in enumerate(files) if _size(f) > BOUNDED_BYTES}
+    small = [t for i, t in enumerate(tasks) if i not in large]
     workers = (os.cpu_count() or 1) if jobs <= 0 else jobs
-    if workers > 1 and len(tasks) > 1:
-        crashed = "not touched: the parser crashed on it"
-        results = [r if r is not None else FileResult(Path(t[0]), error=crashed, refused=True)
-                   for t, r in zip(tasks, run_in_pool(_migrate_file, tasks, min(workers, len(tasks))), strict=True)]
+    crashed = "not touched: the parser crashed on it"
+    if workers > 1 and len(small) > 1:
+        done = [r if r is not None else FileResult(Path(t[0]), error=crashed, refused=True)
+                for t, r in zip(small, run_in_pool(_migrate_file, small, min(workers, len(small))), strict=True)]
     else:
-        results = [_migrate_file(task) for task in tasks]
+        done = [_migrate_file(task) for task in small]
+    by_task = iter(done)
+    results = [_bounded(task, file_timeout) if i in large else next(by_task) for i, task in enumerate(tasks)]
     return MigrateReport(mode=mode, files=missing + results)
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+def _bounded(task: tuple[str, Mode, bool, DType, dict[str, str]], seconds: float) -> FileResult:
+    """Migrate a large file in a child process killed after ``seconds`` (libcst can take minutes)."""
+    outcome, result = run_bounded(_migrate_file, task, seconds)
+    if result is not None:
+        return result
+    why = (f"not migrated: parsing and rewriting it took longer than {seconds:g} s (--file-timeout)"
+           if outcome == "timeout" else "not touched: the parser crashed on it")  # fmt: skip
+    return FileResult(Path(task[0]), error=why, refused=True)
 
 
 def _count(n: int) -> str:

@@ -8,12 +8,13 @@ Numbers are read with :func:`amplite.verify.numbers.decode_float`, the one decod
 from __future__ import annotations
 
 import math
-from html import escape
 from typing import Any
 
+from amplite.escape import html as escape
+from amplite.escape import markdown, markdown_code
 from amplite.verify.numbers import NON_FINITE, decode_float, encode_float
 
-__all__ = ["CAP_DB", "cell", "db", "fmt", "html_table"]
+__all__ = ["CAP_DB", "cell", "code", "db", "fmt", "html_table"]
 
 CAP_DB = 160.0  # exact values (infinite SQNR) are drawn at this height
 
@@ -36,8 +37,13 @@ def fmt(v: Any, digits: int = 4) -> str:
 
 
 def cell(text: Any) -> str:
-    """Text for a Markdown table cell (pipes escaped, one line)."""
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    """Text for Markdown (a table cell or a line): one line, no markup (:func:`amplite.escape.markdown`)."""
+    return markdown(text)
+
+
+def code(text: Any) -> str:
+    """A name as a Markdown code span, inert (:func:`amplite.escape.markdown_code`)."""
+    return markdown_code(text)
 
 
 def db(v: Any) -> float | None:

@@ -4,16 +4,17 @@ Sections: verdict, per-output table, the accuracy-budget search (its trials agai
 nodes it moved to FP32), error along the graph (accumulated and isolated SQNR per node, and the worst per
 layer), the precision map (nodes by dtype, the FP32 islands with their reasons, the range-rule decisions),
 the top error-introducing nodes with their source lines, range problems, baseline, gradients and golden
-facts. Charts are plotly figures; every text from the model is HTML-escaped.
+facts. Charts are plotly figures; every text from the model is HTML-escaped (:func:`amplite.escape.html`), in
+tables and in chart labels alike (plotly reads ``<a href>`` in an axis label as a link).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from html import escape
 from typing import Any
 
 from amplite.errors import ConfigError
+from amplite.escape import html as escape
 from amplite.report.document import Report, document
 from amplite.report.format import CAP_DB, fmt
 from amplite.report.format import db as _db
@@ -72,7 +73,7 @@ def _figures(data: dict[str, Any]) -> list[tuple[str, Any]]:
         layers = data["layerwise"].get("layers", [])
         if len(layers) > 1:
             lf = go.Figure()
-            names = [row["layer"] for row in layers]
+            names = [escape(row["layer"]) for row in layers]  # plotly reads <a href> and <b> in axis labels
             lf.add_trace(go.Bar(x=names, y=[_db(r["accumulated_sqnr_db"]) for r in layers], name="worst accumulated"))
             lf.add_trace(go.Bar(x=names, y=[_db(r["isolated_sqnr_db"]) for r in layers], name="worst isolated"))
             lf.update_layout(title="Worst SQNR per layer (dB)", barmode="group", height=360, margin=_MARGIN | {"b": 80})
@@ -83,7 +84,7 @@ def _figures(data: dict[str, Any]) -> list[tuple[str, Any]]:
         pf = go.Figure()
         for when in ("before", "after"):
             counts = graph.get(when, {}).get("nodes_by_dtype", {})
-            pf.add_trace(go.Bar(x=dtypes, y=[counts.get(d, 0) for d in dtypes], name=when))
+            pf.add_trace(go.Bar(x=[escape(d) for d in dtypes], y=[counts.get(d, 0) for d in dtypes], name=when))
         pf.update_layout(title="Nodes by compute dtype", barmode="group", height=320, margin=_MARGIN)
         figs.append(("precision-map", pf))
     if data.get("budget", {}).get("steps"):
@@ -183,9 +184,9 @@ def _estimate_figure(est: dict[str, Any]) -> Any:
     import plotly.graph_objects as go
 
     names = list(est["seconds"])
-    fig = go.Figure(go.Bar(x=names, y=[est["seconds"][k] * 1e3 for k in names]))
+    fig = go.Figure(go.Bar(x=[escape(k) for k in names], y=[est["seconds"][k] * 1e3 for k in names]))
     fig.update_layout(height=280, margin={"t": 30, "b": 30}, yaxis_title="estimated ms per forward",
-                      title=f"Estimated on {est['device']} (roofline; not a measurement)")  # fmt: skip
+                      title=f"Estimated on {escape(est['device'])} (roofline; not a measurement)")  # fmt: skip
     return fig
 
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from amplite import escape
 from amplite.report.document import Report, document
 
 _SKIP = {"name", "checks", "notes", "extra", "shape"}
@@ -113,6 +114,10 @@ def junit_xml(report: Report | Mapping[str, Any]) -> str:
         el.set("errors", "0")
     suite.set("skipped", "0")
     suite.set("time", f"{seconds:.4f}")
+    for el in root.iter():  # names and messages come from the model: keep the file valid XML
+        el.attrib.update({k: escape.xml(v) for k, v in el.attrib.items()})
+        if el.text:
+            el.text = escape.xml(el.text)
     ET.indent(root)
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
@@ -128,8 +133,9 @@ def _top_lines(report: dict[str, Any], n: int = 3) -> list[str]:
 
 
 def _escape(text: str) -> str:
-    """Workflow-command escaping (``%``, CR, LF; plus ``:`` and ``,`` in properties)."""
-    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+    """Workflow-command escaping (``%``, CR, LF; plus ``:`` and ``,`` in properties); other control
+    characters (ESC...) are shown as text (:func:`amplite.escape.terminal`): the log is a terminal."""
+    return escape.terminal(text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A"))
 
 
 def _prop(text: str) -> str:

@@ -7,10 +7,10 @@ the skipped steps marked) and the loss-scale history.
 
 from __future__ import annotations
 
-from html import escape
 from typing import Any
 
-from amplite.report.format import fmt, html_table
+from amplite.escape import html as escape
+from amplite.report.format import cell, code, fmt, html_table
 
 _TOP = 8
 
@@ -18,8 +18,8 @@ _TOP = 8
 def training_markdown(t: dict[str, Any]) -> list[str]:
     """Markdown lines for the training section."""
     lines = [
-        f"**Training** ({t['steps']} steps, AdamW lr {t['lr']:g}, {t['loss']}, {t['precision']} {t['level']}, "
-        f"masters {t['masters']}): max loss gap {fmt(t['max_gap'])} "
+        f"**Training** ({t['steps']} steps, AdamW lr {t['lr']:g}, {cell(t['loss'])}, {cell(t['precision'])} "
+        f"{cell(t['level'])}, masters {cell(t['masters'])}): max loss gap {fmt(t['max_gap'])} "
         f"(limit train_loss_gap<={t['tolerance']['train_loss_gap']:g}) — {'pass' if t['passed'] else '**FAIL**'}.",
         "",
         "| step | FP32 loss | amplite loss | gap |",
@@ -36,7 +36,7 @@ def training_markdown(t: dict[str, Any]) -> list[str]:
     worst = [u for u in t["gradient_underflow"] if u["max_share"] > 0][:_TOP]
     if worst:
         lines.append("Gradient underflow (share of elements non-zero in FP32 but zero in amplite): " + ", ".join(
-            f"`{u['parameter']}` {fmt(100 * u['mean_share'], 3)} %" for u in worst
+            f"{code(u['parameter'])} {fmt(100 * u['mean_share'], 3)} %" for u in worst
         ))  # fmt: skip
     lines.append("")
     return lines

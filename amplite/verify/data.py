@@ -25,9 +25,10 @@ import torch
 from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
-from amplite.converter.inputs import inputs_from_specs, load_inputs_file
+from amplite.converter.inputs import check_generated_bytes, inputs_from_specs, load_inputs_file, spec_bytes
 from amplite.converter.tracing import summarize_exception
-from amplite.errors import ConfigError, InputSpecError
+from amplite.errors import ConfigError, InputSpecError, LoadError
+from amplite.paths import inside, not_a_file
 from amplite.verify.compare import output_names
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -39,15 +40,28 @@ def batches_from_dir(path: str | Path, option: str = "--data") -> list[tuple[str
 
     ``option`` names the option in messages (``--data``, ``--calib``).
 
+    Only files inside the directory are read (:func:`amplite.paths.inside`): a data file that is a symlink
+    is refused (it could lead anywhere), and so is a FIFO or device with a data suffix (a reader would block
+    or never end); sub-directories are not walked.
+
     Raises:
         InputSpecError: Missing or empty directory, or an unreadable file.
+        LoadError: A data file that is a symlink, a FIFO or a device.
     """
     p = Path(path)
     if not p.is_dir():
         raise InputSpecError(
             f"{option} {str(p)!r} is not a directory", "pass a directory of .pt/.npz/.safetensors batches"
         )
-    files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in SUFFIXES)
+    files = []
+    for f in sorted(p.iterdir()):
+        if f.suffix not in SUFFIXES or (f.is_dir() and not f.is_symlink()):
+            continue
+        inside(p, f.name, "data file", f"the {option} directory", "copy the file into the directory")
+        problem = not_a_file(f)
+        if problem is not None:
+            raise LoadError(f"{option} file {str(f)!r} {problem}", "keep only batch files in the directory")
+        files.append(f)
     if not files:
         raise InputSpecError(
             f"{option} directory {str(p)!r} has no .pt, .pth, .npz or .safetensors files",
@@ -117,9 +131,12 @@ def random_batches(
         InputSpecError: When there is neither a spec nor an example to copy shapes from.
     """
     if specs:
+        check_generated_bytes(n * sum(spec_bytes(s) for s in specs), f"{n} random batches of --input")
         return [(f"random[{i}]", inputs_from_specs(list(specs), seed=seed + i)) for i in range(n)]
     if example is None:
         raise InputSpecError("random batches need shapes", "pass --input NAME:SHAPE:DTYPE or example inputs")
+    per_batch = sum(t.numel() * t.element_size() for t in pytree.tree_leaves(example) if isinstance(t, torch.Tensor))
+    check_generated_bytes(n * per_batch, f"{n} random batches shaped like the example inputs")
     out = []
     for i in range(n):
         g = torch.Generator().manual_seed(seed + i)
@@ -213,6 +230,10 @@ def select_batches(
     if data_loader is not None:
         return batches_from_loader(data_loader, max_batches)
     if random:
+        if not 0 < random <= max_batches:  # a count from the command line: bounded before anything is built
+            what = f"more than --max-batches {max_batches}" if random > 0 else "negative"
+            raise ConfigError(f"--random-batches {random} is {what}",
+                              "pass between 1 and --max-batches random batches (or raise --max-batches)")  # fmt: skip
         return random_batches(example, random, specs=specs)
     if example is None:
         raise InputSpecError("no inputs to verify on", "pass --input, --inputs, --data, --data-loader or --golden")

@@ -31,6 +31,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from amplite.errors import AmpliteError, ConfigError, EmitError
+from amplite.paths import check_output, inside, not_a_file
 from amplite.verify.compare import output_names
 from amplite.verify.numbers import decode_float
 
@@ -104,6 +105,7 @@ def save_golden(
         EmitError: The parent directory cannot be written.
     """
     d = Path(directory)
+    check_output(d, "the golden directory", directory=True)
     if d.exists():
         if not update:
             raise GoldenError(f"golden directory {str(d)!r} already exists", "pass --update-golden to regenerate it")
@@ -185,8 +187,10 @@ def _load_tree(d: Path, entry: dict[str, Any]) -> Any:
     if path.is_symlink() or (path.exists() and path.resolve().parent != d.resolve()):
         raise GoldenError(f"golden file {str(path)!r} is a symlink; golden files are read only from inside the "
                           "golden directory", _REGEN)  # fmt: skip
-    if not path.is_file():
-        raise GoldenError(f"golden file {str(path)!r} is missing", "regenerate the golden directory (--update-golden)")
+    problem = not_a_file(path)
+    if problem is not None:
+        raise GoldenError(f"golden file {str(path)!r} {'is missing' if problem == 'does not exist' else problem}",
+                          _REGEN)  # fmt: skip
     if file_sha256(path) != entry["sha256"]:
         raise GoldenError(
             f"golden file {str(path)!r} does not match its checksum in {META} (corrupt or edited)",
@@ -209,7 +213,11 @@ def load_golden(directory: str | Path) -> Golden:
     if not d.is_dir():
         raise GoldenError(f"golden directory {str(d)!r} does not exist", fix)
     try:
-        meta = json.loads((d / META).read_text(encoding="utf-8"))
+        meta_path = inside(d, META, "the metadata", "the golden directory", _REGEN)
+        problem = not_a_file(meta_path)
+        if problem is not None and problem != "does not exist":
+            raise GoldenError(f"{str(meta_path)!r} {problem}", _REGEN)
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
         if meta.get("schema") != SCHEMA:
             raise ValueError(f"schema is {meta.get('schema')!r}, not {SCHEMA!r}")
         if int(meta.get("schema_version", 0)) > SCHEMA_VERSION:
@@ -218,7 +226,7 @@ def load_golden(directory: str | Path) -> Golden:
         for entry in meta["batches"]:
             golden.batches.append((f"golden {entry['label']}", _load_tree(d, entry["inputs"])))
             golden.outputs.append(_load_tree(d, entry["outputs"]))
-    except GoldenError:
+    except AmpliteError:
         raise
     except FileNotFoundError:
         raise GoldenError(f"{str(d)!r} has no {META}: it is not a golden directory", fix) from None
@@ -263,6 +271,9 @@ def load_baseline(baseline: str | Path | dict[str, Any] | None) -> dict[str, Any
         if problem:
             raise ConfigError(f"the baseline report is not an amplite report: {problem}", fix)
         return baseline
+    problem = not_a_file(baseline)
+    if problem is not None:
+        raise ConfigError(f"--baseline {str(baseline)!r} {problem}", fix)
     try:
         data = json.loads(Path(baseline).read_text(encoding="utf-8"))
     except FileNotFoundError:
