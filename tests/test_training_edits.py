@@ -172,3 +172,19 @@ def test_a_per_module_mode_is_refused():
     model.a.eval()
     with pytest.raises(ConfigError, match=r"submodule 'a' is in eval mode while the model is in train mode"):
         net(torch.randn(4, 8))
+
+
+def test_o2_copies_hold_no_memory_between_the_step_and_the_next_forward():
+    import gc
+    import weakref
+
+    model, net, opt = _prep("O2")
+    x = torch.randn(6, 8)
+    opt.backward(net(x).square().mean())
+    held = [weakref.ref(low) for low, _ in opt.pairs]
+    assert held
+    opt.step()
+    gc.collect()
+    assert all(r() is None for r in held)  # released at the step (recast at the next forward anyway)
+    want = model(x)
+    assert (net(x) - want).abs().max().item() <= 0.02 * want.abs().max().item() + 1e-3

@@ -124,7 +124,8 @@ class AnnotatePrecision:
                 decisions[node] = self.policy.for_normaliser(dec, self._feeds_fp32(node, decisions))
         self._discrete_decisions(decisions)
         for node, dec in list(decisions.items()):
-            decisions[node] = self.policy.for_bridge(dec, self._bridges_fp32(node, decisions))
+            outputs_fp32 = not self.policy.low_precision_io
+            decisions[node] = self.policy.for_bridge(dec, self._bridges_fp32(node, decisions, outputs_fp32))
         return decisions
 
     def _discrete_decisions(self, decisions: dict[torch.fx.Node, Decision]) -> None:
@@ -148,17 +149,36 @@ class AnnotatePrecision:
                 frontier = nxt
 
     @staticmethod
-    def _bridges_fp32(node: torch.fx.Node, decisions: dict[torch.fx.Node, Decision]) -> bool:
+    def _bridges_fp32(
+        node: torch.fx.Node, decisions: dict[torch.fx.Node, Decision], outputs_fp32: bool = False
+    ) -> bool:
         """Whether ``node`` only connects FP32 ops: every floating operand comes from one and every user is
         one (``mean(x²) + eps`` between mean and rsqrt). Running it low would cost two casts and a rounding
-        inside an FP32 island."""
+        inside an FP32 island. With ``outputs_fp32`` (graph outputs keep their dtype) an FP32 graph output
+        counts as an FP32 user and an FP32 graph input as an FP32 operand: a loss's last ``sum / num_items``
+        stays FP32 instead of a bf16 round trip."""
         producers = [a for a in _tensor_inputs(node) if is_float_tensor(a)]
         if not producers or not node.users:
             return False
         fp32 = "fp32"
-        return all(decisions.get(a, Decision("low", "")).mode == fp32 for a in producers) and all(
-            decisions.get(u, Decision("low", "")).mode == fp32 for u in node.users
-        )
+        out_fp32 = outputs_fp32 and getattr(fake_value(node), "dtype", None) == torch.float32
+
+        def reads_fp32(u: torch.fx.Node) -> bool:
+            return (u.op == "output" and out_fp32) or decisions.get(u, Decision("low", "")).mode == fp32
+
+        def gives_fp32(a: torch.fx.Node, depth: int = 3) -> bool:
+            # an FP32 graph input keeps its dtype as outputs do; an undecided FP32 node (a device move, a cast
+            # to FP32) passes on what it reads
+            if a in decisions:
+                return decisions[a].mode == fp32
+            if not outputs_fp32 or getattr(fake_value(a), "dtype", None) != torch.float32:
+                return False
+            if a.op == "placeholder":
+                return True
+            ins = [b for b in _tensor_inputs(a) if is_float_tensor(b)] if a.op == "call_function" else []
+            return depth > 0 and bool(ins) and all(gives_fp32(b, depth - 1) for b in ins)
+
+        return all(gives_fp32(a) for a in producers) and all(reads_fp32(u) for u in node.users)
 
     @staticmethod
     def _feeds_fp32(node: torch.fx.Node, decisions: dict[torch.fx.Node, Decision]) -> bool:

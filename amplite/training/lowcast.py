@@ -59,8 +59,8 @@ class LowCopies(nn.Module):
         self.dtype = dtype
         self.every_forward = every_forward
         self.syncs = 0  # sync() calls that recast (for reports and tests)
-        # id(master) -> (master, low copy, the master's state the copy was made from)
-        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[int, int, torch.Size]]] = {}
+        # id(master) -> (master, low copy or None once released, the master's state the copy was made from)
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple[int, int, torch.Size]]] = {}
 
     @staticmethod
     def _stamp(t: torch.Tensor) -> tuple[int, int, torch.Size]:
@@ -70,7 +70,7 @@ class LowCopies(nn.Module):
         """The current low-precision copy of ``master`` (cast now if it changed since the last cast)."""
         entry = self._copies.get(id(master))
         stamp = self._stamp(master)
-        if entry is None or entry[0] is not master or entry[2] != stamp:
+        if entry is None or entry[0] is not master or entry[1] is None or entry[2] != stamp:
             with torch.no_grad():
                 low = master.detach().to(self.dtype)
             self._copies[id(master)] = (master, low, stamp)
@@ -88,7 +88,12 @@ class LowCopies(nn.Module):
         quiet_src: list[torch.Tensor] = []
         for key, (master, low, stamp) in list(self._copies.items()):
             now = self._stamp(master)
-            if now != stamp:
+            if low is None:  # released after the last step: a new buffer, filled in the fused copy below
+                low = torch.empty_like(master, dtype=self.dtype, memory_format=torch.preserve_format)
+                self._copies[key] = (master, low, now)
+                quiet_dst.append(low)
+                quiet_src.append(master.data)
+            elif now != stamp:
                 if low.shape == master.shape and low.device == master.device:
                     low.copy_(master)
                 else:
@@ -121,7 +126,7 @@ class LowCopies(nn.Module):
         for key, (master, low, _) in list(self._copies.items()):
             if round_masters:
                 master.copy_(master.to(self.dtype))
-            if low.shape == master.shape and low.device == master.device:
+            if low is not None and low.shape == master.shape and low.device == master.device:
                 low.copy_(master)
             else:
                 low = master.detach().to(self.dtype)
@@ -129,13 +134,20 @@ class LowCopies(nn.Module):
 
     @torch.no_grad()
     def after_step(self, round_masters: bool = False) -> None:
-        """After an optimizer step: recast now (``on_change``), or leave it to the next :meth:`sync`."""
+        """After an optimizer step: recast now (``on_change``), or release the copies (``every_forward``).
+
+        With ``every_forward`` the next :meth:`sync` casts every copy anyway, so between the step and the
+        next forward they hold no memory: the optimizer step and what runs around it (evaluation aside)
+        see the same resident weights as under ``torch.autocast``, whose casts live for one forward and
+        backward.
+        """
         if not self.every_forward:
             self.refresh(round_masters=round_masters)
             return
-        if round_masters:
-            for master, _, _ in self._copies.values():
+        for key, (master, _, stamp) in list(self._copies.items()):
+            if round_masters:
                 master.copy_(master.to(self.dtype))
+            self._copies[key] = (master, None, stamp)
 
     def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(low copy, master)`` for every tensor the graphs read in low precision (cast if stale)."""
