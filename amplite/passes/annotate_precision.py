@@ -154,14 +154,17 @@ class AnnotatePrecision:
     ) -> bool:
         """Whether ``node`` only connects FP32 ops: every floating operand comes from one and every user is
         one (``mean(x²) + eps`` between mean and rsqrt). Running it low would cost two casts and a rounding
-        inside an FP32 island. With ``outputs_fp32`` (graph outputs keep their dtype) an FP32 graph output
-        counts as an FP32 user and an FP32 graph input as an FP32 operand: a loss's last ``sum / num_items``
-        stays FP32 instead of a bf16 round trip."""
+        inside an FP32 island. With ``outputs_fp32`` (graph outputs keep their dtype), for a 0-dim ``node``
+        an FP32 graph output counts as an FP32 user and an FP32 graph input as an FP32 operand: a loss's last
+        ``sum / num_items`` stays FP32 instead of a bf16 round trip."""
         producers = [a for a in _tensor_inputs(node) if is_float_tensor(a)]
         if not producers or not node.users:
             return False
         fp32 = "fp32"
-        out_fp32 = outputs_fp32 and getattr(fake_value(node), "dtype", None) == torch.float32
+        val = fake_value(node)
+        # scalars only: a 0-dim op costs nothing in low precision's favour, only the rounding
+        outputs_fp32 = outputs_fp32 and isinstance(val, torch.Tensor) and val.dim() == 0
+        out_fp32 = outputs_fp32 and val.dtype == torch.float32
 
         def reads_fp32(u: torch.fx.Node) -> bool:
             return (u.op == "output" and out_fp32) or decisions.get(u, Decision("low", "")).mode == fp32

@@ -5,7 +5,8 @@ then, plain attributes such as ``Dropout.p`` or ``BatchNorm.momentum`` and the t
 fixed in the graph. A :class:`ModelWatch` records them when the graphs are traced and compares them before
 every call of the net, so a change made afterwards is followed (the model's train/eval mode: the net runs its
 train or eval graph) or refused with the fix (anything else), instead of running a graph of the model as it
-was. The check reads Python attributes only (no tensor data): tens of microseconds for a GPT-2-sized tree.
+was. The check reads Python attributes only (no tensor data): 0.7 ms per call for GPT-2 small's 164
+modules (measured on a loaded 2-core machine), against a step of seconds.
 """
 
 from __future__ import annotations
