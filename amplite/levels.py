@@ -66,14 +66,20 @@ def precision_name(dtype: torch.dtype) -> str:
     return _NAMES[precision_dtype(dtype)]
 
 
-def resolve_level(level: str | Level | None, precision: str | torch.dtype | None = None) -> Level:
+def resolve_level(
+    level: str | Level | None, precision: str | torch.dtype | None = None, source: str = "--level"
+) -> Level:
     """Resolve the level: explicit argument > ``AMPLITE_LEVEL`` > O1 (O2 for ``precision="fp8"``, whose
     weights are stored in e4m3 as O2 stores them low).
+
+    Args:
+        level: The explicit level, or None.
+        precision: The precision it goes with (the default level depends on it).
+        source: How the caller names the explicit level in an error (a CLI flag or an API argument).
 
     Raises:
         ConfigError: If the level (from either source) is not O0-O3.
     """
-    source = "--level"
     if level is None:
         level = os.environ.get(LEVEL_ENV) or None
         source = LEVEL_ENV

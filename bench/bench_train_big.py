@@ -13,12 +13,20 @@ Models (built from configs / code, no weights, no downloads):
   batch 4 (23.6 M parameters including the embeddings).
 - ``resnet34``: torchvision's ResNet-34 architecture written out here (torchvision is not installed),
   BatchNorm, 100 classes, 128x128 images, batch 8 (21.3 M parameters).
+- ``gpt2-small`` (not in the default ``--models``: minutes per step on a small CPU): GPT-2 small, 12 layers,
+  n_embd 768, 12 heads, vocab 50257, seq 512, batch 1 (124 M parameters).
 
 Variants: ``fp32``; ``autocast`` (``torch.autocast("cpu", bfloat16)``); ``amplite-O1`` / ``amplite-O2``
 (``prepare_training(..., precision="bf16")``); ``all-bf16`` (``model.to(torch.bfloat16)``, the all-low-precision
 limit, no FP32 masters); ``compiled-autocast`` (``torch.compile(model)`` called under autocast) and
 ``compiled-amplite-O1`` / ``-O2`` (``torch.compile(net)``). Every step: forward, loss, backward, AdamW
-step, zero_grad.
+step, zero_grad. Opt-in variants: ``amplite-O2-onchange`` (``recast="on_change"``: the cost of recasting
+the low copies before every forward is the difference to ``amplite-O2``) and ``*-ckpt`` of any variant
+(``gradient_checkpointing_enable()`` on the transformers model, e.g. ``autocast-ckpt``, ``amplite-O2-ckpt``;
+a variant whose setup refuses checkpointing records that error in its row).
+
+The header states what the machine can do, measured: ``torch.backends.cpu.get_cpu_capability()`` and a
+timed 1024x1024 GEMM in bf16 against FP32 (both single-process, before the runs).
 
 Each (model, variant) runs in a fresh process; the variants run interleaved, round by round, and every
 figure is the median over rounds. Step time: the median over the timed steps after the warm-up steps.
@@ -58,6 +66,7 @@ MODELS = ["gpt2", "bert", "resnet34"]
 VARIANTS = ["fp32", "autocast", "amplite-O1", "amplite-O2", "all-bf16", "compiled-autocast", "compiled-amplite-O1",
             "compiled-amplite-O2"]  # fmt: skip
 VOCAB, SEQ, BATCH = 8192, 256, 4
+SMALL_VOCAB, SMALL_SEQ, SMALL_BATCH = 50257, 512, 1  # GPT-2 small (124 M)
 JSON_OUT = ROOT / "bench" / "results-train-big.json"
 MARK = "### Training at >= 20 M parameters (bench/bench_train_big.py)"
 MARK_COMPILED = "### Training at >= 20 M parameters, compiled (bench/bench_train_big.py, compiled variants only)"
@@ -127,6 +136,12 @@ def build(name: str, n: int) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.
         batches = [(torch.randn(8, 3, 128, 128, generator=g), torch.randint(0, 100, (8,), generator=g))
                    for _ in range(n)]  # fmt: skip
         return ResNet34().train(), batches, lambda out, y: F.cross_entropy(out.float(), y)
+    if name == "gpt2-small":
+        ids = [torch.randint(0, SMALL_VOCAB, (SMALL_BATCH, SMALL_SEQ), generator=g) for _ in range(n)]
+        m = _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=SMALL_VOCAB, n_positions=SMALL_SEQ, n_embd=768,
+                n_layer=12, n_head=12, use_cache=False, attn_implementation="sdpa", bos_token_id=0,
+                eos_token_id=0)  # fmt: skip
+        return Logits(m).train(), [(x, x) for x in ids], next_token_loss
     ids = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(n)]
     if name == "gpt2":
         m = _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_positions=SEQ, n_embd=512, n_layer=6, n_head=8,
@@ -147,10 +162,51 @@ def build(name: str, n: int) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.
     return Logits(m).train(), batches, mlm
 
 
+# ------------------------------------------------------------------------------------- what the CPU can do
+def gemm_probe(n: int = 1024, reps: int = 5) -> dict[str, Any]:
+    """``get_cpu_capability()`` and the median time of an ``n``x``n`` matmul in FP32 and in bf16."""
+    out: dict[str, Any] = {"capability": torch.backends.cpu.get_cpu_capability(), "n": n}
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        x, y = a.to(dt), b.to(dt)
+        torch.mm(x, y)  # warm-up (oneDNN picks its kernel on the first call)
+        times = []
+        for _ in range(reps):
+            t = perf_counter()
+            torch.mm(x, y)
+            times.append(perf_counter() - t)
+        out[f"{name}_ms"] = 1000 * statistics.median(times)
+        out[f"{name}_gflops"] = 2 * n**3 / statistics.median(times) / 1e9
+    out["bf16_speedup"] = out["fp32_ms"] / out["bf16_ms"]
+    return out
+
+
+def describe_probe(p: dict[str, Any]) -> str:
+    """One sentence from the probe's numbers (nothing assumed about the CPU)."""
+    verdict = (
+        "bf16 matrix products are faster than FP32 here (native bf16 instructions in use)"
+        if p["bf16_speedup"] >= 1.2
+        else "bf16 matrix products are no faster than FP32 here"
+        if p["bf16_speedup"] >= 0.8
+        else "bf16 matrix products are slower than FP32 here (no native bf16 kernels in use): bf16 rows measure "
+        "the emulation, not mixed precision"
+    )
+    return (f"torch reports CPU capability {p['capability']}; a {p['n']}x{p['n']} GEMM took {p['fp32_ms']:.2f} ms "
+            f"in FP32 ({p['fp32_gflops']:.0f} GFLOP/s) and {p['bf16_ms']:.2f} ms in bf16 ({p['bf16_gflops']:.0f} "
+            f"GFLOP/s), {p['bf16_speedup']:.2f}x: {verdict}")  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------------- one run
 def make_step(variant: str, model: nn.Module, example: torch.Tensor, loss_fn: Any) -> Any:
     """``step(x, target) -> loss`` for ``variant`` (builds the optimizer, prepares/compiles as needed)."""
     bf16 = torch.bfloat16
+    if variant.endswith("-ckpt"):
+        variant = variant.removesuffix("-ckpt")
+        inner = getattr(model, "model", None)
+        if not hasattr(inner, "gradient_checkpointing_enable"):
+            raise ValueError(f"{type(model).__name__} has no gradient_checkpointing_enable")
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if variant == "all-bf16":
         model.to(bf16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -158,8 +214,10 @@ def make_step(variant: str, model: nn.Module, example: torch.Tensor, loss_fn: An
     if "amplite" in variant:
         import amplite
 
-        fwd, opt = amplite.prepare_training(model, opt, (example,), precision="bf16", level=variant[-2:],
-                                            dynamic_batch=False)  # fmt: skip
+        recast = "on_change" if variant.endswith("-onchange") else "every_forward"
+        fwd, opt = amplite.prepare_training(model, opt, (example,), precision="bf16",
+                                            level=variant.removesuffix("-onchange")[-2:], dynamic_batch=False,
+                                            recast=recast)  # fmt: skip
     if variant.startswith("compiled"):
         fwd = torch.compile(fwd)
 
@@ -173,7 +231,25 @@ def make_step(variant: str, model: nn.Module, example: torch.Tensor, loss_fn: An
         opt.zero_grad()
         return loss.item()
 
+    step.copies = getattr(fwd, "_copies", None)  # type: ignore[attr-defined]  # for _recast_ms
     return step
+
+
+def _recast_ms(step: Any, reps: int = 5) -> float:
+    """Median time of recasting every O2 low copy once (what ``recast="every_forward"`` adds per forward);
+    0 for variants without copies."""
+    copies = getattr(step, "copies", None)
+    if copies is None or not copies._copies:
+        return 0.0
+    mode, copies.every_forward = copies.every_forward, True  # time the every_forward recast in both modes
+    copies.sync()  # allocate the buffers once
+    times = []
+    for _ in range(reps):
+        t = perf_counter()
+        copies.sync()
+        times.append(perf_counter() - t)
+    copies.every_forward = mode
+    return 1000 * statistics.median(times)
 
 
 def run_one(model_name: str, variant: str, steps: int, warmup: int) -> dict[str, Any]:
@@ -186,6 +262,8 @@ def run_one(model_name: str, variant: str, steps: int, warmup: int) -> dict[str,
     t0 = perf_counter()
     step = make_step(variant, model, batches[0][0], loss_fn)
     prepare_s, times, losses, first_s = perf_counter() - t0, [], [], 0.0
+    prepared_mb = _status_mb("VmRSS") - rss_base  # what preparing holds before any step (traced graphs, copies)
+    recast_ms = _recast_ms(step)
     for i, (x, target) in enumerate(batches):
         if i == warmup:
             _trim_and_reset_peak()
@@ -196,7 +274,8 @@ def run_one(model_name: str, variant: str, steps: int, warmup: int) -> dict[str,
         first_s = first_s or times[0]
     return {"model": model_name, "variant": variant, "params_m": params, "prepare_s": prepare_s,
             "first_step_s": first_s, "step_ms": 1000 * statistics.median(times[warmup:]),
-            "peak_mb": _status_mb("VmHWM") - rss_base, "loss_last": losses[-1]}  # fmt: skip
+            "peak_mb": _status_mb("VmHWM") - rss_base, "prepared_mb": prepared_mb, "recast_ms": recast_ms,
+            "loss_last": losses[-1]}  # fmt: skip
 
 
 def run_sub(model: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -239,12 +318,18 @@ def targets(rows: dict[tuple[str, str], dict[str, Any]]) -> list[tuple[str, str,
         for lvl in ("O1", "O2"):
             checks = [(f"amplite-{lvl}", "autocast", "step_ms", 1.0), (f"amplite-{lvl}", "all-bf16", "step_ms", 1.05),
                       (f"amplite-{lvl}", "autocast", "peak_mb", 1.0),
+                      (f"amplite-{lvl}-ckpt", "autocast-ckpt", "step_ms", 1.0),
+                      (f"amplite-{lvl}-ckpt", "autocast-ckpt", "peak_mb", 1.0),
                       (f"compiled-amplite-{lvl}", "compiled-autocast", "step_ms", 1.0)]  # fmt: skip
             for a, b, key, limit in checks:
                 if (m, a) in rows and (m, b) in rows:
                     r = ratio(m, a, b, key)
                     what = f"{a} / {b} {'step time' if key == 'step_ms' else 'peak memory'}"
                     out.append((m, what, r, limit, r is not None and r <= limit))
+        if (m, "amplite-O2-onchange") in rows and (m, "amplite-O2") in rows:  # what recasting every forward costs
+            r = ratio(m, "amplite-O2", "amplite-O2-onchange", "step_ms")
+            out.append((m, "amplite-O2 (recast every forward) / amplite-O2-onchange step time", r, 1.05,
+                        r is not None and r <= 1.05))  # fmt: skip
     return out
 
 
@@ -255,17 +340,20 @@ def render(rows: dict[tuple[str, str], dict[str, Any]], meta: dict[str, Any], ma
              f"(model, variant), variants interleaved, medians of {meta['rounds']} rounds; step time = median of "
              f"{meta['steps']} steps after {meta['warmup']} warm-up steps (forward, loss, backward, AdamW, zero_grad); "
              "peak = resident-set peak during those steps minus the resident set after building the FP32 model "
-             "and batches. CPU without native bf16 instructions (AVX2 only): bf16 wins nothing over FP32 here "
-             "beyond memory traffic; the ratios are what the targets are about.", "",
-             "| model | params M | variant | step ms | peak MiB | prepare s | first step s | loss |",
-             "|---|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+             f"and batches. {meta['probe_text']}. The load average is that of the whole machine (its cores are "
+             "shared with other work): ratios from one run are side by side under the same load, absolute times "
+             "are not the machine's best.", "",
+             "| model | params M | variant | step ms | recast ms | peak MiB | held after prepare MiB | prepare s "
+             "| first step s | loss |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for (m, v), r in rows.items():
         if "error" in r:
-            lines.append(f"| {m} | | {v} | failed: {r['error'].replace('|', '/')} | | | | |")
+            lines.append(f"| {m} | | {v} | failed: {r['error'].replace('|', '/')} | | | | | | |")
             continue
-        lines.append(f"| {m} | {r['params_m']:.1f} | {v} | {r['step_ms']:.0f} | {r['peak_mb']:.0f} | "
-                     f"{r['prepare_s']:.1f} | {r['first_step_s']:.1f} | {r['loss_last']:.3f} |")  # fmt: skip
-    lines += ["", "Targets (issue 28):", "", "| model | ratio | value | limit | met |", "|---|---|---:|---:|---|"]
+        held = f"{r['prepared_mb']:.0f}" if "prepared_mb" in r else ""
+        recast = f"{r['recast_ms']:.0f}" if r.get("recast_ms") else ""
+        lines.append(f"| {m} | {r['params_m']:.1f} | {v} | {r['step_ms']:.0f} | {recast} | {r['peak_mb']:.0f} | "
+                     f"{held} | {r['prepare_s']:.1f} | {r['first_step_s']:.1f} | {r['loss_last']:.3f} |")  # fmt: skip
+    lines += ["", "Targets (issues 28, 43):", "", "| model | ratio | value | limit | met |", "|---|---|---:|---:|---|"]
     for m, what, value, limit, met in targets(rows):
         shown = "–" if value is None else f"{value:.2f}x"
         lines.append(f"| {m} | {what} | {shown} | ≤ {limit:.2f}x | {'met' if met else 'not met'} |")
@@ -318,6 +406,8 @@ def main() -> None:
             print(json.dumps({"model": args.one[0], "variant": args.one[1], "error": f"{type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else ''}"[:200]}))  # fmt: skip
         return
+    probe = gemm_probe()
+    print(describe_probe(probe), flush=True)
     start, load_before = perf_counter(), [round(x, 2) for x in os.getloadavg()]
     compiled = args.compiled_models.split(",")
     keys = [(m, v) for m in args.models.split(",") for v in args.variants.split(",")
@@ -334,7 +424,7 @@ def main() -> None:
     meta = {"command": "python bench/bench_train_big.py " + " ".join(sys.argv[1:]), "rounds": args.rounds,
             "steps": args.steps, "warmup": args.warmup, "wall_s": perf_counter() - start,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "load_before": load_before,
-            "load_after": [round(x, 2) for x in os.getloadavg()],
+            "load_after": [round(x, 2) for x in os.getloadavg()], "probe": probe, "probe_text": describe_probe(probe),
             "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
                        f"{torch.get_num_threads()} threads"}  # fmt: skip
     only_compiled = all(v.startswith("compiled") for v in args.variants.split(","))

@@ -56,11 +56,7 @@ def tiny_gpt2() -> transformers.GPT2LMHeadModel:
         attn_implementation="sdpa", bos_token_id=0, eos_token_id=0,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # dropout off: a resumed run repeats exactly
     )  # fmt: skip
-    model = transformers.GPT2LMHeadModel(cfg)
-    # Per-batch mean loss, as AmpliteTrainer computes it (the Trainer's token-count normalisation passes an
-    # extra input amplite does not trace yet); set here for both runs so that they are compared like for like.
-    model.accepts_loss_kwargs = False
-    return model
+    return transformers.GPT2LMHeadModel(cfg)  # stock: the Trainer passes num_items_in_batch, amplite traces it
 
 
 def run(out: str, mode: str = "amplite", steps: int = 50, resume: str | None = None) -> transformers.Trainer:

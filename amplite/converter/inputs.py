@@ -144,8 +144,13 @@ def load_inputs_file(path: str | Path) -> Inputs:
     )
 
 
-def bind_inputs(model: torch.nn.Module, inputs: Inputs) -> Inputs:
+def bind_inputs(model: torch.nn.Module, inputs: Inputs, fix: str | None = None) -> Inputs:
     """Check the inputs against ``model.forward``'s signature.
+
+    Args:
+        model: The model.
+        inputs: ``(args, kwargs)``.
+        fix: The fix to print (default: the CLI's, about ``--input`` specs).
 
     Raises:
         InputSpecError: Naming forward()'s parameters when the inputs do not bind.
@@ -162,7 +167,7 @@ def bind_inputs(model: torch.nn.Module, inputs: Inputs) -> Inputs:
         given = ", ".join([f"#{i}" for i in range(len(args))] + list(kwargs)) or "none"
         raise InputSpecError(
             f"the inputs do not fit forward{sig}: {exc} (given: {given})",
-            "name each --input after a parameter of forward(), or pass a matching --inputs file",
+            fix or "name each --input after a parameter of forward(), or pass a matching --inputs file",
         ) from None
     return inputs
 

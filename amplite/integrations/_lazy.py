@@ -108,7 +108,7 @@ class LazyAmplite:
             self.pending_state = dict(state)
             return
         # the wrapped optimizer's own state is already loaded (by the framework): keep it, refresh the copies
-        self.opt.load_state_dict({"optimizer": self.opt.optimizer.state_dict(), "amplite": state})
+        self.opt.load_state_dict({**self.opt.optimizer.state_dict(), "amplite": state})
 
 
 @contextlib.contextmanager

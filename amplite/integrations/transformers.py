@@ -148,9 +148,6 @@ class AmpliteTrainer(transformers.Trainer):
         self._amplite_settings = (precision, amplite_level, tuple(amplite_keep_fp32), tuple(amplite_force_low))
         LazyAmplite(*self._amplite_settings)  # a bad setting fails now, not at the first batch
         super().__init__(*args, **kwargs)
-        # amplite traces the model's forward with tensor inputs; the loss is normalised per batch instead
-        # (the Trainer divides it by the accumulation steps), the same value for equal-length batches.
-        self.model_accepts_loss_kwargs = False
         if self.optimizer is not None:  # passed as optimizers=(optimizer, scheduler)
             self.optimizer = self._wrap(self.optimizer)
 

@@ -155,7 +155,8 @@ class AnnotatePrecision:
         decisions = self._decide(facts)
         facts = {n: replace(f, feeds_fp32=fp32(_within_two(n))) for n, f in facts.items()}
         decisions = self._decide(facts)
-        facts = {n: replace(f, bridges_fp32=_bridges_fp32(n, decisions)) for n, f in facts.items()}
+        outputs_fp32 = not self.policy.low_precision_io
+        facts = {n: replace(f, bridges_fp32=_bridges_fp32(n, decisions, outputs_fp32)) for n, f in facts.items()}
         return self._decide(facts)
 
     def _decide(self, facts: dict[torch.fx.Node, NodeFacts]) -> dict[torch.fx.Node, Decision]:
@@ -246,14 +247,35 @@ def _within_two(node: torch.fx.Node) -> list[torch.fx.Node]:
     return frontier
 
 
-def _bridges_fp32(node: torch.fx.Node, decisions: dict[torch.fx.Node, Decision]) -> bool:
-    """Whether ``node`` only connects FP32 ops: every floating operand comes from one and every user is one."""
+def _bridges_fp32(node: torch.fx.Node, decisions: dict[torch.fx.Node, Decision], outputs_fp32: bool) -> bool:
+    """Whether ``node`` only connects FP32 ops: every floating operand comes from one and every user is one
+    (``mean(x²) + eps`` between mean and rsqrt). With ``outputs_fp32`` (graph outputs keep their dtype), for a
+    0-dim ``node`` an FP32 graph output counts as an FP32 user and an FP32 graph input as an FP32 operand: a
+    loss's last ``sum / num_items`` stays FP32 instead of a low round trip."""
     producers = [a for a in _tensor_inputs(node) if is_float_tensor(a)]
     if not producers or not node.users:
         return False
-    return all(decisions.get(a, _LOW_DEC).mode == "fp32" for a in producers) and all(
-        decisions.get(u, _LOW_DEC).mode == "fp32" for u in node.users
-    )
+    val = fake_value(node)
+    # scalars only: a 0-dim op costs nothing in low precision's favour, only the rounding
+    outputs_fp32 = outputs_fp32 and isinstance(val, torch.Tensor) and val.dim() == 0
+    out_fp32 = outputs_fp32 and val.dtype == torch.float32
+
+    def reads_fp32(u: torch.fx.Node) -> bool:
+        return (u.op == "output" and out_fp32) or decisions.get(u, _LOW_DEC).mode == "fp32"
+
+    def gives_fp32(a: torch.fx.Node, depth: int = 3) -> bool:
+        # an FP32 graph input keeps its dtype as outputs do; an undecided FP32 node (a device move, a cast to
+        # FP32) passes on what it reads
+        if a in decisions:
+            return decisions[a].mode == "fp32"
+        if not outputs_fp32 or getattr(fake_value(a), "dtype", None) != torch.float32:
+            return False
+        if a.op == "placeholder":
+            return True
+        ins = [b for b in _tensor_inputs(a) if is_float_tensor(b)] if a.op == "call_function" else []
+        return depth > 0 and bool(ins) and all(gives_fp32(b, depth - 1) for b in ins)
+
+    return all(gives_fp32(a) for a in producers) and all(reads_fp32(u) for u in node.users)
 
 
 def _predict_out(node: torch.fx.Node, val: Any, compute: torch.dtype | None) -> Any:

@@ -12,6 +12,16 @@ changes (its version counter, storage or shape), and its gradient flows back int
 - ``requires_grad_(False)`` freezes a parameter (no gradient reaches it), unfreezing brings them back;
 - an in-place change of a parameter (``model.load_state_dict``, an optimizer step, DDP's broadcast)
   makes the next forward recast it: no graph ever runs on a stale copy.
+
+The version counter does not see every change: ``p.data.clamp_()``, an EMA written as
+``p.data.mul_(d).add_(q.data, alpha=1 - d)`` or ``p.data = new`` of equal storage edit the values through a
+tensor with a version counter of its own. So by default (``every_forward``) :meth:`LowCopies.sync` recasts
+every copy at every forward of the net — one fused cast of the weights the graph reads low, what
+``torch.autocast`` does per forward anyway; a copy whose master's version/storage/shape changed is recast
+as a real change (bumping the copy's version, so a backward still pending on the old values fails as it
+would in FP32), the others in place through ``.data`` (the values are equal unless a ``.data`` edit
+changed them, which FP32 autograd does not see either). ``on_change`` trusts the version counters only
+(cheaper: no cast at a forward whose weights did not change; ``.data`` edits then need ``opt.refresh()``).
 """
 
 from __future__ import annotations
@@ -40,13 +50,17 @@ class LowCopies(nn.Module):
 
     Args:
         dtype: The low-precision dtype.
+        every_forward: Recast every copy at each :meth:`sync` (catches ``.data`` edits); else only the
+            copies whose master's version counter, storage or shape changed.
     """
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, every_forward: bool = True) -> None:
         super().__init__()
         self.dtype = dtype
-        # id(master) -> (master, low copy, the master's state the copy was made from)
-        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[int, int, torch.Size]]] = {}
+        self.every_forward = every_forward
+        self.syncs = 0  # sync() calls that recast (for reports and tests)
+        # id(master) -> (master, low copy or None once released, the master's state the copy was made from)
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple[int, int, torch.Size]]] = {}
 
     @staticmethod
     def _stamp(t: torch.Tensor) -> tuple[int, int, torch.Size]:
@@ -56,12 +70,41 @@ class LowCopies(nn.Module):
         """The current low-precision copy of ``master`` (cast now if it changed since the last cast)."""
         entry = self._copies.get(id(master))
         stamp = self._stamp(master)
-        if entry is None or entry[0] is not master or entry[2] != stamp:
+        if entry is None or entry[0] is not master or entry[1] is None or entry[2] != stamp:
             with torch.no_grad():
                 low = master.detach().to(self.dtype)
             self._copies[id(master)] = (master, low, stamp)
             return low
         return entry[1]
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Make every copy the cast of its master's current value (called before a graph runs).
+
+        A master whose stamp changed gets a real recast (new tensor or versioned in-place copy); with
+        ``every_forward`` the others are recast in place without a version bump, in one fused copy.
+        """
+        quiet_dst: list[torch.Tensor] = []
+        quiet_src: list[torch.Tensor] = []
+        for key, (master, low, stamp) in list(self._copies.items()):
+            now = self._stamp(master)
+            if low is None:  # released after the last step: a new buffer, filled in the fused copy below
+                low = torch.empty_like(master, dtype=self.dtype, memory_format=torch.preserve_format)
+                self._copies[key] = (master, low, now)
+                quiet_dst.append(low)
+                quiet_src.append(master.data)
+            elif now != stamp:
+                if low.shape == master.shape and low.device == master.device:
+                    low.copy_(master)
+                else:
+                    low = master.detach().to(self.dtype)
+                self._copies[key] = (master, low, now)
+            elif self.every_forward:
+                quiet_dst.append(low.data)
+                quiet_src.append(master.data)
+        if quiet_dst:
+            torch._foreach_copy_(quiet_dst, quiet_src)
+            self.syncs += 1
 
     def forward(self, master: torch.Tensor) -> torch.Tensor:
         """The low copy of ``master``, differentiable back to ``master`` (FP32 gradient).
@@ -83,11 +126,28 @@ class LowCopies(nn.Module):
         for key, (master, low, _) in list(self._copies.items()):
             if round_masters:
                 master.copy_(master.to(self.dtype))
-            if low.shape == master.shape and low.device == master.device:
+            if low is not None and low.shape == master.shape and low.device == master.device:
                 low.copy_(master)
             else:
                 low = master.detach().to(self.dtype)
             self._copies[key] = (master, low, self._stamp(master))
+
+    @torch.no_grad()
+    def after_step(self, round_masters: bool = False) -> None:
+        """After an optimizer step: recast now (``on_change``), or release the copies (``every_forward``).
+
+        With ``every_forward`` the next :meth:`sync` casts every copy anyway, so between the step and the
+        next forward they hold no memory: the optimizer step and what runs around it (evaluation aside)
+        see the same resident weights as under ``torch.autocast``, whose casts live for one forward and
+        backward.
+        """
+        if not self.every_forward:
+            self.refresh(round_masters=round_masters)
+            return
+        for key, (master, _, stamp) in list(self._copies.items()):
+            if round_masters:
+                master.copy_(master.to(self.dtype))
+            self._copies[key] = (master, None, stamp)
 
     def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(low copy, master)`` for every tensor the graphs read in low precision (cast if stale)."""

@@ -15,7 +15,7 @@ every graph reads the same user parameters and the same low-precision copies.
 from __future__ import annotations
 
 import copy
-import logging
+import warnings
 from typing import Any
 
 import torch
@@ -23,8 +23,11 @@ import torch.fx
 from torch import nn
 
 from amplite.errors import ConfigError, InputSpecError
+from amplite.training.cumulative import CumulativeStats
 from amplite.training.distributed import ORDER as FSDP_ORDER
 from amplite.training.distributed import fsdp_units, run_in_root
+from amplite.training.lowcast import LowCopies
+from amplite.training.watch import ModelWatch
 
 _aten = torch.ops.aten
 #: Ops whose last positional argument is ``train`` (a bool): dropout flavours in the training IR.
@@ -45,7 +48,9 @@ def to_eval_graph(train_gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule,
     Returns:
         The eval module and counters (``dropout_disabled``, ``batchnorm_to_running_stats``).
     """
-    graph = copy.deepcopy(train_gm.graph)
+    with warnings.catch_warnings():  # copying the graph's pytree specs trips torch's own LeafSpec deprecation
+        warnings.simplefilter("ignore", FutureWarning)
+        graph = copy.deepcopy(train_gm.graph)
     counters = {"dropout_disabled": 0, "batchnorm_to_running_stats": 0, "attention_dropout_disabled": 0}
     for node in list(graph.nodes):
         if node.op != "call_function":
@@ -99,32 +104,62 @@ class TrainingNet(nn.Module):
             cannot cover); one more is an error.
     """
 
-    def __init__(self, model: nn.Module, variant: Any, tracer: Any, info: dict[str, Any], max_graphs: int = 8):
+    def __init__(
+        self,
+        model: nn.Module,
+        variant: Any,
+        tracer: Any,
+        info: dict[str, Any],
+        max_graphs: int = 8,
+        copies: LowCopies | None = None,
+    ):
         super().__init__()
         self.model = model
         object.__setattr__(self, "_variants", [variant])
         object.__setattr__(self, "_tracer", tracer)
+        object.__setattr__(self, "_copies", copies)
+        object.__setattr__(self, "_watch", ModelWatch(model))
+        object.__setattr__(self, "_cumulative", CumulativeStats(model))
         self.max_graphs = max_graphs
         self.info = {**info, **variant.info, "graphs": 1, "retraces": []}
-        self._owners = [
-            (mod, attr, p, p.dtype)
-            for _, mod in model.named_modules(remove_duplicate=False)
-            for attr, p in mod._parameters.items()
-            if p is not None
-        ]
         self._register_state_dict_hook(_strip_prefix)
         self._register_load_state_dict_pre_hook(_add_prefix, with_module=True)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the train graph in train mode and the eval graph in eval mode (of the graph for this batch)."""
-        sharded = self.info.get("fsdp_units")  # FSDP swaps sharded/unsharded parameter objects by design
-        if not sharded:
-            self._check_model()
+        """Run the train graph in train mode and the eval graph in eval mode (of the graph for this batch).
+
+        The mode is the model's own (``model.eval()`` on the model you hold is followed); any other change
+        to the model since the trace that the graphs cannot follow is refused (:mod:`.watch`). Every
+        low-precision copy is the cast of its master's current value (:meth:`LowCopies.sync`). Under FSDP2
+        (``info['fsdp_units']``) FSDP swaps sharded and unsharded parameter objects by design, so only the
+        mode is followed, and the graph runs inside the root's own call (its hooks gather and reshard).
+        """
+        sharded = self.info.get("fsdp_units")
+        self.training = self.model.training if sharded else self._mode()
+        if self._copies is not None and not torch.compiler.is_compiling():
+            self._copies.sync()
         variant = self._select(args, kwargs)
         graph = variant.train if self.training else variant.eval
-        if sharded:  # the root's own __call__ runs FSDP's root hooks around the graph
+        if sharded:
             return run_in_root(self.model, graph, args, kwargs)
-        return graph(*args, **kwargs)
+        if not self.training or not self._cumulative.modules:
+            return graph(*args, **kwargs)
+        saved = self._cumulative.before()
+        out = graph(*args, **kwargs)
+        self._cumulative.after(saved)
+        return out
+
+    def _mode(self) -> bool:
+        """The watch's verdict, naming FSDP's order when the change is a ``fully_shard`` made afterwards."""
+        try:
+            return self._watch.mode()
+        except ConfigError:
+            if fsdp_units(self.model):
+                raise ConfigError(
+                    "fully_shard was applied after prepare_training (the model's parameters are now shards)",
+                    f"apply it first: {FSDP_ORDER}",
+                ) from None
+            raise
 
     def _select(self, args: tuple, kwargs: dict) -> Any:
         reasons = []
@@ -147,7 +182,8 @@ class TrainingNet(nn.Module):
 
     def _retrace(self, args: tuple, kwargs: dict, reasons: list) -> Any:
         if len(self._variants) >= self.max_graphs:
-            why = reasons[0][2] if reasons else "a calling convention no graph was traced with"
+            why = reasons[0][0].explain(reasons[0][1], reasons[0][2]) if reasons else (
+                "a calling convention no graph was traced with")
             raise InputSpecError(
                 f"this batch needs a graph of its own ({why}) and the net already holds {self.max_graphs}",
                 "pass dynamic_dims= for the dims that vary (or pad/bucket the batches to fewer shapes), "
@@ -158,33 +194,48 @@ class TrainingNet(nn.Module):
             dynamic |= variant.dynamic | variant.differing_dims(flat)
         new = self._tracer((args, kwargs), frozenset(dynamic))
         self._variants.insert(0, new)
-        why = reasons[0][2] if reasons else "a new calling convention (inputs or keyword names)"
+        self._watch.snapshot()
+        why = reasons[0][0].explain(reasons[0][1], reasons[0][2]) if reasons else (
+            "a new calling convention (another set of inputs or keyword names)")
         self.info["graphs"] = len(self._variants)
         self.info["retraces"].append({"reason": why, "dynamic": sorted(f"{k}:{d}" for k, d in new.dynamic)})
-        logging.getLogger("amplite").info("amplite traced graph %d for a new batch: %s", len(self._variants), why)
+        warnings.warn(
+            f"amplite traced graph {len(self._variants)} of at most {self.max_graphs} for this batch: {why}. "
+            "A trace takes as long as prepare_training; pass dynamic_dims= for dims that vary to skip it",
+            stacklevel=6,  # _retrace, _select, forward, Module._call_impl, Module._wrapped_call_impl: the caller
+        )
         return new
 
-    def _check_model(self) -> None:
-        for mod, attr, p, dtype in self._owners:
-            now = mod._parameters.get(attr)
-            if now is not p or now.dtype != dtype:
-                name = next((n for n, q in self.model.named_parameters() if q is now), attr)
-                if fsdp_units(self.model):
-                    raise ConfigError(f"fully_shard was applied after prepare_training (parameter {name!r} is now "
-                                      "a shard)", f"apply it first: {FSDP_ORDER}")  # fmt: skip
-                raise ConfigError(
-                    f"the model's parameter {name!r} was replaced or changed dtype after prepare_training: the "
-                    "graphs read the parameter objects they were prepared with",
-                    "change parameters in place (model.load_state_dict(sd), p.copy_(...), requires_grad_) or call "
-                    "prepare_training again",
-                )
-
     def train(self, mode: bool = True) -> TrainingNet:
-        """Switch between the train and eval graphs (the user's model's own mode is left as it is)."""
+        """Switch between the train and eval graphs: sets the model's mode (the graphs follow the model's)."""
         if not isinstance(mode, bool):
             raise ValueError("training mode is expected to be boolean")
         self.training = mode
+        self.model.train(mode)
         return self
+
+    # -- the net stands in for the model -------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        """Attributes and methods the net lacks are the model's (``net.config``, ``net.estimate_mfu()``)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_modules", {}).get("model")
+            if model is None or name.startswith("__"):
+                raise
+            return getattr(model, name)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:
+        """The model's parameters under the model's own names (the net has none of its own)."""
+        if not recurse:
+            return super().named_parameters(prefix, recurse, remove_duplicate)
+        return self.model.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:
+        """The model's buffers under the model's own names."""
+        if not recurse:
+            return super().named_buffers(prefix, recurse, remove_duplicate)
+        return self.model.named_buffers(prefix, recurse, remove_duplicate)
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:

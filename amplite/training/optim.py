@@ -62,6 +62,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.scaler = LossScaler() if scaling else None
         self.round_masters = round_masters
         self.steps = 0  # steps attempted (taken + skipped)
+        self._traced = {id(p) for p in model.parameters()}  # the parameters the graphs were traced with
         self._backward_done = False
         self._unscaled: bool | None = None  # found_inf of this step's unscale_, None before it
         for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
@@ -118,6 +119,15 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         _check_params(self.model, [{"params": params}], first_group=len(self.optimizer.param_groups))
+        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
+        late = [names[id(p)] for p in params if id(p) not in self._traced]
+        if late:
+            raise AmpliteError(
+                f"parameter {late[0]!r} was added to the model after prepare_training: no traced graph reads it, "
+                "so it would never get a gradient or change the output",
+                "add the submodule before prepare_training (then its parameters are traced), or call "
+                "prepare_training again with the model as it is now",
+            )
         self.optimizer.add_param_group({**param_group, "params": params})
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -135,7 +145,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._require_backward("opt.unscale_()")
         self._unscaled = self.scaler.unscale(p.grad for p in self.masters)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> bool:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Unscale, skip on inf/NaN (lowering the scale), step the masters, recast the low copies.
 
         Args:
@@ -143,7 +153,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 ``loss.backward()`` and returns the loss (bf16 only: a closure cannot be loss-scaled).
 
         Returns:
-            Whether the step was taken (False: skipped for non-finite gradients).
+            With a closure, what the wrapped optimizer's ``step(closure)`` returns (the loss), as torch's
+            optimizers do. Without one, whether the step was taken (False: skipped for non-finite
+            gradients under fp16).
 
         Raises:
             TrainingError: Under fp16 scaling, when no ``opt.backward(loss)`` preceded the step.
@@ -157,44 +169,48 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 p.grad for p in self.masters
             )
             self.scaler.update(found_inf)
+        result: Any = None
         if not found_inf:
-            if closure is None:
-                self.optimizer.step()
-            else:
-                self.optimizer.step(closure)
-            self.refresh()
+            result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+            self.copies.after_step(round_masters=self.round_masters)
         self.steps += 1
         self._backward_done = False
         self._unscaled = None
-        return not found_inf
+        return result if closure is not None else not found_inf
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the masters' gradients."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def refresh(self) -> None:
-        """Recast the low copies from the masters; at O3 round the masters first."""
+        """Recast the low copies from the masters now; at O3 round the masters first."""
         self.copies.refresh(round_masters=self.round_masters)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """The wrapped optimizer's state plus the loss-scaler state."""
+        """The wrapped optimizer's state dict (``state``, ``param_groups``) plus ``"amplite"`` (loss scaler,
+        steps): a plain optimizer over the same parameters loads it (the extra key is ignored)."""
         return {
-            "optimizer": self.optimizer.state_dict(),
+            **self.optimizer.state_dict(),
             "amplite": {"scaler": self.scaler.state_dict() if self.scaler else None, "steps": self.steps},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore :meth:`state_dict`'s output and recast the low copies from the (reloaded) masters."""
-        if "optimizer" not in state or "amplite" not in state:
+        """Restore :meth:`state_dict`'s output, a plain optimizer's state dict (the loss scaler is kept as it
+        is), or the ``{"optimizer", "amplite"}`` layout of amplite before 0.x; recast the low copies."""
+        state = dict(state)
+        extra = state.pop("amplite", None)
+        inner = state.pop("optimizer", None) if "optimizer" in state and "param_groups" not in state else state
+        if not isinstance(inner, dict) or "param_groups" not in inner:
             raise AmpliteError(
-                "this optimizer state was not saved by amplite's optimizer wrapper",
-                "load it into the wrapped optimizer (opt.optimizer.load_state_dict) or save opt.state_dict()",
+                f"this is not an optimizer state dict (keys: {', '.join(map(str, state)) or 'none'})",
+                "pass what opt.state_dict() or a torch optimizer's state_dict() returned",
             )
-        self.optimizer.load_state_dict(state["optimizer"])
-        scaler = state["amplite"].get("scaler")
+        self.optimizer.load_state_dict(inner)
+        scaler = (extra or {}).get("scaler")
         if self.scaler is not None and scaler is not None:
             self.scaler.load_state_dict(scaler)
-        self.steps = int(state["amplite"].get("steps", 0))
+        if extra is not None:
+            self.steps = int(extra.get("steps", 0))
         self.copies.refresh()
 
     # -- internals -----------------------------------------------------------------------------------------

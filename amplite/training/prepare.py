@@ -28,6 +28,7 @@ from amplite.training.variants import initial_dynamic, trace_variant
 
 #: Training keeps BatchNorm in FP32 at every level: its running statistics are the user's FP32 buffers,
 #: updated in place by the op, and a cast would send the update to a temporary copy.
+RECASTS = ("every_forward", "on_change")
 BATCHNORM_FP32 = Override("keep_fp32", "op:batch_norm*", source="training")
 
 
@@ -43,6 +44,7 @@ def prepare_training(
     dynamic_batch: bool = True,
     dynamic_dims: Mapping[str, Sequence[int]] | None = None,
     max_graphs: int = 8,
+    recast: str = "every_forward",
 ) -> tuple[TrainingNet, MixedPrecisionOptimizer]:
     """Prepare ``model`` for mixed-precision training with ``optimizer``.
 
@@ -61,6 +63,10 @@ def prepare_training(
         dynamic_dims: Also trace these dims dynamic, by input name (``{"input_ids": [1]}``). Dims not
             declared are discovered: a batch with another size there is traced once more with them dynamic.
         max_graphs: At most this many traced graphs (calling conventions or shapes one graph cannot cover).
+        recast: When the O2/O3 low-precision copies are recast from the masters: ``every_forward``
+            (default: before every call of the net, so edits the version counter misses — ``p.data.clamp_()``,
+            an EMA through ``.data`` — are seen) or ``on_change`` (only when a master's version counter,
+            storage or shape changed: one cast fewer per forward; after a ``.data`` edit call ``opt.refresh()``).
 
     Returns:
         ``(net, opt)``: the trainable converted module and the optimizer (a ``torch.optim.Optimizer``).
@@ -75,14 +81,16 @@ def prepare_training(
         raise ConfigError(f"precision {precision!r} is not one amplite trains with", "pass 'bf16' or 'fp16'")
     if max_graphs < 1:
         raise ConfigError(f"max_graphs={max_graphs} must be at least 1", "pass a positive number of graphs")
-    lvl = resolve_level(level)
+    if recast not in RECASTS:
+        raise ConfigError(f"recast={recast!r} is not a recast mode", f"pass one of: {', '.join(RECASTS)}")
+    lvl = resolve_level(level, source="the level= argument")
     scaling = precision == "fp16" and lvl is not Level.O0
     check_optimizer(model, optimizer, scaling=scaling)
     policy = PrecisionPolicy(precision, lvl, (BATCHNORM_FP32, *make_overrides(keep_fp32, force_low)))
     inputs = normalize_inputs(example_inputs)
     if inputs is None:
         raise InputSpecError("no example inputs: the model needs a batch to be traced", "pass one batch of inputs")
-    copies = LowCopies(policy.low_dtype)
+    copies = LowCopies(policy.low_dtype, every_forward=recast == "every_forward")
     units = check_fsdp(model, precision, lvl)  # fully_shard-ed: traced unsharded, run per unit
     tracer = functools.partial(_trace, model, policy, lvl, copies, units)
     first = tracer(inputs, initial_dynamic(inputs, model, dynamic_batch, dict(dynamic_dims or {})))
@@ -93,8 +101,9 @@ def prepare_training(
         "level": lvl.value,
         "masters": "none (rounded to the low dtype after each step)" if lvl is Level.O3 else "fp32",
         "fsdp_units": len(units),
+        "recast": recast,
     }
-    net = TrainingNet(model, first, tracer, info, max_graphs=max_graphs)
+    net = TrainingNet(model, first, tracer, info, max_graphs=max_graphs, copies=copies)
     net.train(model.training)
     opt = MixedPrecisionOptimizer(optimizer, copies, model, scaling=scaling, round_masters=lvl is Level.O3)
     return net, opt

@@ -36,7 +36,9 @@ from amplite.errors import ConfigError, ExportError
 from amplite.passes.range_guard import RangeRules
 from amplite.policy import Level, PrecisionPolicy
 from amplite.training.checkpointing import checkpoint_graph, mark_regions
+from amplite.training.cumulative import traceable_momentum
 from amplite.training.lowcast import LowCopies, read_user_tensors
+from amplite.training.signature import spelled_out
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 #: (input path as ``pytree.keystr`` of ``(args, kwargs)``, dim) pairs traced dynamic.
@@ -92,6 +94,34 @@ class Variant:
                     if isinstance(v, int) and a != v:
                         found.add((pytree.keystr(path), d))
         return found
+
+
+    def explain(self, flat: list[tuple[Any, Any]], fallback: str) -> str:
+        """Why ``flat`` does not fit this graph, in amplite's words (``fallback``: torch's, trimmed)."""
+        for (path, arg), holder in zip(flat, self.placeholders, strict=True):
+            val = holder.meta.get("val")
+            if not (isinstance(val, torch.Tensor) and isinstance(arg, torch.Tensor)):
+                continue
+            name = input_name(path)
+            if arg.dim() != val.dim():
+                return f"input {name} has {arg.dim()} dims; a graph was traced with {val.dim()}"
+            for d, (a, v) in enumerate(zip(arg.shape, val.shape, strict=True)):
+                if isinstance(v, int):
+                    if a != v:
+                        return f"input {name} has size {a} at dim {d}; a graph was traced with that size fixed at {v}"
+                    continue
+                rng = self.range_constraints.get(v.node.expr)
+                if rng is not None and not (int(rng.lower) <= a <= rng.upper):
+                    return (f"input {name} has size {a} at dim {d}, outside the sizes {int(rng.lower)}.."
+                            f"{rng.upper} a graph was traced for")  # fmt: skip
+        return fallback.split(" If you meant")[0]
+
+
+def input_name(path: Any) -> str:
+    """``x``, ``labels`` or ``#0``, then any nesting below it, for a ``(args, kwargs)`` pytree path."""
+    head, *rest = path[1:] if len(path) > 1 else (path[0],)
+    name = repr(head.key) if isinstance(head, pytree.MappingKey) else f"#{getattr(head, 'idx', head)}"
+    return name + (pytree.keystr(tuple(rest)) if rest else "")
 
 
 def _dt(dtype: torch.dtype) -> str:
@@ -154,6 +184,7 @@ def tracing_context(model: nn.Module) -> Iterator[dict[str, int]]:
         nodes are tagged for :func:`~amplite.training.checkpointing.checkpoint_graph`).
     """
     modes = [(m, m.training) for m in model.modules()]
+    momentum = traceable_momentum(model)
     patched = model.__dict__.pop("forward", None)  # an integration's patched forward: trace the real one
     config = getattr(model, "config", None)
     cache = getattr(config, "use_cache", None)
@@ -161,7 +192,7 @@ def tracing_context(model: nn.Module) -> Iterator[dict[str, int]]:
         model.train()
         if cache is True:
             config.use_cache = False
-        with mark_regions() as seen, torch.inference_mode(False), torch.enable_grad():
+        with mark_regions() as seen, torch.inference_mode(False), torch.enable_grad(), momentum:
             yield seen
     finally:
         if cache is True:
@@ -191,8 +222,14 @@ def _quiet() -> Iterator[io.StringIO]:
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)
     try:
-        with contextlib.redirect_stderr(chatter):
+        with contextlib.redirect_stderr(chatter), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             yield chatter
+        for w in caught:  # torch's own deprecation notices are not the user's concern; the model's warnings are
+            if issubclass(w.category, (FutureWarning, DeprecationWarning)):
+                chatter.write(f"{w.category.__name__}: {w.message}\n")
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     finally:
         for lg, level in zip(loggers, levels, strict=True):
             lg.setLevel(level)
@@ -209,7 +246,8 @@ def _export(model: nn.Module, inputs: Inputs, shapes: Any) -> torch.export.Expor
         raise ExportError(
             f"torch.export could not trace the model in train mode: {summarize_exception(exc)}",
             "make that line traceable (no data-dependent Python control flow: use torch.cond or "
-            "tensor ops; no unsupported Python objects), or run with --debug for the full trace",
+            "tensor ops; no unsupported Python objects); torch.export's full error is this error's __cause__ and "
+            "its output is logged to the 'amplite' logger at DEBUG",
         ) from exc
 
 
@@ -231,8 +269,9 @@ def trace_variant(
     """
     from amplite.training.net import to_eval_graph
 
-    bind_inputs(model, inputs)
-    with tracing_context(model):
+    bind_inputs(model, inputs, fix="pass the batch as forward() takes it: a tensor, a tuple of positional inputs, "
+                "or (args, kwargs) with forward()'s parameter names")
+    with tracing_context(model), spelled_out(model, inputs[1]):
         shapes = _dynamic_shapes(model, inputs, dynamic) if dynamic else None
         program = _export(model, inputs, shapes)
     user_inputs = {s.arg.name for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"}
