@@ -41,6 +41,9 @@ from amplite.levels import Level, precision_dtype
 #: Reason of the fidelity rule for values that feed discrete decisions (topk, argmax, sort, ...).
 DISCRETE_DECISION = "discrete-decision"
 
+#: Reason of the structure rule for the adds of a residual stream at O2 (``op_tables.RESIDUAL_STREAM_OPS``).
+RESIDUAL_STREAM = "residual-stream"
+
 Mode = Literal["low", "fp32", "follow"]
 
 
@@ -262,6 +265,15 @@ class PrecisionPolicy:
         if self.level is not Level.O2 or not bridges_fp32 or current.source is not RuleSource.LEVEL:
             return current
         return Decision("fp32", "fp32-island-bridge", RuleSource.STRUCTURE) if current.mode == "low" else current
+
+    def for_residual_stream(self, current: Decision, op: str, feeds_norm: bool) -> Decision:
+        """At O2 an add the level made low whose result a normalisation reads (the residual stream of a
+        pre- or post-norm block) stays FP32: each block's small update would be lost in the stream's rounding."""
+        if self.level is not Level.O2 or not feeds_norm or current.source is not RuleSource.LEVEL:
+            return current
+        if current.mode != "low" or op not in op_tables.RESIDUAL_STREAM_OPS:
+            return current
+        return Decision("fp32", RESIDUAL_STREAM, RuleSource.STRUCTURE)
 
     @staticmethod
     def is_discrete_decision(op: str) -> bool:

@@ -30,6 +30,8 @@ from amplite.policy import Decision, Level, PrecisionPolicy, RuleSource
 
 _NORMALISERS = frozenset(op_tables.NORMALISER_OPS)
 _COMPUTE_BOUND = frozenset(op_tables.LOW_PRECISION_OPS)
+_NORMS = frozenset(op_tables.FP32_OPS["norm"])
+_VIEWS = frozenset(op_tables.DATA_MOVEMENT_OPS)
 _NONE = Decision("follow", "")  # stands in for a node with no decision (not float, not call_function)
 
 
@@ -123,6 +125,9 @@ class AnnotatePrecision:
             if op_tables.op_name(node.target) in _NORMALISERS:
                 decisions[node] = self.policy.for_normaliser(dec, self._feeds_fp32(node, decisions))
         self._discrete_decisions(decisions)
+        for node, dec in list(decisions.items()):
+            op = op_tables.op_name(node.target) or ""
+            decisions[node] = self.policy.for_residual_stream(dec, op, _feeds_norm(node))
         for node, dec in list(decisions.items()):
             decisions[node] = self.policy.for_bridge(dec, self._bridges_fp32(node, decisions))
         return decisions
@@ -231,3 +236,19 @@ def _predict_out(node: torch.fx.Node, val: Any, compute: torch.dtype | None) -> 
         return None
 
     return one(val)
+
+
+def _feeds_norm(node: torch.fx.Node) -> bool:
+    """Whether a normalisation reads ``node``'s result, directly or through views (a residual stream)."""
+    frontier, seen = list(node.users), set()
+    while frontier:
+        user = frontier.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        op = op_tables.op_name(user.target)
+        if op in _NORMS:
+            return True
+        if op in _VIEWS:
+            frontier.extend(user.users)
+    return False
