@@ -88,3 +88,95 @@ class EvaLike(nn.Module):
         for block in self.blocks:
             x = block(x, self.rope)
         return self.head(self.norm(x[:, 1:].mean(1)))
+
+
+class SqueezeExcite(nn.Module):
+    """Global pool, reduce, act, expand, sigmoid gate multiplied onto the features."""
+
+    def __init__(self, ch: int, hidden: int, act: type[nn.Module] = nn.SiLU) -> None:
+        super().__init__()
+        self.reduce, self.act, self.expand = nn.Conv2d(ch, hidden, 1), act(), nn.Conv2d(hidden, ch, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.expand(self.act(self.reduce(x.mean((2, 3), keepdim=True)))))
+
+
+class MBConv(nn.Module):
+    """EfficientNet's block: expand 1x1, depthwise 3x3, SE, project 1x1 (each conv + BatchNorm), residual."""
+
+    def __init__(self, ch: int, expand: int = 4, act: type[nn.Module] = nn.SiLU) -> None:
+        super().__init__()
+        mid = ch * expand
+        self.expand = nn.Sequential(nn.Conv2d(ch, mid, 1, bias=False), nn.BatchNorm2d(mid), act())
+        self.dw = nn.Sequential(nn.Conv2d(mid, mid, 3, padding=1, groups=mid, bias=False), nn.BatchNorm2d(mid), act())
+        self.se = SqueezeExcite(mid, max(8, ch // 4), act)
+        self.project = nn.Sequential(nn.Conv2d(mid, ch, 1, bias=False), nn.BatchNorm2d(ch))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.project(self.se(self.dw(self.expand(x))))
+
+
+def _random_bn_stats(model: nn.Module, seed: int = 0) -> nn.Module:
+    """BatchNorm statistics and affine parameters as a trained network has them (not 0/1)."""
+    g = torch.Generator().manual_seed(seed)
+    for bn in model.modules():
+        if isinstance(bn, nn.BatchNorm2d):
+            n = bn.num_features
+            bn.running_mean.copy_(torch.randn(n, generator=g) * 0.2)
+            bn.running_var.copy_(torch.rand(n, generator=g) * 2 + 0.2)
+            bn.weight.data.copy_(torch.rand(n, generator=g) + 0.5)
+            bn.bias.data.copy_(torch.randn(n, generator=g) * 0.2)
+    return model
+
+
+class EfficientNetLike(nn.Module):
+    """Stem conv + BN + SiLU, MBConv blocks (SE gates), head conv, pooled classifier."""
+
+    def __init__(self, ch: int = 24, depth: int = 4, act: type[nn.Module] = nn.SiLU) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, ch, 3, 2, 1, bias=False), nn.BatchNorm2d(ch), act())
+        self.blocks = nn.Sequential(*(MBConv(ch, act=act) for _ in range(depth)))
+        self.head = nn.Sequential(nn.Conv2d(ch, 64, 1, bias=False), nn.BatchNorm2d(64), act())
+        self.fc = nn.Linear(64, 10)
+        _random_bn_stats(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.head(self.blocks(self.stem(x))).mean((2, 3)))
+
+
+class RepViTLike(EfficientNetLike):
+    """RepViT / MobileNetV3: the same blocks with hard-swish."""
+
+    def __init__(self) -> None:
+        super().__init__(act=nn.Hardswish)
+
+
+class SeparableAttention(nn.Module):
+    """MobileViTv2's linear attention: a 1-channel context score, softmax over tokens, a weighted context
+    vector broadcast back onto ReLU(values); GroupNorm(1) (LayerNorm over C, H, W) before it."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.norm = nn.GroupNorm(1, ch)
+        self.qkv = nn.Conv2d(ch, 1 + 2 * ch, 1)
+        self.out = nn.Conv2d(ch, ch, 1)
+        self.ch = ch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm(x)).split([1, self.ch, self.ch], 1)
+        scores = q.flatten(2).softmax(-1).view_as(q)
+        context = (k * scores).sum((2, 3), keepdim=True)
+        return x + self.out(torch.relu(v) * context)
+
+
+class MobileViTv2Like(nn.Module):
+    def __init__(self, ch: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, ch, 3, 2, 1, bias=False), nn.BatchNorm2d(ch), nn.SiLU())
+        self.mb = MBConv(ch)
+        self.attn = nn.Sequential(*(SeparableAttention(ch) for _ in range(depth)))
+        self.fc = nn.Linear(ch, 10)
+        _random_bn_stats(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.attn(self.mb(self.stem(x))).mean((2, 3)))
