@@ -47,7 +47,7 @@ $(ZOO_VENV)/.installed-stamp: pyproject.toml
 zoo-venv: $(ZOO_VENV)/.installed-stamp
 
 bench-zoo: zoo-venv
-	OMP_NUM_THREADS=1 $(ZOO_VENV)/bin/python bench/bench_zoo.py --md bench/RESULTS-zoo.md
+	OMP_NUM_THREADS=1 $(ZOO_VENV)/bin/python bench/bench_zoo.py --write
 
 # Mutation testing of the passes, policy, op tables, verification metrics and ops (config: [tool.mutmut]
 # in pyproject.toml; score and survivors: docs/testing.md). Not in CI: 5912 mutants in about 50 minutes with
