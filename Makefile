@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install demo test lint bench mutate mutate-sample mutate-install clean
+.PHONY: install demo test lint bench bench-zoo zoo-venv mutate mutate-sample mutate-install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -29,6 +29,25 @@ lint: install
 
 bench: install
 	$(PY) bench/bench_convert.py
+
+# The timm/torchvision sweep (bench/bench_zoo.py, issue 47) in its own venv, never in `make test`: torchvision
+# needs the torch build it was released with (PyPI's torchvision does not load beside the CPU torch of .venv),
+# and that torch is newer than amplite's pin, so amplite goes in with --no-deps and its runtime dependencies
+# (the `zoo` extra's timm included) are named here. About 5.5 GB (a CUDA build of torch; it runs on the CPU).
+ZOO_VENV ?= .venv-zoo
+ZOO_TORCH ?= torch==2.14.1 torchvision==0.29.1
+$(ZOO_VENV)/.installed-stamp: pyproject.toml
+	python3 -m venv $(ZOO_VENV)
+	$(ZOO_VENV)/bin/python -m pip install -q $(ZOO_TORCH)
+	$(ZOO_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(ZOO_VENV)/bin/python -m pip install -q 'timm>=1.0' onnx onnxruntime onnxscript libcst typer rich numpy \
+		safetensors plotly filelock
+	touch $@
+
+zoo-venv: $(ZOO_VENV)/.installed-stamp
+
+bench-zoo: zoo-venv
+	OMP_NUM_THREADS=1 $(ZOO_VENV)/bin/python bench/bench_zoo.py --write
 
 # Mutation testing of the passes, policy, op tables, verification metrics and ops (config: [tool.mutmut]
 # in pyproject.toml; score and survivors: docs/testing.md). Not in CI: 5912 mutants in about 50 minutes with

@@ -24,7 +24,7 @@ from amplite.converter.pipeline import PipelineOutput, lower_inputs, run_pipelin
 from amplite.converter.tracing import (
     Inputs,
     private_buffers,
-    static_batch_inputs,
+    static_batch_warning,
     summarize_exception,
 )
 from amplite.errors import AmpliteError, InputSpecError, InternalError
@@ -209,8 +209,8 @@ def _report(
             "the model was passed in train mode and converted in train mode (BatchNorm uses batch statistics "
             "and updates its running statistics, dropout is random): call model.eval() first for inference"
         )
-    if spec.dynamic_batch and (static := static_batch_inputs(out.converted)):
-        warnings.append(f"--dynamic-batch: dim 0 of {', '.join(static)} stayed static: the model fixes it")
+    if spec.dynamic_batch and (static := static_batch_warning(out.converted)):
+        warnings.append(static)
     config = spec.to_config()
     if spec.fuse:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -17,7 +17,9 @@ def test_tight_tolerance_is_reached_with_a_few_nodes_in_bounded_trials(monkeypat
 
     model, inputs = make("transformer")
     plain = amplite.convert(model, inputs, level="O2")
-    target = plain.report.outputs[0]["sqnr_db"] + 3.0  # deliberately tighter than the rule-based plan
+    # deliberately tighter than the rule-based plan, and than its worst node alone in FP32 can reach (+3 dB
+    # was until O2 kept the residual stream FP32: issue 47)
+    target = plain.report.outputs[0]["sqnr_db"] + 8.0
     tol = parse_tolerance([f"sqnr>={target:.2f}"], "fp16")
     assert amplite.convert(model, inputs, level="O2", tolerance=tol).passed is False
 
@@ -41,7 +43,8 @@ def test_tight_tolerance_is_reached_with_a_few_nodes_in_bounded_trials(monkeypat
     assert result.passed and budget["passed"] and result.report.outputs[0]["sqnr_db"] >= target
     moved = [m["node"] for m in budget["moved_to_fp32"]]
     assert 0 < len(moved) < budget["candidates"]
-    assert budget["trials"] <= 2 * math.log2(budget["candidates"]) + 10
+    assert budget["search"]["trials"] <= 2 * math.log2(budget["candidates"]) + 10
+    assert budget["trials"] <= budget["trial_bound"]  # prune trials included
     plan = {p["node"]: p for p in result.report.data["plan"]}
     assert all(plan[n]["dtype"] == "float32" and plan[n]["reason"] == "budget:isolated-error" for n in moved)
     assert all(plan[n]["rule"] == "budget" for n in moved), "the search, not the user, pinned them"

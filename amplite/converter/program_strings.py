@@ -2,9 +2,11 @@
 
 FX writes node and attribute names into generated Python, and torch resolves node targets by attribute lookup
 from ``torch``. These rules admit what ``torch.export.save`` writes (identifiers, dotted names, plain strings)
-and nothing that could run code; the targets are returned for :mod:`amplite.converter.pt2` to resolve against
-its operator allowlist after ``--import``. The strings torch would *evaluate* never reach torch: size
-expressions are parsed by :mod:`amplite.converter.sym_expr`, and ``guards_code`` is dropped (see ``pt2.py``).
+and nothing that could run code (module paths may hold any character but quotes, backslashes and control
+characters, as ``nn.Module.add_module`` allows: ``block1-0``); the targets are returned for
+:mod:`amplite.converter.pt2` to resolve against its operator allowlist after ``--import``. The strings torch
+would *evaluate* never reach torch: size expressions are parsed by :mod:`amplite.converter.sym_expr`, and
+``guards_code`` is dropped (see ``pt2.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ from typing import Any
 from amplite.errors import LoadError
 
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-FQN = re.compile(r"([A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*)?\Z")
+# A module path as torch writes it: ``add_module`` refuses only '.' and '' in a name, so torchvision's RegNet
+# has ``block1-0``. FX writes a part that is not an identifier as ``getattr(self, "part")`` (fx.graph's
+# _format_target), so a part may hold anything but the quotes, backslash and control characters that would
+# end that string literal (Unicode line and paragraph separators included).
+_PART = r"[^.'\"\\\x00-\x1f\x7f\u2028\u2029]+"
+FQN = re.compile(rf"({_PART}(\.{_PART})*)?\Z")
+DOTTED = re.compile(r"([A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*)?\Z")  # a Python type's qualified name
 _FQN_KEYS = {
     "parameter_name", "buffer_name", "tensor_constant_name", "custom_obj_name", "user_input_name", "fqn",
 }  # fmt: skip
@@ -77,7 +85,7 @@ def _check_string(path: Path, record: str, key: str, value: str) -> None:
     if key == "name" and value and not IDENT.match(value):
         raise _refuse(path, f"{bad} is not an identifier (it would be written into generated code)")
     if key in _FQN_KEYS and not FQN.match(value):
-        raise _refuse(path, f"{bad} is not a dotted attribute name")
+        raise _refuse(path, f"{bad} is not a module path (quotes, backslashes or control characters)")
     if key in ("as_string", "as_strings") and _QUOTES.search(value):
         raise _refuse(path, f"{bad} contains quotes or backslashes (torch writes it into generated guards)")
     if key == "forward_arg_names" and not is_parameter_name(value):
@@ -107,7 +115,7 @@ def _check_treespec(path: Path, record: str, key: str, value: str) -> None:
         if not isinstance(node, dict) or depth > 64:
             raise _refuse(path, f"{bad} has a node that is not a spec, or is nested too deeply")
         kind, context, children = node.get("type"), node.get("context"), node.get("children_spec") or []
-        if kind is not None and not (isinstance(kind, str) and FQN.match(kind)):
+        if kind is not None and not (isinstance(kind, str) and DOTTED.match(kind)):
             raise _refuse(path, f"{bad} names the type {str(kind)[:60]!r}, which is not a dotted name")
         if context is not None and not isinstance(context, str):
             raise _refuse(path, f"{bad} has a context that is not a JSON string")

@@ -170,6 +170,14 @@ def export_model(
         if dynamic_batch or dynamic_dims
         else None
     )
+    program = _batch_two_export(model, args, kwargs, dynamic_dims) if dynamic_batch else None
+    if program is None:
+        program = _export(model, args, kwargs, dynamic, what)
+    check_dynamic(program, dynamic_dims or {})
+    return program
+
+
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic: Any, what: str) -> ExportedProgram:
     # torch.export prints partial graphs and internal warnings to stderr; keep them for --debug
     # (the amplite logger at DEBUG level) instead of burying the one-line error under them.
     chatter = io.StringIO()
@@ -179,32 +187,127 @@ def export_model(
     except Exception as exc:
         log.debug("torch.export output:\n%s", chatter.getvalue())
         raise ExportError(
-            f"torch.export could not trace {what}: {summarize_exception(exc)}",
+            f"torch.export could not trace {what} {export_failure(exc)}",
             "make that line traceable (no data-dependent Python control flow: use torch.cond or "
             "tensor ops; no unsupported Python objects), or run with --debug for the full trace",
         ) from exc
     if chatter.getvalue():
         log.debug("torch.export output:\n%s", chatter.getvalue())
-    check_dynamic(program, dynamic_dims or {})
     return program
 
 
+def _batch_two_export(model: torch.nn.Module, args: tuple, kwargs: dict, dims: DynamicDims | None) -> Any:
+    """The program traced at a batch-2 copy of a batch-1 example, or None (not batch 1, or it differs).
+
+    torch.export specialises every dim whose example size is 0 or 1, whatever ``dynamic_shapes`` asks, so a
+    batch-1 example (how most vision models are exported) gives a program fixed to batch 1. Traced at two
+    copies of the example, dim 0 stays symbolic. The program is kept only if, run at the user's batch-1
+    example, it gives the model's outputs (shapes, and values within 1e-4): a model that branches on
+    ``batch == 1`` (``squeeze(0)``, a size test) traces another program at batch 2, and then the batch-1
+    trace stands (its warning names the cause). Train-mode models are left alone: running them updates
+    their statistics (an exported GraphModule's mode is fixed in its graph, whatever ``training`` says).
+    """
+    leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() > 0]
+    # a GraphModule (a .pt2's program re-exported) has its train/eval choice baked into the graph
+    if (model.training and not isinstance(model, torch.fx.GraphModule)) or not leaves:
+        return None
+    if any(x.shape[0] != 1 for x in leaves):
+        return None
+    two = pytree.tree_map(lambda x: torch.cat([x, x]) if isinstance(x, torch.Tensor) and x.dim() > 0 else x,
+                          (args, kwargs))  # fmt: skip
+    try:
+        program = _export(model, *two, dynamic_shapes_for(model, *two, batch=True, dims=dims), "")
+        if static_batch_inputs(program):
+            return None
+        with torch.no_grad():
+            got = pytree.tree_leaves(program.module()(*copy.deepcopy(args), **copy.deepcopy(kwargs)))
+            want = pytree.tree_leaves(model(*copy.deepcopy(args), **copy.deepcopy(kwargs)))
+    except Exception as exc:  # the batch-1 trace below raises the user's error, if any
+        log.debug("tracing at a batch-2 copy of the example failed: %s", exc)
+        return None
+    same = len(got) == len(want) and all(
+        (a == b if not isinstance(a, torch.Tensor) else isinstance(b, torch.Tensor) and a.shape == b.shape
+         and a.dtype == b.dtype and (not a.is_floating_point() or torch.allclose(a, b, rtol=1e-4, atol=1e-4)))
+        for a, b in zip(got, want, strict=False)
+    )  # fmt: skip
+    if not same:
+        log.debug("the program traced at batch 2 differs from the model at batch 1: keeping the batch-1 trace")
+    return program if same else None
+
+
+def static_batch_warning(program: ExportedProgram) -> str | None:
+    """The report's warning when ``--dynamic-batch`` left dim 0 of a user input static, naming the cause."""
+    static = static_batch_inputs(program)
+    if not static:
+        return None
+    if all(s.endswith("(fixed to 1)") for s in static):
+        return (f"--dynamic-batch: dim 0 of {', '.join(static)} stayed static: torch.export fixes a dim whose "
+                "example size is 1, and the model traced at two copies of the example failed or gave other "
+                "outputs at batch 1 (it branches on the batch size): give an example of batch >= 2")  # fmt: skip
+    return f"--dynamic-batch: dim 0 of {', '.join(static)} stayed static: the model's code fixes that size"
+
+
 def summarize_exception(exc: BaseException) -> str:
-    """First line of an exception plus the innermost user-code frame that raised it."""
+    """First line of an exception plus where it was raised (:func:`user_frame`)."""
+    where = user_frame(exc)
+    return f"{_head(exc)}" + (f" (at {where})" if where else "")
+
+
+def export_failure(exc: BaseException) -> str:
+    """An export failure, its location first: torch's messages run to many lines, and the line is what to fix."""
+    where = user_frame(exc)
+    return (f"at {where}: " if where else "") + _head(exc)
+
+
+def _head(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     head = lines[0] if lines else type(exc).__name__
     if len(head) > 240:
         head = head[:237] + "..."
-    where = user_frame(exc)
-    return f"{type(exc).__name__}: {head}" + (f" (at {where})" if where else "")
+    return f"{type(exc).__name__}: {head}"
+
+
+#: torch's own frames and generated code (``<string>``: the lambda torch.export wraps the call in; dataclass and
+#: namedtuple methods) never hold the line to change; frames of other installed packages (torchvision) do.
+_NOT_CODE = ("/torch/", "/amplite/", "/contextlib.py", "/functools.py")
+_LIBRARY = ("site-packages", "dist-packages")
+_CAUSED_BY = re.compile(r"Caused by: \((?P<file>[^()\s]+\.py):(?P<line>\d+) in \w+\)")
 
 
 def user_frame(exc: BaseException) -> str:
-    """'file:line (code)' of the innermost traceback frame outside torch, amplite and site-packages."""
-    best = ""
-    for frame in traceback.extract_tb(exc.__traceback__):
-        f = frame.filename
-        if any(s in f for s in ("/torch/", "site-packages", "/amplite/", "<frozen", "/contextlib.py")):
-            continue
-        best = f"{f}:{frame.lineno}" + (f" `{frame.line.strip()}`" if frame.line else "")
-    return best
+    """'file:line `code`' of the innermost frame outside torch and generated code, along the exception chain.
+
+    When that frame is in an installed package (torchvision's ``ops/boxes.py``), the package-relative path is
+    given and the innermost frame of the user's own code follows (``called from model.py:12``); when no frame
+    qualifies, the location torch names in its message (``Caused by: (file.py:103 in fn)``).
+    """
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:  # the innermost exception's frames first
+        seen.add(id(exc))
+        chain.insert(0, exc)
+        exc = exc.__cause__ or exc.__context__
+    for item in chain:
+        every = traceback.extract_tb(item.__traceback__)
+        frames = [f for f in every if not f.filename.startswith("<") and not any(s in f.filename for s in _NOT_CODE)]
+        if frames:
+            where, user = frames[-1], [f for f in frames if not any(s in f.filename for s in _LIBRARY)]
+            text = _frame_text(where)
+            if user and user[-1] is not where:
+                text += f", called from {user[-1].filename}:{user[-1].lineno}"
+            # the torch.nn layer that raised below it (BatchNorm(momentum=None) in train mode divides by a counter)
+            layer = [f for f in every[every.index(where) + 1 :] if "/torch/nn/" in f.filename]
+            if layer:
+                text += f", inside {_frame_text(layer[-1])}"
+            return text
+    for item in chain:
+        if m := _CAUSED_BY.search(str(item)):
+            return f"{m['file']}:{m['line']}"
+    return ""
+
+
+def _frame_text(frame: traceback.FrameSummary) -> str:
+    name = frame.filename
+    for marker in _LIBRARY:
+        if f"/{marker}/" in name:
+            name = name.split(f"/{marker}/", 1)[1]
+    return f"{name}:{frame.lineno}" + (f" `{frame.line.strip()}`" if frame.line else "")

@@ -42,6 +42,8 @@ from amplite.passes.range_guard import ValueRange
 from amplite.policy import Decision, Level, NodeFacts, PrecisionPolicy, RuleSource
 
 _COMPUTE_BOUND = frozenset(op_tables.LOW_PRECISION_OPS)
+_NORMS = frozenset(op_tables.FP32_OPS["norm"])
+_VIEWS = frozenset(op_tables.DATA_MOVEMENT_OPS)
 _NONE = Decision("follow", "")  # stands in for a node with no decision (not float, not call_function)
 _LOW_DEC = Decision("low", "")  # likewise, where a missing decision must not count as FP32
 
@@ -138,7 +140,9 @@ class AnnotatePrecision:
             if node.op != "call_function" or cast_dtype(node) is not None or node.target is operator.getitem:
                 continue
             op = op_tables.op_name(node.target) or getattr(node.target, "__name__", str(node.target))
-            facts[node] = NodeFacts(op, module_path(node), node.name, range_flag=node.meta.get(RANGE_KEY, ""))
+            facts[node] = NodeFacts(
+                op, module_path(node), node.name, range_flag=node.meta.get(RANGE_KEY, ""), feeds_norm=_feeds_norm(node)
+            )
         if self.policy.level is not Level.O0:
             _refuse_unmatched(self.policy, [(f.op, f.module, f.node) for f in facts.values()])
         for node in _discrete_cone(facts):
@@ -299,3 +303,19 @@ def _predict_out(node: torch.fx.Node, val: Any, compute: torch.dtype | None) -> 
         return None
 
     return one(val)
+
+
+def _feeds_norm(node: torch.fx.Node) -> bool:
+    """Whether a normalisation reads ``node``'s result, directly or through views (a residual stream)."""
+    frontier, seen = list(node.users), set()
+    while frontier:
+        user = frontier.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        op = op_tables.op_name(user.target)
+        if op in _NORMS:
+            return True
+        if op in _VIEWS:
+            frontier.extend(user.users)
+    return False

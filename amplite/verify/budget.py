@@ -11,8 +11,9 @@ prefix: each of its nodes, least isolated error first, goes back to low precisio
 holds without it (``prune`` in the report: counts before and after). A trial reruns only the passes, on
 the FP32 program (no export), with the calibrated ranges and FP32 reference outputs of the first
 conversion, and runs the rewritten module: nothing is re-exported until the plan is chosen, and that plan
-alone is converted and verified in full. Search trials are bounded by ``2·log2(N) + 10`` for N candidates
-(or ``max_trials``), prune trials by the prefix's length (at most 24).
+alone is converted and verified in full. Search trials are bounded by ``2·log2(N) + 10`` for N candidates,
+prune trials by the prefix's length (at most 24); the report's ``trial_bound`` is their sum, or ``max_trials``,
+which bounds both phases together.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def fallback_search(
             (:class:`~amplite.policy.Override` rules whose source is the budget search).
         convert: ``convert(program, inputs, spec, reference_outputs)`` converting and verifying a spec
             (the API's, passed in: this layer never imports it), used once for the chosen plan.
-        max_trials: Bound on conversions (default ``2·log2(N) + 10``).
+        max_trials: Bound on all trials, search and prune (default: ``2·log2(N) + 10`` for the search plus
+            the prune phase's bound).
 
     Returns:
         The converted result of the best plan found and the report's ``budget`` section (the caller attaches
@@ -113,8 +115,12 @@ def fallback_search(
         if hi - lo > 1:
             message = f"stopped at the trial bound ({bound}); the plan found may keep more in FP32 than needed"
     chosen = names[: best_k if best_k is not None else n]
-    before = len(chosen)
+    before, search_trials = len(chosen), len(steps) - 1
     prune_bound = min(before, _PRUNE_MAX) if best_k is not None and before > 1 else 0
+    if max_trials is not None:  # the caller's bound covers every trial, the prune phase's too
+        prune_bound = min(prune_bound, max(0, max_trials - search_trials))
+    # what bounds ``trials``: the search's bound (worst and all always run) plus the prune phase's
+    total_bound = max(bound, min(n, 2)) + prune_bound if max_trials is None else max_trials
     chosen, prune_trials = _prune(chosen, lambda kept: trial(kept, "prune"), prune_bound)
     final = convert(result.original, result.inputs, spec.with_overrides(_pins(chosen)), result.reference)
     moved = set(chosen)
@@ -123,7 +129,8 @@ def fallback_search(
         "passed": bool(final.passed),
         "candidates": n,
         "trials": len(steps) - 1,
-        "trial_bound": bound,
+        "trial_bound": total_bound,
+        "search": {"trials": search_trials, "bound": bound},
         "moved_to_fp32": [
             {**_describe(result, name, sqnr), "to": "bfloat16" if name in fp8 else "float32"}
             for name, sqnr in ranked

@@ -1,0 +1,72 @@
+"""Why fp16 O1 trails torch.autocast on MBConv / squeeze-excitation / separable-attention CNNs (issue 47).
+
+Usage: ``python bench/bench_fold_fp16.py [--seeds 3]``
+
+For the small models of ``tests/zoo_models.py`` with the culprits' structure (EfficientNet's MBConv with SiLU
+and a sigmoid SE gate; the same with hard-swish as RepViT/MobileNetV3; MobileViTv2's separable attention),
+random BatchNorm statistics, batch 8, 200 logits: the SQNR against FP32 of CPU ``torch.autocast`` on the
+model, of autocast on the same model with every conv+BatchNorm fused (``fuse_conv_bn_eval``), and of amplite
+O1 with and without BatchNorm folding — side by side, per seed and precision, in one run. If "autocast on
+fused" equals "O1 (folded)", the gap to autocast is the folding, not amplite's precision plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from torch.nn.utils.fusion import fuse_conv_bn_eval
+
+import amplite
+from bench.autocast_count import accuracy, run
+from tests import zoo_models
+
+
+def fused(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy with every Sequential(conv, BatchNorm, ...) fused as amplite folds it."""
+    out = copy.deepcopy(model)
+    for seq in out.modules():
+        if isinstance(seq, torch.nn.Sequential) and len(seq) > 1 and isinstance(seq[0], torch.nn.Conv2d) \
+                and isinstance(seq[1], torch.nn.BatchNorm2d):  # fmt: skip
+            seq[0], seq[1] = fuse_conv_bn_eval(seq[0], seq[1]), torch.nn.Identity()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    ns = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    print(f"{platform.machine()}, torch {torch.__version__}, 1 thread; SQNR (dB) against FP32\n")
+    print("| model | precision | seed | autocast | autocast on fused | O1 (folded) | O1 no-fold | O1 − autocast |")
+    print("|---|---|---|---|---|---|---|---|")
+    for cls in (zoo_models.EfficientNetLike, zoo_models.RepViTLike, zoo_models.MobileViTv2Like):
+        for precision in ("fp16", "bf16"):
+            for seed in range(ns.seeds):
+                torch.manual_seed(seed)
+                model = cls().eval()
+                model.fc = torch.nn.Linear(model.fc.in_features, 200)
+                inputs = ((torch.randn(8, 3, 32, 32),), {})
+                ref = run(model, inputs)
+
+                def sqnr(out: object, ref: object = ref) -> float:
+                    return accuracy(ref, out, logits=False)["sqnr_db"]
+
+                ac, ac_fused = sqnr(run(model, inputs, precision)), sqnr(run(fused(model), inputs, precision))
+                o1 = [sqnr(run(amplite.convert(model, inputs, precision=precision, level="O1", verify=False,
+                                               fold_batchnorm=fold).program.module(), inputs))
+                      for fold in (True, False)]  # fmt: skip
+                print(f"| {cls.__name__} | {precision} | {seed} | {ac:.2f} | {ac_fused:.2f} | {o1[0]:.2f} | "
+                      f"{o1[1]:.2f} | {o1[0] - ac:+.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
