@@ -17,6 +17,7 @@ from amplite.checkpoint.fp8 import Fp8Reader, tolerance_precision
 from amplite.checkpoint.source import open_checkpoint
 from amplite.options import ConvertOptions
 from amplite.report.document import Report
+from amplite.report.sections import Fp8Checkpoint
 from amplite.verify.compare import parse_tolerance
 
 
@@ -45,6 +46,11 @@ def check_checkpoint(
     with tempfile.TemporaryDirectory(prefix=".amplite-check.") as tmp:
         out = conv.save_safetensors(Path(tmp) / "converted") if converted is None else Path(converted)
         section = conv.verify(out, real, tolerance=tol)
+        if converted is not None and conv.fp8 is not None:  # describe the directory checked, not a fresh plan
+            described = conv.report.section(Fp8Checkpoint)
+            scheme = Fp8Reader(open_checkpoint(out)).scheme
+            conv.report.attach(Fp8Checkpoint({**described.to_json(), "activation_scheme": scheme,
+                                              "calibration": None}))  # fmt: skip
         more = check_more(conv.report, out) if check_more is not None else []
     reasons = []
     for o in section["outputs"]:
