@@ -153,7 +153,7 @@ def test_scales_are_amax_over_448_of_weights_and_calibration_inputs(static: tupl
 
 
 def test_read_back_and_verified(static: tuple[Path, dict, str]) -> None:
-    out, report, stdout = static
+    _, report, stdout = static
     v = report["verification"]
     assert v["passed"] is True and report["config"]["precision"] == "fp8"
     assert v["outputs"][0]["sqnr_db"] >= 25 and len(v["blocks"]) == 2

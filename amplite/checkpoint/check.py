@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from amplite.checkpoint.convert import StreamedConversion, _on_meta, convert_checkpoint
-from amplite.checkpoint.fp8 import Fp8Reader, tolerance_precision
+from amplite.checkpoint.fp8 import READ_BACK, Fp8Reader, tolerance_precision
 from amplite.checkpoint.source import open_checkpoint
 from amplite.options import ConvertOptions
 from amplite.report.document import Report
@@ -50,7 +50,7 @@ def check_checkpoint(
             described = conv.report.section(Fp8Checkpoint)
             scheme = Fp8Reader(open_checkpoint(out)).scheme
             conv.report.attach(Fp8Checkpoint({**described.to_json(), "activation_scheme": scheme,
-                                              "calibration": None}))  # fmt: skip
+                                              "calibration": None, "verified_as": READ_BACK[scheme]}))  # fmt: skip
         more = check_more(conv.report, out) if check_more is not None else []
     reasons = []
     for o in section["outputs"]:

@@ -44,6 +44,11 @@ STATIC, DYNAMIC = "static", "dynamic"
 #: What the written ``config.json`` says (vLLM ``Fp8Config.from_config`` keys; transformers reads the same ones).
 QUANT_METHOD = "fp8"
 Entry = tuple[str, torch.dtype, tuple[int, ...]]
+#: How verification runs the written directory on the CPU (no FP8 kernels here), by activation scheme.
+READ_BACK = {
+    STATIC: "weights dequantized with weight_scale; each FP8 linear's input quantized to e4m3 with its input_scale",
+    DYNAMIC: "weights dequantized with weight_scale; each FP8 linear's input quantized to e4m3 per token",
+}
 
 
 def split_fp8(opts: ConvertOptions) -> tuple[ConvertOptions, Fp8Request | None]:
@@ -129,7 +134,16 @@ class Fp8Plan:
 
 def plan_fp8(keys: KeyMap, lm: nn.Module) -> Fp8Plan:
     """The decoder blocks' ``nn.Linear`` weights that one shard tensor holds as is become FP8; every other linear
-    and every embedding is an ignored layer (named as in the checkpoint where it is stored under its own name)."""
+    and every embedding is an ignored layer (named as in the checkpoint where it is stored under its own name).
+
+    Raises:
+        ConfigError: A mixture-of-experts model (vLLM would read its experts as FP8 too), or no such linear.
+    """
+    moe = next((type(m).__name__ for m in lm.modules() if type(m).__name__.endswith(("Experts", "SparseMoeBlock"))),
+               None)  # fmt: skip
+    if moe is not None:
+        raise ConfigError(f"FP8 checkpoints of mixture-of-experts models ({moe}) are not supported yet: vLLM's "
+                          "fp8 method expects FP8 experts with their own scales", "convert it with --precision bf16")
     linears, program, ignored = {}, {}, []
     for path, mod in lm.named_modules():
         if not isinstance(mod, (nn.Linear, nn.Embedding)):
@@ -267,4 +281,5 @@ def fp8_section(plan: Fp8Plan, ckpt: Checkpoint) -> Fp8Checkpoint:
     return Fp8Checkpoint({"layout": "vLLM quant_method fp8 (safetensors)", "activation_scheme": plan.scheme,
                           "weight_scales": "per-tensor", "fp8_linears": len(plan.linears),
                           "ignored_layers": plan.ignored, "calibration": plan.calibration or None, "bytes": written,
-                          "bf16_bytes": bf16, "size_vs_bf16": round(written / max(bf16, 1), 4)})  # fmt: skip
+                          "bf16_bytes": bf16, "size_vs_bf16": round(written / max(bf16, 1), 4),
+                          "verified_as": READ_BACK[plan.scheme]})  # fmt: skip

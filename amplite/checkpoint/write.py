@@ -38,14 +38,14 @@ Entry = tuple[str, torch.dtype, tuple[int, ...]]  # a written tensor: name, dtyp
 
 
 class Layout(Protocol):
-    """What each source tensor becomes in the output (``amplite.checkpoint.fp8.Fp8Plan``: an FP8 weight and its
-    scales); without one, each tensor is written once, cast to its planned dtype."""
+    """What each source tensor becomes (``checkpoint.fp8.Fp8Plan``: an FP8 weight and its scales) and the
+    ``quantization_config`` that says so; without one, each tensor is written once, cast to its planned dtype."""
 
     def entries(self, info: TensorInfo, dtype: torch.dtype) -> list[Entry]: ...
-
     def tensors(self, info: TensorInfo, t: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]: ...
-
     def quantization_config(self) -> dict[str, Any]: ...
+
+
 _ST_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
     torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
