@@ -18,7 +18,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import amplite
-from amplite.errors import AmpliteError
+from amplite.checkpoint import checkpoint_to_files
+from amplite.checkpoint.check import check_checkpoint
+from amplite.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 128
@@ -167,8 +169,9 @@ def test_read_back_and_verified(static: tuple[Path, dict, str]) -> None:
 def test_planted_double_weight_scale_fails_check(static: tuple[Path, dict, str], ckpt: Path,
                                                  tmp_path: Path) -> None:  # fmt: skip
     out, _, _ = static
-    ok = _run("check", str(ckpt), "--converted", str(out), "--report", str(tmp_path / "ok"))
-    assert ok.returncode == 0, ok.stdout + ok.stderr
+    ok, reasons = check_checkpoint(ckpt, converted=out)  # the directory as written passes the same gate
+    assert reasons == [] and ok.passed is True and ok.data["config"]["precision"] == "fp8"
+    assert ok.data["fp8_checkpoint"]["activation_scheme"] == "static"  # read from the directory checked
     planted = tmp_path / "planted"
     planted.mkdir()
     for f in out.iterdir():
@@ -184,8 +187,7 @@ def test_planted_double_weight_scale_fails_check(static: tuple[Path, dict, str],
     report = json.loads((tmp_path / "bad" / "report.json").read_text())
     assert report["verification"]["passed"] is False
     blocks = {b["block"]: b["sqnr_db"] for b in report["verification"]["blocks"]}
-    good = {b["block"]: b["sqnr_db"] for b in json.loads((tmp_path / "ok" / "report.json").read_text())
-            ["verification"]["blocks"]}  # fmt: skip
+    good = {b["block"]: b["sqnr_db"] for b in ok.data["verification"]["blocks"]}
     assert blocks["lm.model.layers.0"] == good["lm.model.layers.0"]  # the block before is untouched
     assert blocks["lm.model.layers.1"] < good["lm.model.layers.1"] - 10  # the doubled layer's block is hit
 
@@ -206,17 +208,17 @@ def test_dynamic_without_calibration_api(ckpt: Path, tmp_path: Path) -> None:
         conv.data["fp8_checkpoint"]["bytes"] / conv.data["fp8_checkpoint"]["bf16_bytes"], abs=1e-4)
 
 
-def test_already_quantized_source_refused(static: tuple[Path, dict, str], ckpt: Path, tmp_path: Path) -> None:
+def test_already_quantized_source_refused(static: tuple[Path, dict, str], tmp_path: Path) -> None:
     out, _, _ = static
-    proc = _run("convert", str(out), "--precision", "fp8", "-o", str(tmp_path / "again"))
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "already quantized" in proc.stderr and "quantization_config" in proc.stderr
+    for precision in ("fp8", "bf16"):  # nothing converts a quantized directory: its values are not the weights
+        with pytest.raises(ConfigError, match=r"quantization_config .*already quantized") as err:
+            checkpoint_to_files(out, output=tmp_path / "again", precision=precision)
+        assert err.value.exit_code == 2
     assert not (tmp_path / "again").exists()
-    with pytest.raises(AmpliteError, match="already quantized"):
-        amplite.convert(out, precision="bf16")
 
 
 def test_fp8_pt2_output_refused_before_writing(ckpt: Path, tmp_path: Path) -> None:
-    proc = _run("convert", str(ckpt), "--precision", "fp8", "-o", str(tmp_path / "m.pt2"))
-    assert proc.returncode == 2 and "safetensors directory in vLLM's layout" in proc.stderr
+    for output, formats in ((tmp_path / "m.pt2", None), (tmp_path / "d", "safetensors,pt2")):
+        with pytest.raises(ConfigError, match="safetensors directory in vLLM's layout"):
+            checkpoint_to_files(ckpt, output=output, formats=formats, precision="fp8")
     assert not list(tmp_path.iterdir())
