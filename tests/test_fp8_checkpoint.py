@@ -222,3 +222,13 @@ def test_fp8_pt2_output_refused_before_writing(ckpt: Path, tmp_path: Path) -> No
         with pytest.raises(ConfigError, match="safetensors directory in vLLM's layout"):
             checkpoint_to_files(ckpt, output=output, formats=formats, precision="fp8")
     assert not list(tmp_path.iterdir())
+
+
+def test_moe_refused_before_export(tmp_path: Path) -> None:
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
+                                     num_experts_per_tok=1, max_position_embeddings=64)  # fmt: skip
+    transformers.MixtralForCausalLM(cfg).save_pretrained(tmp_path / "moe", safe_serialization=True)
+    with pytest.raises(ConfigError, match=r"mixture-of-experts models \(Mixtral\w+\)"):
+        checkpoint_to_files(tmp_path / "moe", output=tmp_path / "out", precision="fp8")
+    assert not (tmp_path / "out").exists()

@@ -105,6 +105,7 @@ def convert_checkpoint(
     lvl = checkpoint_level(level)
     model, buffers = build_meta_model(ckpt)
     keys = map_keys(ckpt, model.lm)
+    plan = plan_fp8(keys, model.lm) if fp8 is not None else None  # refuses what it cannot store, before export
     if example_inputs is None and batches:
         example_inputs = batches[0]  # calibration runs the traced program: trace with its shapes
     inputs = example_inputs if example_inputs is not None else example_inputs_for(ckpt.config)
@@ -121,7 +122,6 @@ def convert_checkpoint(
     out = run_pipeline(model, inputs, policy, fold_batchnorm=False)
     timings.update(out.timings)
     _check_constants(out.converted, keys, buffers)
-    plan = plan_fp8(keys, model.lm) if fp8 is not None else None
     if plan is not None and batches is not None:
         start = perf_counter()
         plan = calibrate(plan, out.original, lambda n: _fp32_tensor(ckpt, keys, buffers, n), batches)
