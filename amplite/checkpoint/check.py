@@ -15,6 +15,7 @@ from typing import Any
 from amplite.checkpoint.convert import StreamedConversion, _on_meta, convert_checkpoint
 from amplite.checkpoint.fp8 import READ_BACK, Fp8Reader, tolerance_precision
 from amplite.checkpoint.source import open_checkpoint
+from amplite.errors import ConfigError
 from amplite.options import ConvertOptions
 from amplite.report.document import Report
 from amplite.report.sections import Fp8Checkpoint
@@ -36,6 +37,9 @@ def check_checkpoint(
     """
     opts = ConvertOptions.of(options, **changes)
     if converted is not None:
+        if not isinstance(converted, (str, Path)) or not Path(converted).is_dir():
+            raise ConfigError(f"--converted {converted!s:.80} is not a directory: for a checkpoint directory it is the "
+                              "directory `amplite convert DIR` wrote", "pass that directory, or drop --converted")
         written = open_checkpoint(converted)  # refuses what is not a checkpoint directory
         if opts.precision is None and "quantization_config" in written.config:
             opts = ConvertOptions.of(opts, precision=Fp8Reader(written).precision)
