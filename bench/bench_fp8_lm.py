@@ -16,7 +16,7 @@ prompts (teacher-forced token agreement over 32 greedy steps, perplexity delta o
 on this CPU: the FP8 directories run dequantized in bf16 with each FP8 linear's input quantized to e4m3 with its
 scale (``amplite.checkpoint.fp8_model``). Sizes are the bytes of the written ``*.safetensors`` files.
 
-    python bench/bench_fp8_lm.py [--steps 500] [--threads 2]
+    python bench/bench_fp8_lm.py [--steps 120] [--threads 1]
 """
 
 from __future__ import annotations
@@ -80,6 +80,8 @@ def train(steps: int, probs: torch.Tensor) -> tuple[torch.nn.Module, float, floa
         loss.backward()
         opt.step()
         sched.step()
+        if step % 50 == 0:
+            print(f"step {step}: loss {float(loss.detach()):.3f}", file=sys.stderr, flush=True)
     ent = -(probs * probs.clamp_min(1e-12).log()).sum(1).mean()
     return model.eval(), float(loss.detach()), float(ent)
 
@@ -104,8 +106,8 @@ def size(path: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=500, help="training steps (batch 16 x 64 tokens)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=120, help="training steps (batch 16 x 64 tokens)")
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
