@@ -75,9 +75,9 @@ def convert(
         AmpliteError: For every problem with the inputs, the file or the options (one-line message).
     """
     opts = ConvertOptions.of(options, **changes)
-    spec = opts.spec()
     if isinstance(model, (str, Path)) and is_checkpoint_dir(model):  # streamed: never materialised
-        return convert_checkpoint(model, example_inputs, options=opts)
+        return convert_checkpoint(model, example_inputs, options=opts)  # validates its options (and fp8) itself
+    spec = opts.spec()
     batches = calibration_batches(opts.calibration)
     return convert_spec(model, example_inputs, spec, opts.verification(), opts.loading(), batches, reference_outputs)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from amplite.api import ConversionResult, convert
 from amplite.checkpoint import StreamedConversion, checkpoint_to_files, is_checkpoint_dir
+from amplite.checkpoint.fp8 import split_fp8
 from amplite.converter import emit
 from amplite.errors import ConfigError, EmitError
 from amplite.levels import resolve_level
@@ -103,12 +104,13 @@ def convert_to_files(
             is an input or another output, or a default name that would replace a file amplite did not write.
     """
     opts = ConvertOptions.of(options, **changes)
-    precision = opts.precision_name
     if is_checkpoint_dir(model):
+        plain, fp8 = split_fp8(opts)  # precision fp8: a checkpoint directory only (vLLM's layout)
+        precision = "bf16" if fp8 is not None else plain.precision_name
         # -o is a directory here (replaced as a whole): a directory output, not a file one as well.
         guard_outputs(_inputs(model, inputs_file, opts.calibration), [("--report", report)],
                       [("-o", output)])  # fmt: skip
-        tol = opts.verification().tolerance
+        tol = plain.verification().tolerance
         # token_agreement / ppl_delta criteria: the written directory is also checked on generation
         generation = generation_check(model, tol, precision) if opts.verify else None
         conv, written, report_path = checkpoint_to_files(
@@ -116,6 +118,7 @@ def convert_to_files(
             verify_max_memory=verify_max_memory, progress=progress or (lambda *_: None), check_more=generation,
         )  # fmt: skip
         return SavedConversion(conv, written, report_path)  # type: ignore[arg-type]
+    precision = opts.precision_name
     dest = Path(output) if output is not None else default_output(model, precision, opts.level)
     emit.check_writable(dest)
     targets = emit.plan_outputs(dest, formats)

@@ -7,7 +7,9 @@ conversions and checks every shape and dtype before anything is written; ``conve
 conversion from the graph and the weights' metadata; ``result`` is what it returns
 (:class:`StreamedConversion`: save, verify); ``write`` streams each weight from its shard, cast, into the
 outputs (a safetensors directory in the source's layout, a ``.pt2``); ``blockwise`` verifies by running
-both programs with weights loaded only around their use; ``files`` is what ``amplite convert DIR`` calls
+both programs with weights loaded only around their use; ``fp8`` plans, calibrates, writes and reads back
+FP8 directories in vLLM's layout (``--precision fp8``) and ``fp8_model`` runs one in transformers on the CPU
+(dequantized, e4m3 activations simulated); ``files`` is what ``amplite convert DIR`` calls
 and ``check`` what ``amplite check DIR`` calls. Layer: above ``report``/``onnx`` (it uses ``verify``,
 ``converter``, ``passes``), below the API.
 """

@@ -23,6 +23,8 @@ from amplite.verify.compare import Tolerance, compare
 
 _BLOCK = re.compile(r"^(.*?\.(?:layers|h|blocks|layer)\.\d+)(?:\.|$)")
 Loader = Callable[[str], torch.Tensor]
+#: Called with a node and its argument values before it runs; returns the arguments to run it on.
+Hook = Callable[[torch.fx.Node, tuple[Any, ...]], tuple[Any, ...]]
 
 
 def runnable_module(program: ExportedProgram) -> torch.fx.GraphModule:
@@ -69,18 +71,27 @@ def _sizes(program: ExportedProgram) -> dict[str, int]:
 
 
 class _Streaming(torch.fx.Interpreter):
-    """Runs a GraphModule, fetching weights through ``loader``; records each block's last output."""
+    """Runs a GraphModule, fetching weights through ``loader``; records each block's last output. ``hook`` may
+    change a call's arguments (the FP8 read-back quantizes linear inputs with their scales)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, loader: Loader) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, loader: Loader, hook: Hook | None = None) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.loader = loader
+        self.hook = hook
+        self._node: torch.fx.Node | None = None
         self.blocks: dict[str, torch.Tensor] = {}
         self._last = _block_outputs(gm)
 
     def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
         return self.loader(str(target))
 
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if self.hook is not None and self._node is not None:
+            args = self.hook(self._node, tuple(args))
+        return super().call_function(target, args, kwargs)
+
     def run_node(self, n: torch.fx.Node) -> Any:
+        self._node = n
         out = super().run_node(n)
         block = self._last.get(n)
         if block is not None and isinstance(out, torch.Tensor):
@@ -124,6 +135,7 @@ def verify_blockwise(
     *,
     max_memory: float | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    converted_hook: Hook | None = None,
 ) -> dict[str, Any]:
     """Run both programs streaming their weights and compare per block and at the outputs.
 
@@ -134,6 +146,7 @@ def verify_blockwise(
         tolerance: Thresholds for the final outputs.
         max_memory: Refuse (ConfigError) when the weights alive at once would exceed this many bytes.
         progress: Called as ``("verifying", bytes of weights loaded, total)`` as both programs run.
+        converted_hook: Changes the converted program's call arguments (FP8: quantized linear inputs).
 
     Returns:
         The report's ``verification`` section plus ``blocks`` (per-block SQNR and max abs error, accumulated:
@@ -163,7 +176,7 @@ def verify_blockwise(
             return wrapped
 
         ref_run = _Streaming(ref_gm, counted(load_reference))
-        conv_run = _Streaming(conv_gm, counted(load_converted))
+        conv_run = _Streaming(conv_gm, counted(load_converted), converted_hook)
         ref_out = ref_run.run(*flat)
         conv_out = conv_run.run(*flat)
     metrics = compare(ref_out, conv_out, tolerance)

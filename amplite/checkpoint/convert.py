@@ -20,10 +20,18 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
+from amplite.checkpoint.fp8 import calibrate, fp8_section, plan_fp8, refuse_quantized, split_fp8
 from amplite.checkpoint.keys import KeyMap, map_keys
 from amplite.checkpoint.model import build_meta_model
 from amplite.checkpoint.result import Progress, StreamedConversion, _no_progress, _on_meta, random_inputs
-from amplite.checkpoint.source import PREFIX, Checkpoint, example_inputs_for, iter_shard, open_checkpoint
+from amplite.checkpoint.source import (
+    PREFIX,
+    Checkpoint,
+    example_inputs_for,
+    iter_shard,
+    load_tensor,
+    open_checkpoint,
+)
 from amplite.converter.graph_stats import graph_stats
 from amplite.converter.pipeline import run_pipeline
 from amplite.errors import ConfigError
@@ -33,6 +41,7 @@ from amplite.passes.range_guard import RangeRules, weight_reason
 from amplite.policy import Level, PrecisionPolicy, make_overrides
 from amplite.report.document import build_report
 from amplite.report.sections import Source, WeightRules
+from amplite.verify.data import calibration_batches
 
 __all__ = ["Progress", "StreamedConversion", "_no_progress", "_on_meta", "convert_checkpoint", "random_inputs"]
 
@@ -73,6 +82,8 @@ def convert_checkpoint(
         options: The conversion options; those a streamed directory uses are precision, level, keep_fp32,
             force_low, low_precision_io and range_rules (the fp16 weight rules on streamed statistics, None: at
             O1/O2); verify and tolerance apply to its verification. Any other option given is refused.
+            ``precision="fp8"``: the bf16 plan, with the decoder blocks' linear weights stored FP8 (vLLM's
+            layout, :mod:`amplite.checkpoint.fp8`); ``calibration`` then gives static activation scales.
         progress: Called as ``(step, bytes done, bytes total)`` while reading shards.
         **changes: Options by name, over ``options`` (as for :func:`amplite.convert`).
 
@@ -82,15 +93,21 @@ def convert_checkpoint(
     Raises:
         ConfigError: An option that does not apply to a checkpoint directory, or a bad value.
     """
-    opts = ConvertOptions.of(options, **changes).only_for("checkpoint")  # before any work
+    opts, fp8 = split_fp8(ConvertOptions.of(options, **changes))
+    opts = opts.only_for("checkpoint")  # before any work
+    batches = calibration_batches(fp8.calibration) if fp8 is not None and fp8.calibration is not None else None
     precision, level, keep_fp32, force_low = opts.precision_name, opts.level, opts.keep_fp32, opts.force_low
     low_precision_io, range_rules = opts.low_precision_io, opts.range_rules
     timings: dict[str, float] = {}
     start = perf_counter()
     ckpt = open_checkpoint(path)
+    refuse_quantized(ckpt)
     lvl = checkpoint_level(level)
     model, buffers = build_meta_model(ckpt)
     keys = map_keys(ckpt, model.lm)
+    plan = plan_fp8(keys, model.lm) if fp8 is not None else None  # refuses what it cannot store, before export
+    if example_inputs is None and batches:
+        example_inputs = batches[0]  # calibration runs the traced program: trace with its shapes
     inputs = example_inputs if example_inputs is not None else example_inputs_for(ckpt.config)
     inputs = torch.utils._pytree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, inputs)
     timings["build"] = perf_counter() - start
@@ -105,14 +122,20 @@ def convert_checkpoint(
     out = run_pipeline(model, inputs, policy, fold_batchnorm=False)
     timings.update(out.timings)
     _check_constants(out.converted, keys, buffers)
+    if plan is not None and batches is not None:
+        start = perf_counter()
+        plan = calibrate(plan, out.original, lambda n: _fp32_tensor(ckpt, keys, buffers, n), batches)
+        timings["fp8_calibration"] = perf_counter() - start
     dtypes = {name: t.dtype for name, t in [*out.converted.state_dict.items(), *out.converted.constants.items()]
               if isinstance(t, torch.Tensor)}  # fmt: skip
     dtypes.update(storage_dtypes(ckpt, keys, dtypes))
+    if plan is not None:
+        dtypes.update(dict.fromkeys(plan.linears, torch.float8_e4m3fn))
     after = sum(math.prod(i.shape) * dtypes[n].itemsize for n, i in ckpt.tensors.items())
     applied = bool(flagged or use_rules)
     report = build_report(
         source=Source.of(ckpt.path, "checkpoint", shards=len(ckpt.shards)),
-        config={"precision": precision, "level": lvl.value, "keep_fp32": list(keep_fp32),
+        config={"precision": "fp8" if plan is not None else precision, "level": lvl.value, "keep_fp32": list(keep_fp32),
                 "force_low": list(force_low), "low_precision_io": low_precision_io,
                 "range_rules": vars(RangeRules()) if applied else None,
                 **({"range_rules_scope": "weights only (streamed statistics)"} if applied else {})},
@@ -125,9 +148,20 @@ def convert_checkpoint(
         tolerance=None,
         timings=timings,
         warnings=storage_warnings(ckpt, keys, dtypes, lvl),
-        extra=(WeightRules.of(flagged),),
+        extra=(WeightRules.of(flagged), *([fp8_section(plan, ckpt)] if plan is not None else [])),
     )  # fmt: skip
-    return StreamedConversion(ckpt, out, dtypes, buffers, keys, report)
+    return StreamedConversion(ckpt, out, dtypes, buffers, keys, report, fp8=plan)
+
+
+def _fp32_tensor(ckpt: Checkpoint, keys: KeyMap, buffers: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """Program tensor ``name`` in FP32, read from the source shards (or the model's own buffers)."""
+    bare = name.removeprefix(PREFIX)
+    if bare in keys.sources or bare in keys.tied:
+        origin = keys.resolve(bare)
+        t = keys.build(origin, lambda k: load_tensor(ckpt.tensors[k]))[origin]
+    else:
+        t = buffers[name]
+    return t.float() if t.dtype.is_floating_point else t
 
 
 def _check_constants(program: ExportedProgram, keys: KeyMap, buffers: dict[str, torch.Tensor]) -> None:

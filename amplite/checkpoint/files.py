@@ -19,6 +19,7 @@ from amplite.checkpoint.convert import (
     convert_checkpoint,
     peak_rss_bytes,
 )
+from amplite.checkpoint.fp8 import split_fp8
 from amplite.checkpoint.outputs import (
     _remove,
     _restore_sigterm,
@@ -61,10 +62,12 @@ def checkpoint_to_files(
     Raises:
         AmpliteError: A bad directory, option or destination (before anything is written).
     """
-    opts = ConvertOptions.of(options, **changes).only_for("checkpoint")  # before any work
-    verify, tolerance = opts.verify, opts.verification().tolerance
+    opts = ConvertOptions.of(options, **changes)
+    plain, fp8 = split_fp8(opts)
+    plain.only_for("checkpoint")  # before any work
+    verify, tolerance = opts.verify, plain.verification().tolerance
     src = Path(source)
-    precision = opts.precision_name
+    precision = "fp8" if fp8 is not None else plain.precision_name
     level = checkpoint_level(opts.level).value
     targets = plan_checkpoint_outputs(src, output, formats, precision, level)
     check_outputs(targets)

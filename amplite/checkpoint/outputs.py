@@ -35,6 +35,9 @@ def plan_checkpoint_outputs(source: Path, output: str | Path | None, formats: st
                               f"give a comma list of {', '.join(FORMATS)}, each once")  # fmt: skip
     else:
         chosen = ["pt2" if base.suffix == ".pt2" else "safetensors"]
+    if precision == "fp8" and "pt2" in chosen:
+        raise ConfigError("--precision fp8 writes a safetensors directory in vLLM's layout, not a .pt2",
+                          "drop --format pt2 / -o X.pt2 (write -o DIR), or convert to bf16 for a .pt2")  # fmt: skip
     stem = base.with_suffix("") if base.suffix == ".pt2" else base
     return [(f, stem.with_name(stem.name + ".pt2") if f == "pt2" else stem) for f in chosen]
 

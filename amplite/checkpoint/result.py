@@ -14,9 +14,11 @@ from time import perf_counter
 from typing import Any
 
 import torch
+import torch.fx
 from torch.export import ExportedProgram
 
 from amplite.checkpoint.blockwise import verify_blockwise
+from amplite.checkpoint.fp8 import Fp8Plan, Fp8Reader, linear_weight, tolerance_precision
 from amplite.checkpoint.keys import KeyMap
 from amplite.checkpoint.source import PREFIX, Checkpoint, load_tensor, open_checkpoint
 from amplite.checkpoint.write import Pt2Weights, cast_tensor, write_pt2, write_safetensors_dir
@@ -45,6 +47,7 @@ class StreamedConversion:
         keys: Which shard tensors make each model tensor (transformers' own mapping).
         report: The report (``report.data`` is report.json), built by :func:`~amplite.checkpoint.convert.
             convert_checkpoint` from the same section builders as a module's.
+        fp8: For ``precision="fp8"``: which weights are stored FP8, the activation scheme and scales.
     """
 
     checkpoint: Checkpoint
@@ -53,6 +56,7 @@ class StreamedConversion:
     buffers: dict[str, torch.Tensor]
     keys: KeyMap
     report: Report = field(default_factory=Report)
+    fp8: Fp8Plan | None = None
 
     @property
     def data(self) -> Mapping[str, Any]:
@@ -69,14 +73,18 @@ class StreamedConversion:
         """The converted program (weights on the meta device: save it to get them)."""
         return self.pipeline.converted
 
-    def tensor(self, name: str, source: Checkpoint | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """One weight read from ``source`` (default: the input checkpoint), cast to ``dtype`` (default: its
-        planned storage dtype)."""
+    def tensor(
+        self, name: str, source: Checkpoint | None = None, dtype: torch.dtype | None = None,
+        load: Callable[[str], torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """One weight read from ``source`` (default: the input checkpoint; ``load``: shard tensor name -> its
+        values, e.g. FP8 weights dequantized), cast to ``dtype`` (default: its planned storage dtype)."""
         ckpt = source or self.checkpoint
+        read = load or (lambda k: load_tensor(ckpt.tensors[k]))
         model_name = name.removeprefix(PREFIX)
         if model_name in self.keys.sources or model_name in self.keys.tied:
             origin = self.keys.resolve(model_name)
-            t = self.keys.build(origin, lambda k: load_tensor(ckpt.tensors[k]))[origin]
+            t = self.keys.build(origin, read)[origin]
         elif name in self.buffers:
             t = self.buffers[name]
         else:
@@ -93,10 +101,20 @@ class StreamedConversion:
 
         plan = {"config": self.data.get("config"), "dtypes": {k: str(v) for k, v in self.dtypes.items()},
                 "plan": self.pipeline.plan}  # fmt: skip
-        return write_safetensors_dir(self.checkpoint, Path(out_dir), self.dtypes, plan, step)
+        if self.fp8 is not None:
+            plan = {**plan, "fp8": {"activation_scheme": self.fp8.scheme, "fp8_linears": sorted(self.fp8.linears),
+                                    "input_amax": self.fp8.input_amax or None}}  # fmt: skip
+        return write_safetensors_dir(self.checkpoint, Path(out_dir), self.dtypes, plan, step, self.fp8)
 
     def save_pt2(self, dest: str | Path, progress: Progress = _no_progress) -> Path:
-        """Write a ``.pt2`` whose weights are the converted tensors, streamed one at a time."""
+        """Write a ``.pt2`` whose weights are the converted tensors, streamed one at a time.
+
+        Raises:
+            ConfigError: An FP8 conversion (its output is a safetensors directory in vLLM's layout).
+        """
+        if self.fp8 is not None:
+            raise ConfigError("--precision fp8 writes a safetensors directory in vLLM's layout, not a .pt2",
+                              "drop --format pt2 / -o X.pt2 (write -o DIR), or convert to bf16 for a .pt2")  # fmt: skip
         names = [*self.program.state_dict, *self.program.constants]
         total, done = sum(_meta_bytes(self.program, n) for n in names), [0]
 
@@ -205,9 +223,14 @@ class StreamedConversion:
         if inputs is None or _on_meta(inputs):
             inputs = random_inputs(self.pipeline.original, int(self.checkpoint.config.get("vocab_size", 2)))
         converted_dir = Path(converted_dir)
+        hook = None
         if converted_dir.is_dir():
             written = open_checkpoint(converted_dir)
             load_converted = lambda n: self.tensor(n, source=written)  # noqa: E731
+            if "quantization_config" in written.config:  # FP8: dequantized weights, quantized linear inputs
+                reader = Fp8Reader(written)
+                load_converted = lambda n: self.tensor(n, load=reader.tensor)  # noqa: E731
+                hook = self._fp8_inputs(reader)
         else:  # a .pt2: its weights are read back from the archive, one at a time
             reader = Pt2Weights(converted_dir)
             load_converted = reader.tensor
@@ -216,12 +239,27 @@ class StreamedConversion:
         section = verify_blockwise(
             self.pipeline.original, self.program, inputs,
             lambda n: self.tensor(n, dtype=torch.float32), load_converted,
-            tolerance or DEFAULT_TOLERANCES[precision],
+            tolerance or DEFAULT_TOLERANCES[tolerance_precision(precision)],
             max_memory=max_memory_gb * 2**30 if max_memory_gb is not None else None, progress=progress,
+            converted_hook=hook,
         )  # fmt: skip
         self.report.attach(self.report.section(Timings).add(verify=perf_counter() - start))
         self.report.attach(Verification(section))  # verify_blockwise builds the block-wise section
         return section
+
+
+    def _fp8_inputs(self, reader: Fp8Reader) -> Callable[[torch.fx.Node, tuple[Any, ...]], tuple[Any, ...]]:
+        """The converted program's hook: each FP8 linear's input quantized as the server does (its scale)."""
+
+        def hook(node: torch.fx.Node, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            weight = linear_weight(node)
+            bare = weight.removeprefix(PREFIX) if weight is not None else None
+            src = self.keys.sources.get(bare) if bare is not None else None
+            if src is None or src.converter is not None:
+                return args
+            return (reader.quantize_input(src.keys[0][0], args[0]), *args[1:])
+
+        return hook
 
 
 def _on_meta(inputs: Any) -> bool:

@@ -22,7 +22,7 @@ import tempfile
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -35,9 +35,22 @@ from amplite.errors import EmitError
 from amplite.paths import check_output
 
 Progress = Callable[[int], None]  # called with bytes written
+Entry = tuple[str, torch.dtype, tuple[int, ...]]  # a written tensor: name, dtype, shape
+
+
+class Layout(Protocol):
+    """What each source tensor becomes (``checkpoint.fp8.Fp8Plan``: an FP8 weight and its scales) and the
+    ``quantization_config`` that says so; without one, each tensor is written once, cast to its planned dtype."""
+
+    def entries(self, info: TensorInfo, dtype: torch.dtype) -> list[Entry]: ...
+    def tensors(self, info: TensorInfo, t: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]: ...
+    def quantization_config(self) -> dict[str, Any]: ...
+
+
 _ST_NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
     torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
 }  # fmt: skip
 _TORCH_DTYPE_CODES = {torch.float32: 7, torch.float16: 6, torch.bfloat16: 13, torch.float64: 8, torch.int64: 5,
                       torch.int32: 4, torch.bool: 12, torch.uint8: 1, torch.int8: 2, torch.int16: 3}  # fmt: skip
@@ -54,19 +67,29 @@ def cast_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype or not t.dtype.is_floating_point else t.to(dtype)
 
 
-def write_shard(dest: Path, infos: list[TensorInfo], dtypes: dict[str, torch.dtype], progress: Progress) -> int:
+def write_shard(
+    dest: Path, infos: list[TensorInfo], dtypes: dict[str, torch.dtype], progress: Progress,
+    layout: Layout | None = None,
+) -> tuple[int, list[Entry]]:
     """Write one safetensors file: header first (shapes and dtypes are known), then each tensor's bytes.
 
     ``infos`` all come from one source shard, which is opened (memory-mapped) once.
+
+    Returns:
+        The data bytes written and the tensors (name, dtype, shape), in file order.
     """
     from safetensors import safe_open
 
+    def entries(info: TensorInfo) -> list[Entry]:
+        dt = dtypes.get(info.name, info.dtype) if info.dtype.is_floating_point else info.dtype
+        return layout.entries(info, dt) if layout is not None else [(info.name, dt, info.shape)]
+
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "converted_by": "amplite"}}
     offset = 0
-    for info in infos:
-        dt = dtypes.get(info.name, info.dtype) if info.dtype.is_floating_point else info.dtype
-        size = dt.itemsize * math.prod(info.shape)
-        header[info.name] = {"dtype": _ST_NAMES[dt], "shape": list(info.shape), "data_offsets": [offset, offset + size]}
+    written = [e for info in infos for e in entries(info)]
+    for name, dt, shape in written:
+        size = dt.itemsize * math.prod(shape)
+        header[name] = {"dtype": _ST_NAMES[dt], "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
@@ -74,20 +97,25 @@ def write_shard(dest: Path, infos: list[TensorInfo], dtypes: dict[str, torch.dty
         fh.write(struct.pack("<Q", len(blob)))
         fh.write(blob)
         if not infos:
-            return offset
+            return offset, written
         with safe_open(str(infos[0].shard), framework="pt") as src:
             for info in infos:
-                t = cast_tensor(src.get_tensor(info.name), dtypes.get(info.name, info.dtype))
-                fh.write(_raw(t))
+                dt = entries(info)[0][1]
+                t = src.get_tensor(info.name)
+                outs = layout.tensors(info, t, dt) if layout is not None else [cast_tensor(t, dt)]
+                for out in outs:
+                    fh.write(_raw(out))
                 progress(t.nbytes)
-                del t
-    return offset
+                del t, outs
+    return offset, written
 
 
 def write_safetensors_dir(
-    ckpt: Checkpoint, out_dir: Path, dtypes: dict[str, torch.dtype], plan: dict[str, Any], progress: Progress
+    ckpt: Checkpoint, out_dir: Path, dtypes: dict[str, torch.dtype], plan: dict[str, Any], progress: Progress,
+    layout: Layout | None = None,
 ) -> Path:
-    """The converted checkpoint in the source's layout, plus ``amplite-plan.json``, into ``out_dir``.
+    """The converted checkpoint in the source's layout, plus ``amplite-plan.json``, into ``out_dir``
+    (``layout``: the tensors each source tensor becomes, and the ``quantization_config`` they need).
 
     Raises:
         EmitError: ``out_dir`` exists and is not empty, or cannot be written.
@@ -102,15 +130,19 @@ def write_safetensors_dir(
         for info in ckpt.tensors.values():
             by_shard.setdefault(info.shard, []).append(info)
         total = 0
-        weight_map = {}
+        weight_map: dict[str, str] = {}
+        tensors: list[Entry] = []
         for shard in ckpt.shards:
-            total += write_shard(staging / shard.name, by_shard.get(shard, []), dtypes, progress)
-            weight_map.update({i.name: shard.name for i in by_shard.get(shard, [])})
+            size, written = write_shard(staging / shard.name, by_shard.get(shard, []), dtypes, progress, layout)
+            total += size
+            tensors += written
+            weight_map.update({name: shard.name for name, _, _ in written})
         if (ckpt.path / INDEX).exists():
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (staging / INDEX).write_text(json.dumps(index, indent=2))
         plan = {**plan, "not_copied": copy_side_files(ckpt.path, staging)}
-        (staging / "config.json").write_text(json.dumps(output_config(ckpt, dtypes), indent=2) + "\n")
+        config = output_config(ckpt, tensors, layout.quantization_config() if layout is not None else None)
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (staging / "amplite-plan.json").write_text(json.dumps(plan, indent=1, default=str))
         mask = _umask()
         for f in staging.iterdir():
@@ -154,19 +186,23 @@ def copy_side_files(src: Path, dest: Path) -> list[str]:
     return skipped
 
 
-def output_config(ckpt: Checkpoint, dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
-    """``config.json`` for the output: ``dtype`` is what most weight bytes are stored in, and the mixed-dtype
-    storage is recorded (``amplite``) where loaders and readers see it."""
+def output_config(
+    ckpt: Checkpoint, tensors: list[Entry], quantization: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``config.json`` for the output: ``dtype`` is what most weight bytes are stored in (an FP8 checkpoint's
+    compute dtype, bf16, when ``quantization`` is given), and the mixed-dtype storage is recorded (``amplite``)
+    where loaders and readers see it."""
     by_dtype: dict[str, int] = {}
-    for name, info in ckpt.tensors.items():
-        dt = dtypes.get(name, info.dtype)
+    for _name, dt, shape in tensors:
         if dt.is_floating_point:
             key = str(dt).removeprefix("torch.")
-            by_dtype[key] = by_dtype.get(key, 0) + dt.itemsize * math.prod(info.shape)
+            by_dtype[key] = by_dtype.get(key, 0) + dt.itemsize * math.prod(shape)
     cfg = dict(ckpt.config)
     if by_dtype:
-        cfg["dtype"] = max(by_dtype, key=by_dtype.__getitem__)
+        cfg["dtype"] = "bfloat16" if quantization is not None else max(by_dtype, key=by_dtype.__getitem__)
         cfg.pop("torch_dtype", None)
+    if quantization is not None:
+        cfg["quantization_config"] = quantization
     cfg["amplite"] = {"storage_bytes_by_dtype": by_dtype, "plan": "amplite-plan.json"}
     return cfg
 

@@ -60,6 +60,16 @@ def _footnote(rows: list[dict[str, Any]]) -> None:
                       f"elements; {o['elements'] - o['compared']} NaN/Inf)")  # fmt: skip
 
 
+def fp8_line(fp8: dict[str, Any]) -> str:
+    """An FP8 checkpoint's layout, scales and size against bf16 (``fp8_checkpoint`` section)."""
+    calib = fp8.get("calibration")
+    scales = (f"static input scales from {calib['batches']} calibration batches ({calib['tokens']} tokens)" if calib
+              else "dynamic activation scales")  # fmt: skip
+    return (f"fp8: {fp8['fp8_linears']} linear weights in float8_e4m3fn (per-tensor weight_scale), {scales}; bf16: "
+            f"{', '.join(fp8['ignored_layers'])}; size {fp8['bytes'] / 2**20:.2f} MiB = {fp8['size_vs_bf16']:.3f}x "
+            f"the bf16 checkpoint ({fp8['bf16_bytes'] / 2**20:.2f} MiB)")
+
+
 def print_check(res: Any) -> None:
     """The verdict of ``check``: per-output metrics, top error-introducing nodes, failure reasons, files."""
     data = res.report.data
@@ -79,6 +89,8 @@ def print_check(res: Any) -> None:
     for i, n in enumerate(top[:5], 1):
         flag = " introduces NaN/Inf" if n.get("introduces_nonfinite") else ""
         out.print(escape(f"  {i}. {n['node']} ({n['op']}) {n.get('source') or n.get('module') or ''}{flag}"))
+    if data.get("fp8_checkpoint"):
+        out.print(escape(fp8_line(data["fp8_checkpoint"])))
     for d in (data.get("layerwise") or {}).get("decisions") or []:
         out.print(escape(f"decision {d['node']} ({d['op']}): {d['agreement']:.2%} of {d['elements']} indices "
                          "agree with FP32"))
@@ -203,6 +215,8 @@ def print_summary(data: dict[str, Any], written: list[Path], report_path: Path) 
             out.print(escape(f"block-wise: {len(blocks)} blocks compared, worst SQNR {worst['sqnr_db']:.1f} dB "
                              f"({worst['block']}); at most {verification['peak_weight_bytes'] / 2**20:.1f} MiB "
                              "of weights held at once"))  # fmt: skip
+    if data.get("fp8_checkpoint"):
+        out.print(escape(fp8_line(data["fp8_checkpoint"])))
     if data.get("llm", {}).get("checks"):
         for line in generation_lines(data["llm"]):
             out.print(escape(line))

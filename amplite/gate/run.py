@@ -133,14 +133,17 @@ def _check_checkpoint(model: str | Path, example: Any, s: CheckSettings, out_dir
                       opts: ConvertOptions) -> CheckResult:  # fmt: skip
     """``check DIR`` for a transformers checkpoint directory: streamed conversion and block-wise verification."""
     from amplite.checkpoint.check import check_checkpoint
+    from amplite.checkpoint.fp8 import split_fp8
     from amplite.llm.checkpoint import generation_check
 
-    s.refuse_for("a checkpoint directory", {"converted": "--converted", "golden": "--golden", "baseline": "--baseline",
+    s.refuse_for("a checkpoint directory", {"golden": "--golden", "baseline": "--baseline",
                  "data": "--data", "data_loader": "--data-loader", "random_batches": "--random-batches",
                  "grad": "--grad"}, "check it with --input/--inputs and --tolerance")  # fmt: skip
     # token_agreement / ppl_delta criteria: the written directory is also checked on generation
-    generation = generation_check(model, s.tolerance, opts.precision_name)
-    conv, reasons = check_checkpoint(model, example, tolerance=s.tolerance, check_more=generation, options=opts)
+    plain, fp8 = split_fp8(opts)  # an FP8 checkpoint's outputs are bf16: judged by bf16's defaults
+    generation = generation_check(model, s.tolerance, "bf16" if fp8 is not None else plain.precision_name)
+    conv, reasons = check_checkpoint(model, example, tolerance=s.tolerance, check_more=generation, options=opts,
+                                     converted=s.converted)  # fmt: skip
     return finish(conv.report.copy(), reasons, [], s.name or Path(model).name, out_dir, s.junit)
 
 

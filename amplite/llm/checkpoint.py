@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from amplite.checkpoint.convert import peak_rss_bytes
+from amplite.checkpoint.fp8_model import Activations, is_fp8_dir, load_fp8_model
 from amplite.errors import ConfigError
 from amplite.llm.generate import Runner, prepare
 from amplite.llm.metrics import (
@@ -40,6 +41,9 @@ from amplite.verify.criteria import Criterion, Tolerance, parse_criterion, parse
 
 #: What the report says was run as the converted model.
 CONVERTED = "the written safetensors directory, loaded by from_pretrained in the dtype its config.json names"
+#: ... and for an FP8 directory (amplite.checkpoint.fp8_model).
+CONVERTED_FP8 = ("the written FP8 directory: weights dequantized with their weight_scale into a bf16 model, each FP8 "
+                 "linear's input quantized to e4m3 as the server does (static input_scale, or per token)")
 
 
 @dataclass
@@ -69,7 +73,9 @@ class GenerationCheck:
                                     eval_ids=self.eval_ids)  # fmt: skip
         self.metrics = metrics
         dtype = json.loads((converted / "config.json").read_text(encoding="utf-8")).get("dtype", "float32")
-        report.attach(Llm.of({"converted": CONVERTED, "converted_dtype": str(dtype), **metrics.to_dict(),
+        what = CONVERTED_FP8 if is_fp8_dir(converted) else CONVERTED
+        dtype = "float8_e4m3fn" if is_fp8_dir(converted) else dtype
+        report.attach(Llm.of({"converted": what, "converted_dtype": str(dtype), **metrics.to_dict(),
                               "peak_rss_bytes": peak_rss_bytes()}))  # fmt: skip
         verification = report.section(Verification)
         if verification is not None:
@@ -154,6 +160,7 @@ def verify_checkpoint(
     prompts: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     eval_ids: torch.Tensor | None = None,
+    fp8_activations: Activations = "stored",
 ) -> LLMMetrics:
     """Token agreement and perplexity delta of the converted directory against the source in FP32.
 
@@ -163,6 +170,8 @@ def verify_checkpoint(
         criteria: ``token_agreement``/``ppl_delta`` criteria (default ``token_agreement>=0.99``, ``ppl_delta<=1%``).
         steps: Greedy steps per prompt.
         prompts, attention_mask, eval_ids: As for :func:`amplite.llm.verify_llm`.
+        fp8_activations: For an FP8 directory, how its linears' inputs are quantized
+            (:func:`amplite.checkpoint.fp8_model.load_fp8_model`; it cannot run in FP8 on this CPU).
 
     Returns:
         The metrics, judged (``seconds`` covers both models).
@@ -182,7 +191,8 @@ def verify_checkpoint(
         ref = reference_run(Runner(step, step.shape, torch.float32), ids, mask, steps, evals)
     del reference, step
     gc.collect()  # the FP32 model goes before the converted one is loaded: one model in memory at a time
-    model = _load(Path(converted), "auto")
+    fp8 = is_fp8_dir(converted)
+    model = load_fp8_model(converted, fp8_activations) if fp8 else _load(Path(converted), "auto")
     dtype = next(model.parameters()).dtype
     with amplite_attention(model):
         step = LMStep(model, dtype)

@@ -253,6 +253,12 @@ class WeightRules(Section):
         return cls([{"module": m, "reason": r} for m, r in flagged.items()])
 
 
+class Fp8Checkpoint(Section):
+    """``fp8_checkpoint``: what an FP8 checkpoint directory stores (amplite.checkpoint.fp8), its scales and size."""
+
+    key = "fp8_checkpoint"
+
+
 class Golden(Section):
     """``golden``: where a check's reference came from and how far the FP32 model drifted from it."""
 
@@ -323,5 +329,6 @@ SECTIONS: dict[str, type[Section]] = {
         Baseline, Check, Layerwise, Ranges, Gradients, Training, Output,
     )
 }  # fmt: skip
+SECTIONS[Fp8Checkpoint.key] = Fp8Checkpoint
 
 __all__ = ["FP32_NODE_KEYS", "SECTIONS", "Section", *(cls.__name__ for cls in SECTIONS.values())]
