@@ -148,7 +148,7 @@ def count_decode(
     ids = torch.randint(0, vocab, (batch, past), generator=g)
     mask = torch.ones(batch, past, dtype=torch.long)
     with torch.no_grad():
-        empty = shape.empty(batch, cache_dtype)
+        empty = shape.empty(batch, cache_dtype, ids.device)
         logits, keys, values = step(ids, mask, empty, empty)
         token = logits[:, -1].argmax(-1)[:, None]
         mask = torch.ones(batch, past + 1, dtype=torch.long)

@@ -64,6 +64,20 @@ def test_o2_decode_step_does_what_the_all_bf16_model_does(programs, batch) -> No
     assert amp["input_checks"] == 0
 
 
+@pytest.mark.parametrize("variant", ["fp32", "all-bf16", "amplite-O2"])
+def test_decode_step_copies_the_kv_cache_only_where_attention_needs_it(programs, variant) -> None:
+    """Per decode step, at most one copy of each layer's keys and of its values (the ``cat`` that appends the
+    new token for attention: the functional step's own) plus the cache it returns; the past cache is not
+    copied again when the step takes it in (``DynamicCache(ddp_cache_data=...)`` did: ``cat`` onto empty)."""
+    _, shape, made, o2 = programs
+    step, dtype = (o2.runner().step, o2.cache_dtype) if variant == "amplite-O2" else made[variant]
+    past, size = 16, (2 if dtype == torch.bfloat16 else 4)
+    got = dc.count_decode(step, shape, dtype, batch=1, past=past)
+    layer_bytes = shape.kv_heads * (past + 1) * shape.head_dim * size  # one layer's keys after the step
+    assert got["cache_copies"] <= 2 * shape.layers + 2, got
+    assert got["cache_copy_kib"] * 1024 <= 4 * shape.layers * layer_bytes, (got, layer_bytes)
+
+
 def test_module_keeps_the_input_check_the_runner_skips(programs) -> None:
     """module() (what users call directly) still checks its inputs; the runner's module does not."""
     _, shape, _, o2 = programs
@@ -94,7 +108,7 @@ def test_compiled_decode_step_has_no_graph_break_or_recompile(programs) -> None:
     module = o2.runner().step
     compiled = torch.compile(module, backend="eager")
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(2))
-    empty = shape.empty(1, o2.cache_dtype)
+    empty = shape.empty(1, o2.cache_dtype, "cpu")
     with torch.no_grad():
         logits, keys, values = module(ids, torch.ones(1, 8, dtype=torch.long), empty, empty)
         for i in range(4):  # four decode steps, cache length 8 -> 11
@@ -117,7 +131,7 @@ def test_program_converted_elsewhere_and_moved_runs_the_same(programs) -> None:
     model, shape, _, o2 = programs
     step, dtype = gpu_decode._converted_on_cpu(model, "O2", torch.device("cpu"))
     ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(3))
-    empty = shape.empty(1, dtype)
+    empty = shape.empty(1, dtype, "cpu")
     with torch.no_grad():
         got = step(ids, torch.ones(1, 5, dtype=torch.long), empty, empty)
         want = o2.runner().step(ids, torch.ones(1, 5, dtype=torch.long), empty, empty)

@@ -7,32 +7,40 @@ loaded ``.pt2`` or the FP32 ``LMStep`` itself (the reference).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from amplite.errors import ConfigError
-from amplite.llm.step import CacheShape
+from amplite.llm.step import CacheShape, program_device
 
 Step = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @dataclass
 class Runner:
-    """A step callable with its cache geometry and dtype."""
+    """A step callable with its cache geometry and dtype.
+
+    ``device`` is the program's (:func:`~amplite.llm.step.program_device`: its parameters'), never a default:
+    the prompt moves there once at prefill and everything made afterwards is made there, so a decode step
+    moves nothing between devices.
+    """
 
     step: Step
     shape: CacheShape
     cache_dtype: torch.dtype
-    device: torch.device | str = "cpu"
+    device: torch.device = field(default=None)  # type: ignore[assignment]  # None: the program's
+
+    def __post_init__(self) -> None:
+        self.device = program_device(self.step) if self.device is None else torch.device(self.device)
 
     def prefill(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Logits of every prompt position and the cache after the prompt."""
+        """Logits of every prompt position and the cache after the prompt (the prompt moved to the program)."""
         empty = self.shape.empty(input_ids.shape[0], self.cache_dtype, self.device)
         with torch.no_grad():
-            return self.step(input_ids, attention_mask, empty, empty)
+            return self.step(input_ids.to(self.device), attention_mask.to(self.device), empty, empty)
 
     def decode(
         self, token: torch.Tensor, attention_mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
@@ -76,8 +84,9 @@ def greedy(
     attention_mask: torch.Tensor | None = None,
     eos_token_id: int | None = None,
 ) -> torch.Tensor:
-    """Greedy decoding: ``[B, S + n]`` ids, prompt first, ``n <= max_new_tokens`` (rows that produced
-    ``eos_token_id`` continue with it until every row has; generation then stops).
+    """Greedy decoding: ``[B, S + n]`` ids on the program's device, prompt first, ``n <= max_new_tokens``
+    (rows that produced ``eos_token_id`` continue with it until every row has; generation then stops).
+    Without ``eos_token_id`` no step reads a value back to the host (no sync per token on a GPU).
 
     Raises:
         ConfigError: Bad ``input_ids``/``attention_mask`` (see :func:`prepare`) or ``max_new_tokens < 0``.
@@ -85,10 +94,11 @@ def greedy(
     if max_new_tokens < 0:
         raise ConfigError(f"max_new_tokens={max_new_tokens} is negative", "ask for 0 or more new tokens")
     ids, mask = prepare(input_ids, attention_mask)
+    ids, mask = ids.to(runner.device), mask.to(runner.device)  # once: every step's tensors derive from these
     if max_new_tokens == 0:
         return ids
     logits, keys, values = runner.prefill(ids, mask)
-    done = torch.zeros(ids.shape[0], dtype=torch.bool)
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=runner.device)
     out = [ids]
     for i in range(max_new_tokens):
         token = logits[:, -1].argmax(-1)
@@ -96,7 +106,7 @@ def greedy(
             token = torch.where(done, torch.full_like(token, eos_token_id), token)
             done |= token == eos_token_id
         out.append(token[:, None])
-        if i == max_new_tokens - 1 or bool(done.all()):
+        if i == max_new_tokens - 1 or (eos_token_id is not None and bool(done.all())):
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         logits, keys, values = runner.decode(token, mask, keys, values)
@@ -112,9 +122,9 @@ def teacher_forced(
         ``(predictions [B, M], logits [B, M, V])``: position ``t`` is the prediction after the prompt and
         ``forced[:, :t]``; prefill makes position 0, each decode step one more.
     """
-    logits, keys, values = runner.prefill(input_ids, attention_mask)
+    mask, forced = attention_mask.to(runner.device), forced.to(runner.device)  # once, not per step
+    logits, keys, values = runner.prefill(input_ids, mask)
     last = [logits[:, -1]]
-    mask = attention_mask
     for t in range(forced.shape[1] - 1):
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         step_logits, keys, values = runner.decode(forced[:, t], mask, keys, values)
