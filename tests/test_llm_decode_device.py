@@ -126,3 +126,29 @@ def test_every_factory_call_names_the_program_device_and_nothing_moves_per_step(
         assert not missing, missing
         counts[n] = rec.moves
     assert counts[2] == counts[6] > 0, counts  # moves are per generation (the prompt), none per decode step
+
+
+def test_runner_cache_grows_branches_and_takes_whole_cache_programs() -> None:
+    """The step returns only its new tokens; the runner's cache (allocated for the prompt alone here, so
+    decode must grow it) gives the tokens of a step that returns the whole grown cache (a ``.pt2`` saved
+    before), and decoding twice from one cache (a branch) leaves the first result intact."""
+    model = _gpt2()
+    step = LMStep(model)
+    ids, mask = _prompts()
+
+    def whole_cache(i: torch.Tensor, m: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        logits, nk, nv = step(i, m, k, v)
+        return logits, torch.cat([k, nk], dim=3), torch.cat([v, nv], dim=3)
+
+    with amplite_attention(model), torch.no_grad():
+        runner = Runner(step, step.shape, torch.float32)
+        logits, keys, values = runner.prefill(ids, mask)  # capacity: the prompt's 5 tokens
+        token, mask1 = logits[:, -1].argmax(-1), torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        assert step(token[:, None], mask1, keys, values)[1].shape[3] == 1  # new tokens only
+        first = runner.decode(token, mask1, keys, values)
+        kept = first[1].clone()
+        again = runner.decode(token, mask1, keys, values)  # a branch from the same cache
+        assert torch.equal(first[1], kept) and torch.equal(again[0], first[0]) and again[1].shape[3] == 6
+        ours = greedy(runner, ids, 6, mask)
+        old = Runner(whole_cache, step.shape, torch.float32, device=runner.device)
+        assert torch.equal(greedy(old, ids, 6, mask), ours)

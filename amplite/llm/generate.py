@@ -19,35 +19,70 @@ Step = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 @dataclass
 class Runner:
-    """A step callable with its cache geometry and dtype.
+    """A step callable with its cache geometry and dtype, and the KV cache it fills.
 
     ``device`` is the program's (:func:`~amplite.llm.step.program_device`: its parameters'), never a default:
     the prompt moves there once at prefill and everything made afterwards is made there, so a decode step
     moves nothing between devices.
+
+    The step returns only its new tokens' keys/values; the runner writes them into a cache it allocates at
+    prefill for ``capacity`` tokens (doubled when a decode step needs more) and hands out views of its
+    filled part, so a decode step copies the new tokens, not the cache. A program saved before this
+    returned the whole cache: its output is passed through as it is.
     """
 
     step: Step
     shape: CacheShape
     cache_dtype: torch.dtype
     device: torch.device = field(default=None)  # type: ignore[assignment]  # None: the program's
+    _cache: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
+    _filled: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.device = program_device(self.step) if self.device is None else torch.device(self.device)
 
     def prefill(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capacity: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Logits of every prompt position and the cache after the prompt (the prompt moved to the program)."""
+        """Logits of every prompt position and the cache after the prompt (the prompt moved to the program);
+        ``capacity``: the cache length to allocate for (at least the prompt's)."""
         empty = self.shape.empty(input_ids.shape[0], self.cache_dtype, self.device)
         with torch.no_grad():
-            return self.step(input_ids.to(self.device), attention_mask.to(self.device), empty, empty)
+            logits, keys, values = self.step(input_ids.to(self.device), attention_mask.to(self.device), empty, empty)
+        self._cache = None
+        return (logits, *self._append(empty, empty, keys, values, capacity))
 
     def decode(
         self, token: torch.Tensor, attention_mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One new token per row (``token`` ``[B]``); ``attention_mask`` covers the cache and the token."""
         with torch.no_grad():
-            return self.step(token[:, None], attention_mask, keys, values)
+            logits, new_keys, new_values = self.step(token[:, None], attention_mask, keys, values)
+        return (logits, *self._append(keys, values, new_keys, new_values))
+
+    def _append(
+        self, keys: torch.Tensor, values: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor,
+        capacity: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The cache ``keys``/``values`` followed by the step's new tokens, as views of the runner's cache."""
+        past, added = keys.shape[3], new_keys.shape[3]
+        if past and added > past:  # decode adds 1 token: more is the whole cache (a program saved before)
+            return new_keys, new_values
+        length = past + added
+        cache = self._cache
+        # Written in place only when ``keys`` is the cache this runner last returned: an older view (a caller
+        # decoding twice from one cache) gets a fresh cache rather than having its successor overwritten.
+        own = cache is not None and past == self._filled and keys.data_ptr() == cache[0].data_ptr()
+        if not own or length > cache[0].shape[3]:  # first call, a cache made elsewhere, or full: (re)allocate
+            size = [*new_keys.shape[:3], max(capacity, length, 2 * past), new_keys.shape[4]]
+            cache = tuple(torch.empty(size, dtype=self.cache_dtype, device=self.device) for _ in range(2))
+            cache[0][:, :, :, :past].copy_(keys)
+            cache[1][:, :, :, :past].copy_(values)
+            self._cache = cache
+        cache[0][:, :, :, past:length].copy_(new_keys)
+        cache[1][:, :, :, past:length].copy_(new_values)
+        self._filled = length
+        return cache[0][:, :, :, :length], cache[1][:, :, :, :length]
 
 
 def prepare(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +132,7 @@ def greedy(
     ids, mask = ids.to(runner.device), mask.to(runner.device)  # once: every step's tensors derive from these
     if max_new_tokens == 0:
         return ids
-    logits, keys, values = runner.prefill(ids, mask)
+    logits, keys, values = runner.prefill(ids, mask, ids.shape[1] + max_new_tokens)
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=runner.device)
     out = [ids]
     for i in range(max_new_tokens):
@@ -123,7 +158,7 @@ def teacher_forced(
         ``forced[:, :t]``; prefill makes position 0, each decode step one more.
     """
     mask, forced = attention_mask.to(runner.device), forced.to(runner.device)  # once, not per step
-    logits, keys, values = runner.prefill(input_ids, mask)
+    logits, keys, values = runner.prefill(input_ids, mask, input_ids.shape[1] + forced.shape[1])
     last = [logits[:, -1]]
     for t in range(forced.shape[1] - 1):
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)

@@ -5,12 +5,15 @@
 * ``input_ids`` ``[B, S]`` int64: the new tokens (the prompt at prefill, one token per decode step).
 * ``attention_mask`` ``[B, P + S]``: 1 for real tokens, 0 for (left) padding, over the cache and the new tokens.
 * ``past_keys``/``past_values`` ``[L, B, H_kv, P, D]`` in the cache dtype: the cache; ``P = 0`` at prefill.
-* ``logits`` ``[B, S, V]`` FP32; ``keys``/``values`` ``[L, B, H_kv, P + S, D]``: the cache after this step.
+* ``logits`` ``[B, S, V]`` FP32; ``keys``/``values`` ``[L, B, H_kv, S, D]``: the new tokens' keys and values
+  only (the cache after the step is the past followed by them; :class:`~amplite.llm.generate.Runner` writes
+  them into its preallocated cache, so the step never copies the whole cache to return it).
 
 B, S and P are dynamic. Positions come from the mask (``cumsum - 1``), so left-padded prompts of different
-lengths share a batch as in ``transformers``' ``generate``. The cache is a plain tensor pair, in and out, so
-the program is functional (no buffers mutated) and one program serves every batch, prompt and cache length.
-Attention runs through ``scaled_dot_product_attention`` with a boolean mask (the ``amplite_sdpa``
+lengths share a batch as in ``transformers``' ``generate``. The cache is a plain tensor pair in, the new
+tokens' pair out, so the program is functional (no buffers or inputs mutated: an exported in-place write
+would be functionalized into a copy of the whole cache) and one program serves every batch, prompt and
+cache length. Attention runs through ``scaled_dot_product_attention`` with a boolean mask (the ``amplite_sdpa``
 implementation registered below): ``transformers``' own SDPA path branches on the query length, which would
 fix ``S`` at export.
 """
@@ -182,8 +185,10 @@ class LMStep(nn.Module):
             past_key_values=cache,
             use_cache=True,
         )
-        keys = torch.stack([layer.keys for layer in cache.layers]).to(self.cache_dtype)
-        values = torch.stack([layer.values for layer in cache.layers]).to(self.cache_dtype)
+        # Only this step's keys/values leave the program: returning the whole cache would copy it once more
+        # per step (a stack of every layer's); the runner writes them into its preallocated cache instead.
+        keys = torch.stack([layer.new_states[0] for layer in cache.layers]).to(self.cache_dtype)
+        values = torch.stack([layer.new_states[1] for layer in cache.layers]).to(self.cache_dtype)
         return out.logits.float(), keys, values
 
 
@@ -200,10 +205,25 @@ def _seeded_cache(config: Any, past_keys: torch.Tensor, past_values: torch.Tenso
 
     cache = DynamicCache(config=config)
     if len(cache.layers) != past_keys.shape[0]:  # a config whose layers the cache does not list one by one
-        return DynamicCache(ddp_cache_data=list(zip(past_keys, past_values, strict=True)), config=config)
+        cache = DynamicCache(ddp_cache_data=list(zip(past_keys, past_values, strict=True)), config=config)
+        for layer in cache.layers:
+            _record_new_states(layer)
+        return cache
     for layer, keys, values in zip(cache.layers, past_keys, past_values, strict=True):
         if type(layer) is DynamicLayer:
             layer.device, layer.keys, layer.values, layer.is_initialized = keys.device, keys, values, True
         else:
             layer.update(keys, values)
+        _record_new_states(layer)
     return cache
+
+
+def _record_new_states(layer: Any) -> None:
+    """Make ``layer.update`` keep the keys/values it is given (this step's tokens) as ``layer.new_states``."""
+    update = layer.update
+
+    def recording(key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        layer.new_states = (key_states, value_states)
+        return update(key_states, value_states, *args, **kwargs)
+
+    layer.update = recording
