@@ -143,19 +143,23 @@ def _with_attention(step: torch.nn.Module, ctx: Callable, model: torch.nn.Module
 def count_decode(
     step: Callable, shape: Any, cache_dtype: torch.dtype, batch: int = 1, past: int = 16, vocab: int = 256
 ) -> dict[str, int]:
-    """The figures of one decode step (batch ``batch``, ``past`` cached tokens), after a warm-up step."""
+    """The figures of one decode step (batch ``batch``, ``past + 1`` cached tokens) as ``generate()`` runs it
+    (:class:`amplite.llm.generate.Runner`: the step, then the runner writing its new tokens into the cache),
+    after a warm-up step."""
+    from amplite.llm.generate import Runner
+
+    runner = Runner(step, shape, cache_dtype)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch, past), generator=g)
-    mask = torch.ones(batch, past, dtype=torch.long)
     with torch.no_grad():
-        empty = shape.empty(batch, cache_dtype)
-        logits, keys, values = step(ids, mask, empty, empty)
-        token = logits[:, -1].argmax(-1)[:, None]
-        mask = torch.ones(batch, past + 1, dtype=torch.long)
-        step(token, mask, keys, values)  # warm-up: first-call work (caches, lazy init) is not per-step
+        logits, keys, values = runner.prefill(ids, torch.ones(batch, past, dtype=torch.long), past + 2)
+        token = logits[:, -1].argmax(-1)
+        mask = torch.ones(batch, past + 1, dtype=torch.long, device=runner.device)
+        logits, keys, values = runner.decode(token, mask, keys, values)  # warm-up: first-call work is not per-step
+        token, mask = logits[:, -1].argmax(-1), torch.ones(batch, past + 2, dtype=torch.long, device=runner.device)
         counter = StepCounter(cache_numel=int(keys[0].numel()))
         with count_input_checks() as checks, counter:
-            step(token, mask, keys, values)
+            runner.decode(token, mask, keys, values)
     return {**counter.summary(), "input_checks": len(checks)}
 
 
@@ -179,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     made["amplite-O2 module()"] = (_module_of(model), torch.bfloat16)
     print(f"torch {torch.__version__}, {platform.machine()}, GPT-2 shaped: {args.layers} layers, d 64, 4 heads")
     for b in args.batch:
-        print(f"\nbatch {b}, one decode step after 16 cached tokens:\n")
+        print(f"\nbatch {b}, one decode step after 17 cached tokens:\n")
         print(table({v: count_decode(fn, shape, dt, batch=b) for v, (fn, dt) in made.items()}))
 
 

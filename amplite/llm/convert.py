@@ -156,12 +156,12 @@ def _convert_step(
     step = LMStep(model, cache)
     vocab = int(model.get_output_embeddings().weight.shape[0])
     device = next(model.parameters()).device  # the example lives where the weights do (a CUDA model too)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         empty = step.shape.empty(2, cache, device)
-        ids = torch.randint(0, vocab, (2, 4), generator=g).to(device)
+        ids = torch.randint(0, vocab, (2, 4), generator=g, device=device)
         _, keys, values = step(ids, torch.ones(2, 4, dtype=torch.long, device=device), empty, empty)
-    new = torch.randint(0, vocab, (2, 3), generator=g).to(device)
+    new = torch.randint(0, vocab, (2, 3), generator=g, device=device)
     example = (new, torch.ones(2, 7, dtype=torch.long, device=device), keys, values)
     # Size-oblivious tracing: the program must serve batch 1, one-token decode steps and an empty cache.
     with fx_config.patch(backed_size_oblivious=True):

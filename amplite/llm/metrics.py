@@ -71,6 +71,7 @@ def llm_criteria(tolerance: Tolerance | None, precision: str) -> list[Criterion]
 
 def perplexity(runner: Runner, ids: torch.Tensor) -> float:
     """``exp`` of the mean next-token NLL of ``ids`` ``[N, T]`` (no padding), in one prefill."""
+    ids = ids.to(runner.device)
     logits, _, _ = runner.prefill(ids, torch.ones_like(ids))
     nll = torch.nn.functional.cross_entropy(
         logits[:, :-1].double().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
@@ -105,7 +106,7 @@ def judge(
 ) -> LLMMetrics:
     """Token agreement of ``converted`` with FP32's tokens (teacher-forced) and the perplexity difference, judged."""
     predicted, _ = teacher_forced(converted, prompts, attention_mask, ref.tokens)
-    same = predicted == ref.tokens
+    same = predicted.cpu() == ref.tokens.cpu()  # the FP32 reference may have run on another device
     first = [None if bool(row.all()) else int((~row).nonzero()[0, 0]) for row in same]
     ppl_out = perplexity(converted, eval_ids)
     delta = abs(ppl_out / ref.ppl - 1) if math.isfinite(ppl_out) and ref.ppl > 0 else math.inf
@@ -154,7 +155,10 @@ def failures(metrics: LLMMetrics) -> list[str]:
 def default_prompts(
     vocab: int, lengths: tuple[int, ...] = (8, 5), per_length: int = 2, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Seeded random prompts of several lengths, left-padded into one batch: ``(ids, attention_mask)``."""
+    """Seeded random prompts of several lengths, left-padded into one batch: ``(ids, attention_mask)``.
+
+    Made on the CPU on purpose (the same prompts whatever the device); the runner moves them once, at prefill.
+    """
     g = torch.Generator().manual_seed(seed)
     width = max(lengths)
     ids = torch.zeros(len(lengths) * per_length, width, dtype=torch.long)

@@ -5,12 +5,15 @@
 * ``input_ids`` ``[B, S]`` int64: the new tokens (the prompt at prefill, one token per decode step).
 * ``attention_mask`` ``[B, P + S]``: 1 for real tokens, 0 for (left) padding, over the cache and the new tokens.
 * ``past_keys``/``past_values`` ``[L, B, H_kv, P, D]`` in the cache dtype: the cache; ``P = 0`` at prefill.
-* ``logits`` ``[B, S, V]`` FP32; ``keys``/``values`` ``[L, B, H_kv, P + S, D]``: the cache after this step.
+* ``logits`` ``[B, S, V]`` FP32; ``keys``/``values`` ``[L, B, H_kv, S, D]``: the new tokens' keys and values
+  only (the cache after the step is the past followed by them; :class:`~amplite.llm.generate.Runner` writes
+  them into its preallocated cache, so the step never copies the whole cache to return it).
 
 B, S and P are dynamic. Positions come from the mask (``cumsum - 1``), so left-padded prompts of different
-lengths share a batch as in ``transformers``' ``generate``. The cache is a plain tensor pair, in and out, so
-the program is functional (no buffers mutated) and one program serves every batch, prompt and cache length.
-Attention runs through ``scaled_dot_product_attention`` with a boolean mask (the ``amplite_sdpa``
+lengths share a batch as in ``transformers``' ``generate``. The cache is a plain tensor pair in, the new
+tokens' pair out, so the program is functional (no buffers or inputs mutated: an exported in-place write
+would be functionalized into a copy of the whole cache) and one program serves every batch, prompt and
+cache length. Attention runs through ``scaled_dot_product_attention`` with a boolean mask (the ``amplite_sdpa``
 implementation registered below): ``transformers``' own SDPA path branches on the query length, which would
 fix ``S`` at export.
 """
@@ -38,9 +41,22 @@ class CacheShape:
     kv_heads: int
     head_dim: int
 
-    def empty(self, batch: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        """A cache holding no tokens (prefill's input)."""
+    def empty(self, batch: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """A cache holding no tokens (prefill's input), on ``device`` (the program's: :func:`program_device`)."""
         return torch.zeros(self.layers, batch, self.kv_heads, 0, self.head_dim, dtype=dtype, device=device)
+
+
+def program_device(step: object) -> torch.device:
+    """The device a step program computes on: that of its first parameter or buffer.
+
+    Every tensor the decode path makes is made there, so a CUDA program is never fed a tensor that a factory
+    call without ``device`` put on the CPU. A callable holding no tensor (a plain function) gets torch's
+    default device, the one such factory calls would use anyway.
+    """
+    if isinstance(step, nn.Module):
+        for t in (*step.parameters(), *step.buffers()):
+            return t.device
+    return torch.get_default_device()
 
 
 def cache_shape(model: nn.Module) -> CacheShape:
@@ -157,11 +173,8 @@ class LMStep(nn.Module):
         past_values: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One step; see the module docstring for shapes."""
-        from transformers import DynamicCache
-
         dtype = next(self.model.parameters()).dtype
-        layers = [(past_keys[i].to(dtype), past_values[i].to(dtype)) for i in range(self.shape.layers)]
-        cache = DynamicCache(ddp_cache_data=layers, config=self.model.config)
+        cache = _seeded_cache(self.model.config, past_keys.to(dtype), past_values.to(dtype))
         # Gathered, not sliced: a slice by a symbolic offset adds max()/min() relations to the program's guards.
         new = torch.arange(input_ids.shape[1], device=input_ids.device) + (attention_mask.shape[1] - input_ids.shape[1])
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0).gather(1, new.expand_as(input_ids))
@@ -172,6 +185,45 @@ class LMStep(nn.Module):
             past_key_values=cache,
             use_cache=True,
         )
-        keys = torch.stack([layer.keys for layer in cache.layers]).to(self.cache_dtype)
-        values = torch.stack([layer.values for layer in cache.layers]).to(self.cache_dtype)
+        # Only this step's keys/values leave the program: returning the whole cache would copy it once more
+        # per step (a stack of every layer's); the runner writes them into its preallocated cache instead.
+        keys = torch.stack([layer.new_states[0] for layer in cache.layers]).to(self.cache_dtype)
+        values = torch.stack([layer.new_states[1] for layer in cache.layers]).to(self.cache_dtype)
         return out.logits.float(), keys, values
+
+
+def _seeded_cache(config: Any, past_keys: torch.Tensor, past_values: torch.Tensor) -> Any:
+    """A ``DynamicCache`` holding ``past_keys[i]``/``past_values[i]`` as they are (views, no copy).
+
+    ``DynamicCache(ddp_cache_data=...)`` seeds each layer with ``update``, i.e. ``cat`` onto an empty tensor:
+    a copy of the whole past cache on every step, on top of the copy each layer's own ``update`` makes when
+    the new tokens arrive. Full-attention layers take the past directly instead; other layer kinds (sliding
+    windows, which may trim) keep ``update``.
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=config)
+    if len(cache.layers) != past_keys.shape[0]:  # a config whose layers the cache does not list one by one
+        cache = DynamicCache(ddp_cache_data=list(zip(past_keys, past_values, strict=True)), config=config)
+        for layer in cache.layers:
+            _record_new_states(layer)
+        return cache
+    for layer, keys, values in zip(cache.layers, past_keys, past_values, strict=True):
+        if type(layer) is DynamicLayer:
+            layer.device, layer.keys, layer.values, layer.is_initialized = keys.device, keys, values, True
+        else:
+            layer.update(keys, values)
+        _record_new_states(layer)
+    return cache
+
+
+def _record_new_states(layer: Any) -> None:
+    """Make ``layer.update`` keep the keys/values it is given (this step's tokens) as ``layer.new_states``."""
+    update = layer.update
+
+    def recording(key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        layer.new_states = (key_states, value_states)
+        return update(key_states, value_states, *args, **kwargs)
+
+    layer.update = recording
