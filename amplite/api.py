@@ -21,12 +21,8 @@ from amplite.converter.graph_stats import graph_fingerprint, graph_stats, weight
 from amplite.converter.inputs import bind_inputs, bind_to_program, example_inputs, normalize_inputs
 from amplite.converter.loading import LoadedModel, load_any, torchscript_to_program
 from amplite.converter.pipeline import PipelineOutput, lower_inputs, run_pipeline
-from amplite.converter.tracing import (
-    Inputs,
-    private_buffers,
-    static_batch_warning,
-    summarize_exception,
-)
+from amplite.converter.tracing import Inputs, private_buffers, static_batch_warning
+from amplite.describe import summarize_exception
 from amplite.errors import AmpliteError, InputSpecError, InternalError
 from amplite.estimate import estimate, get_profile
 from amplite.ops import backend_description

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 import amplite
-from amplite.converter.tracing import summarize_exception
+from amplite.describe import summarize_exception
 from amplite.errors import AmpliteError
 from bench.autocast_count import accuracy, run
 from bench.breadth_corpus import ARCHS, BY_NAME, Arch

@@ -2,7 +2,7 @@
 
 Targets (each builds its seed file by code, small, and mutates a copy):
 
-- ``pt2``: a ``torch.export.save`` archive, through :func:`amplite.converter.pt2.load_program` (and, when it
+- ``pt2``: a ``torch.export.save`` archive, through :func:`amplite.reading.pt2.load_program` (and, when it
   loads, one run of the program);
 - ``inputs``: ``--inputs`` files (``.npz`` and ``torch.save``), through
   :func:`amplite.converter.inputs.load_inputs_file`;
@@ -194,7 +194,7 @@ class Pt2(Target):
         return dst
 
     def read(self, path: Path) -> None:
-        from amplite.converter.pt2 import load_program
+        from amplite.reading.pt2 import load_program
 
         program = load_program(path)
         module = program.module()  # FX generates and compiles forward() from the file's names here: unguarded

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import amplite
-from amplite.converter.pt2 import load_program
 from amplite.errors import AmpliteError, LoadError
+from amplite.reading.pt2 import load_program
 
 pytestmark = pytest.mark.filterwarnings("ignore:Duplicate name")
 ROOT = Path(__file__).resolve().parents[1]

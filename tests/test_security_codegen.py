@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from amplite.converter.pt2 import load_program
 from amplite.errors import LoadError
+from amplite.reading.pt2 import load_program
 from tests.test_security import P, json_edit, rebuild
 from tests.test_security_design import assert_refused_call, run_cli_many
 
@@ -150,8 +150,8 @@ def test_inputs_zip_of_an_unsupported_version_is_refused(tmp_path: Path) -> None
     import struct
     import zipfile
 
-    from amplite.converter.input_files import read_input_file
     from amplite.errors import AmpliteError
+    from amplite.reading.input_files import read_input_file
 
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z:

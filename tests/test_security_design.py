@@ -23,10 +23,10 @@ import sympy
 import torch
 
 import amplite
-from amplite.converter.op_allowlist import refusal
-from amplite.converter.pt2 import load_program
-from amplite.converter.sym_expr import SymExprError, parse_sym_expr
 from amplite.errors import LoadError
+from amplite.reading.op_allowlist import refusal
+from amplite.reading.pt2 import load_program
+from amplite.reading.sym_expr import SymExprError, parse_sym_expr
 from tests.test_security import P, Small, W, json_edit, rebuild
 
 pytestmark = pytest.mark.filterwarnings("ignore:Duplicate name")

@@ -120,7 +120,7 @@ def _db(value: Any) -> str:
 
 def _classify(exc: BaseException) -> tuple[str, str]:
     """(status, one-line error) for an exception raised by a conversion."""
-    from amplite.converter.tracing import summarize_exception
+    from amplite.describe import summarize_exception
     from amplite.errors import AmpliteError, path_error
 
     chain, seen = [], set()

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from amplite.converter.input_files import read_input_file
 from amplite.errors import InputSpecError
 from amplite.paths import not_a_file
+from amplite.reading.input_files import read_input_file
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -129,7 +129,7 @@ def load_inputs_file(path: str | Path) -> Inputs:
     problem = not_a_file(p)
     if problem is not None:
         raise InputSpecError(f"inputs file {str(p)!r} {problem}", "pass an existing file to --inputs")
-    data = read_input_file(p)  # every check on untrusted input files: amplite.converter.input_files
+    data = read_input_file(p)  # every check on untrusted input files: amplite.reading.input_files
     if isinstance(data, torch.Tensor):
         return (data,), {}
     if isinstance(data, (tuple, list)):

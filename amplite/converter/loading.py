@@ -1,7 +1,7 @@
 """Load a model from a file, detecting its format from the content (never the extension).
 
 Formats: ``torch.export.save`` archives (.pt2, inspected and loaded without torch's unpickling paths by
-:mod:`amplite.converter.pt2`), TorchScript archives, ``torch.save`` state dicts (with a ``--model-factory``),
+:mod:`amplite.reading.pt2`), TorchScript archives, ``torch.save`` state dicts (with a ``--model-factory``),
 and whole pickled modules (only with ``trust_pickle``: unpickling runs code). Every model file amplite reads
 goes through :func:`load_model`; ``docs/security.md`` says what is checked.
 """
@@ -22,11 +22,11 @@ import torch
 from torch import nn
 from torch.export import ExportedProgram
 
-from amplite.converter.archive import check_zip
-from amplite.converter.pt2 import import_user_modules, load_program
-from amplite.converter.tracing import summarize_exception
+from amplite.describe import summarize_exception
 from amplite.errors import InputSpecError, LoadError
 from amplite.paths import not_a_file
+from amplite.reading.archive import check_zip
+from amplite.reading.pt2 import import_user_modules, load_program
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 

@@ -8,7 +8,6 @@ import inspect
 import io
 import logging
 import re
-import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,6 +16,7 @@ from torch.export import Dim, ExportedProgram
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils import _pytree as pytree
 
+from amplite.describe import export_failure
 from amplite.errors import ConfigError, ExportError
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -245,69 +245,3 @@ def static_batch_warning(program: ExportedProgram) -> str | None:
                 "example size is 1, and the model traced at two copies of the example failed or gave other "
                 "outputs at batch 1 (it branches on the batch size): give an example of batch >= 2")  # fmt: skip
     return f"--dynamic-batch: dim 0 of {', '.join(static)} stayed static: the model's code fixes that size"
-
-
-def summarize_exception(exc: BaseException) -> str:
-    """First line of an exception plus where it was raised (:func:`user_frame`)."""
-    where = user_frame(exc)
-    return f"{_head(exc)}" + (f" (at {where})" if where else "")
-
-
-def export_failure(exc: BaseException) -> str:
-    """An export failure, its location first: torch's messages run to many lines, and the line is what to fix."""
-    where = user_frame(exc)
-    return (f"at {where}: " if where else "") + _head(exc)
-
-
-def _head(exc: BaseException) -> str:
-    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    head = lines[0] if lines else type(exc).__name__
-    if len(head) > 240:
-        head = head[:237] + "..."
-    return f"{type(exc).__name__}: {head}"
-
-
-#: torch's own frames and generated code (``<string>``: the lambda torch.export wraps the call in; dataclass and
-#: namedtuple methods) never hold the line to change; frames of other installed packages (torchvision) do.
-_NOT_CODE = ("/torch/", "/amplite/", "/contextlib.py", "/functools.py")
-_LIBRARY = ("site-packages", "dist-packages")
-_CAUSED_BY = re.compile(r"Caused by: \((?P<file>[^()\s]+\.py):(?P<line>\d+) in \w+\)")
-
-
-def user_frame(exc: BaseException) -> str:
-    """'file:line `code`' of the innermost frame outside torch and generated code, along the exception chain.
-
-    When that frame is in an installed package (torchvision's ``ops/boxes.py``), the package-relative path is
-    given and the innermost frame of the user's own code follows (``called from model.py:12``); when no frame
-    qualifies, the location torch names in its message (``Caused by: (file.py:103 in fn)``).
-    """
-    chain, seen = [], set()
-    while exc is not None and id(exc) not in seen:  # the innermost exception's frames first
-        seen.add(id(exc))
-        chain.insert(0, exc)
-        exc = exc.__cause__ or exc.__context__
-    for item in chain:
-        every = traceback.extract_tb(item.__traceback__)
-        frames = [f for f in every if not f.filename.startswith("<") and not any(s in f.filename for s in _NOT_CODE)]
-        if frames:
-            where, user = frames[-1], [f for f in frames if not any(s in f.filename for s in _LIBRARY)]
-            text = _frame_text(where)
-            if user and user[-1] is not where:
-                text += f", called from {user[-1].filename}:{user[-1].lineno}"
-            # the torch.nn layer that raised below it (BatchNorm(momentum=None) in train mode divides by a counter)
-            layer = [f for f in every[every.index(where) + 1 :] if "/torch/nn/" in f.filename]
-            if layer:
-                text += f", inside {_frame_text(layer[-1])}"
-            return text
-    for item in chain:
-        if m := _CAUSED_BY.search(str(item)):
-            return f"{m['file']}:{m['line']}"
-    return ""
-
-
-def _frame_text(frame: traceback.FrameSummary) -> str:
-    name = frame.filename
-    for marker in _LIBRARY:
-        if f"/{marker}/" in name:
-            name = name.split(f"/{marker}/", 1)[1]
-    return f"{name}:{frame.lineno}" + (f" `{frame.line.strip()}`" if frame.line else "")

@@ -3,7 +3,7 @@ saving/loading the ``.pt2``.
 
 The ``.pt2`` is the step program alone, written by ``torch.export.save``: anything that loads an
 ExportedProgram loads it, and the cache geometry and dtype are read back from its input signature, so no
-side file is needed. ``load`` reads it without unpickling (``amplite.converter.pt2.load_program``).
+side file is needed. ``load`` reads it without unpickling (``amplite.reading.pt2.load_program``).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import torch
 from torch.export import ExportedProgram
 
 from amplite.converter import emit
-from amplite.converter.pt2 import load_program
 from amplite.errors import InputSpecError
 from amplite.llm.generate import Runner, greedy
 from amplite.llm.step import CacheShape
+from amplite.reading.pt2 import load_program
 from amplite.report.sections import Outputs
 
 if TYPE_CHECKING:

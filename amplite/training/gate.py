@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from amplite.converter.graph_stats import graph_stats
 from amplite.converter.inputs import normalize_inputs
 from amplite.converter.loading import load_any
-from amplite.converter.tracing import summarize_exception
+from amplite.describe import summarize_exception
 from amplite.errors import ConfigError, InputSpecError
 from amplite.levels import LEVEL_ENV, precision_dtype, resolve_level
 from amplite.options import ConvertOptions

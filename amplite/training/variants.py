@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from amplite.converter.graph_stats import graph_stats, weight_bytes
 from amplite.converter.inputs import bind_inputs
 from amplite.converter.pipeline import rewrite, strip_export_checks
-from amplite.converter.tracing import summarize_exception
+from amplite.describe import summarize_exception
 from amplite.errors import ConfigError, ExportError
 from amplite.passes.range_guard import RangeRules
 from amplite.policy import Level, PrecisionPolicy

@@ -26,7 +26,7 @@ from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
 from amplite.converter.inputs import check_generated_bytes, inputs_from_specs, load_inputs_file, spec_bytes
-from amplite.converter.tracing import summarize_exception
+from amplite.describe import summarize_exception
 from amplite.errors import ConfigError, InputSpecError, LoadError
 from amplite.paths import inside, not_a_file
 from amplite.verify.compare import output_names

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from amplite.converter.tracing import summarize_exception
+from amplite.describe import summarize_exception
 from amplite.errors import ConfigError, InputSpecError
 from amplite.verify.layerwise import node_error
 from amplite.verify.ranges import recommend_loss_scale

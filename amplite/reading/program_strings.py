@@ -4,8 +4,8 @@ FX writes node and attribute names into generated Python, and torch resolves nod
 from ``torch``. These rules admit what ``torch.export.save`` writes (identifiers, dotted names, plain strings)
 and nothing that could run code (module paths may hold any character but quotes, backslashes and control
 characters, as ``nn.Module.add_module`` allows: ``block1-0``); the targets are returned for
-:mod:`amplite.converter.pt2` to resolve against its operator allowlist after ``--import``. The strings torch
-would *evaluate* never reach torch: size expressions are parsed by :mod:`amplite.converter.sym_expr`, and
+:mod:`amplite.reading.pt2` to resolve against its operator allowlist after ``--import``. The strings torch
+would *evaluate* never reach torch: size expressions are parsed by :mod:`amplite.reading.sym_expr`, and
 ``guards_code`` is dropped (see ``pt2.py``).
 """
 

@@ -8,9 +8,9 @@ through the same fallback, AOTInductor entries are ``dlopen``-ed, and strings of
 
 :func:`inspect_archive` reads the zip's directory and the JSON entries through the reader torch uses and
 checks them (sizes, duplicate names, schemas, weight sizes; the strings listed above in
-:mod:`amplite.converter.program_strings`) without unpickling
+:mod:`amplite.reading.program_strings`) without unpickling
 anything. It returns the parsed pieces and the list of entries that need unpickling; the safe loader
-(:mod:`amplite.converter.pt2`) then builds the program from them itself, so what was checked is what is
+(:mod:`amplite.reading.pt2`) then builds the program from them itself, so what was checked is what is
 loaded. See ``docs/security.md``.
 """
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from amplite.converter.program_strings import FQN, check_program_strings
 from amplite.errors import LoadError
+from amplite.reading.program_strings import FQN, check_program_strings
 
 #: Declared uncompressed bytes may exceed the file's size by at most this factor plus the slack: torch
 #: writes entries uncompressed, so a larger claim is a zip bomb (or a corrupt directory).

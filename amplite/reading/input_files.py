@@ -52,7 +52,7 @@ def read_input_file(p: Path) -> Any:
     is_zip = head.startswith(b"PK")
     npz = is_zip and (p.suffix == ".npz" or _is_npz(p))
     if is_zip:  # torch.save and .npz files are zips: no zip bombs or duplicate entries
-        from amplite.converter.archive import check_zip
+        from amplite.reading.archive import check_zip
 
         check_zip(p, rooted=not npz, fix="re-save the inputs (torch.save, numpy.savez or safetensors)")
     if p.suffix == ".safetensors":

@@ -1,6 +1,6 @@
 """Load a .pt2 without torch's unsafe paths: the archive is inspected first, then built from what was checked.
 
-amplite does not call ``torch.export.load``. It reads the entries :func:`~amplite.converter.archive.
+amplite does not call ``torch.export.load``. It reads the entries :func:`~amplite.reading.archive.
 inspect_archive` checked through the same reader, unpickles only with ``torch.load(weights_only=True)``
 (anything else needs ``trust_pickle``), never loads AOTInductor binaries, and hands torch's program
 deserializer ready tensors, so torch's own fallbacks to ``weights_only=False`` are never reached.
@@ -9,10 +9,10 @@ Modules named in the archive (pytree types of inputs/outputs, custom-op librarie
 user names them (``--import MODULE``) or they belong to :data:`SAFE_AUTO_IMPORT`, installed outside the
 working directory: importing a module runs its code, so a name taken from an untrusted file must not pick it.
 
-Nothing of the file is evaluated: size expressions are parsed by :mod:`amplite.converter.sym_expr` and handed
+Nothing of the file is evaluated: size expressions are parsed by :mod:`amplite.reading.sym_expr` and handed
 to torch as sympy objects; the file's ``guards_code`` (Python torch would ``exec``) is dropped, inputs are
 checked against the program's range constraints instead; every operator is checked against
-:mod:`amplite.converter.op_allowlist` by name before deserializing and, with the writes it makes, after.
+:mod:`amplite.reading.op_allowlist` by name before deserializing and, with the writes it makes, after.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from amplite.converter.archive import (
+from amplite.describe import summarize_exception
+from amplite.errors import LoadError
+from amplite.reading.archive import (
     CONSTANTS,
     TRUST_FIX,
     WEIGHTS,
@@ -46,8 +48,8 @@ from amplite.converter.archive import (
     check_zip_bytes,
     inspect_archive,
 )
-from amplite.converter.op_allowlist import check_program_ops, refusal, registered_ops
-from amplite.converter.pt2_checks import (
+from amplite.reading.op_allowlist import check_program_ops, refusal, registered_ops
+from amplite.reading.pt2_checks import (
     build_expressions,
     check_call_graph,
     check_example_inputs,
@@ -55,8 +57,6 @@ from amplite.converter.pt2_checks import (
     check_payload_metadata,
     check_symbols,
 )
-from amplite.converter.tracing import summarize_exception
-from amplite.errors import LoadError
 
 #: Packages whose modules amplite imports on its own when the archive names one of their pytree types (their
 #: import registers the type: transformers' ModelOutput classes). Only installed copies count: a same-named

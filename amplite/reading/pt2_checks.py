@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from amplite.converter.program_strings import is_parameter_name
-from amplite.converter.sym_expr import SymExprError, parse_sym_expr
 from amplite.errors import LoadError
+from amplite.reading.program_strings import is_parameter_name
+from amplite.reading.sym_expr import SymExprError, parse_sym_expr
 
 #: A view may make more elements than its storage holds (``arange(n).expand(1, -1)``) up to this many bytes.
 EXPANDED_BYTES = 16 << 20
