@@ -127,7 +127,7 @@ def convert_checkpoint(
         warnings=storage_warnings(ckpt, keys, dtypes, lvl),
         extra=(WeightRules.of(flagged),),
     )  # fmt: skip
-    return StreamedConversion(ckpt, out, dtypes, buffers, keys, report)
+    return StreamedConversion(ckpt, out, dtypes, buffers, keys, report, opts.verification().tolerance)
 
 
 def _check_constants(program: ExportedProgram, keys: KeyMap, buffers: dict[str, torch.Tensor]) -> None:
@@ -174,7 +174,8 @@ def storage_warnings(ckpt: Checkpoint, keys: KeyMap, dtypes: dict[str, torch.dty
     low = {torch.float16, torch.bfloat16}
     floats = {n: i for n, i in ckpt.tensors.items() if i.dtype.is_floating_point}
     changed = [n for n, i in floats.items() if dtypes[n] != i.dtype]
-    if floats and not changed:
+    wider = [n for n, i in floats.items() if i.dtype.itemsize > 2]  # a bf16/fp16 source is already low precision
+    if wider and not changed:
         why = "O1 keeps FP32 master weights" if level == Level.O1 else f"{level.value} keeps these weights' dtypes"
         warnings.append(f"the safetensors output stores every weight in its source dtype ({why}); the mixed-"
                         "precision plan is in the .pt2 (--format pt2), or use --level O2 to store low precision")

@@ -76,6 +76,8 @@ def checkpoint_to_files(
         raise ConfigError("token_agreement/ppl_delta are measured on the safetensors output, and none is written",
                           "add it: --format safetensors,pt2 (or -o DIR)")  # fmt: skip
     conv = convert_checkpoint(src, example_inputs, options=opts, progress=progress)
+    if any(f == "safetensors" for f, _ in targets):
+        conv.check_loadable()
     if verify and verify_max_memory is not None:  # refused before anything is written
         check_verify_memory(conv, verify_max_memory)
     written: list[Path] = []

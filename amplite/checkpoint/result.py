@@ -7,6 +7,7 @@ weights, its plan, where each weight comes from) and what it does: write the out
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,18 @@ def _no_progress(step: str, done: int, total: int) -> None:
     return None
 
 
+#: ``(source directory, tolerance, precision) -> check or None``: the generation check a tolerance's
+#: ``token_agreement``/``ppl_delta`` criteria ask for, registered by ``amplite.llm.checkpoint`` (a layer above,
+#: imported with ``amplite``), so that :meth:`StreamedConversion.save` gates as ``amplite convert DIR`` does.
+GenerationCheckFactory = Callable[[Path, Any, str], "Callable[[Report, Path], list[str]] | None"]
+_GENERATION_CHECK: list[GenerationCheckFactory] = []
+
+
+def register_generation_check(factory: GenerationCheckFactory) -> None:
+    """Install the factory of the generation check (``amplite.llm.checkpoint.generation_check``)."""
+    _GENERATION_CHECK[:] = [factory]
+
+
 @dataclass
 class StreamedConversion:
     """A converted checkpoint: the program (meta weights), its plan and where each weight comes from.
@@ -53,6 +66,7 @@ class StreamedConversion:
     buffers: dict[str, torch.Tensor]
     keys: KeyMap
     report: Report = field(default_factory=Report)
+    tolerance: Tolerance | None = None
 
     @property
     def data(self) -> Mapping[str, Any]:
@@ -140,6 +154,14 @@ class StreamedConversion:
         precision = str(self.data.get("config", {}).get("precision", "fp16"))
         targets = plan_checkpoint_outputs(self.checkpoint.path, path, format, precision, level)
         check_outputs(targets)
+        # token_agreement / ppl_delta criteria: the written directory is also checked on generation (as the CLI)
+        make = _GENERATION_CHECK[0] if _GENERATION_CHECK else None
+        generation = make(self.checkpoint.path, self.tolerance, precision) if verify and make is not None else None
+        if any(f == "safetensors" for f, _ in targets):
+            self.check_loadable()
+        if generation is not None and not any(f == "safetensors" for f, _ in targets):
+            raise ConfigError("token_agreement/ppl_delta are measured on the safetensors output, and none is written",
+                              "add it: format='safetensors,pt2' (or a directory path)")  # fmt: skip
         written: list[Path] = []
         try:
             write_outputs(self, targets, progress, written)
@@ -151,8 +173,37 @@ class StreamedConversion:
         # earlier saves stay listed, as for a module's result
         self.report.attach((self.report.section(Outputs) or Outputs.of([])).with_entries(*fresh))
         if verify:
-            self.verify(next((p for f, p in targets if f == "safetensors"), targets[0][1]), inputs, progress=progress)
+            weights = next((p for f, p in targets if f == "safetensors"), targets[0][1])
+            self.verify(weights, inputs, tolerance=self.tolerance, progress=progress)
+            if generation is not None:
+                generation(self.report, weights)
         return written[0]
+
+    def check_loadable(self) -> None:
+        """Refuse a safetensors output that ``from_pretrained`` would load broken (before anything is written).
+
+        The output's ``config.json`` names one dtype and transformers casts every stored tensor to it (bar the
+        modules the class keeps FP32): a weight kept wide because fp16 cannot hold it (``range:weight-overflow``)
+        would load as ``inf``.
+
+        Raises:
+            ConfigError: Such a weight, naming it and the outputs that keep it.
+        """
+        from amplite.checkpoint.write import output_config
+
+        over = {r["module"].removeprefix(PREFIX): r["reason"] for r in self.data.get("weight_rules", [])
+                if "overflow" in r["reason"]}  # fmt: skip
+        if not over:
+            return
+        loaded = loader_dtypes(self.keys.model, output_config(self.checkpoint, self.dtypes))
+        for shard_name, target in self.keys.shard_targets().items():
+            module = target.rsplit(".", 1)[0]
+            want = loaded(target)
+            if module in over and want is not None and want.itemsize < self.dtypes[shard_name].itemsize:
+                raise ConfigError(f"{shard_name} ({over[module].removeprefix('range:weight-overflow ')}) is beyond "
+                                  f"float16's range: from_pretrained would load it as {str(want)[6:]} (inf) from a "
+                                  "safetensors output, whose config.json names one dtype",
+                                  "use --precision bf16, or write only the .pt2 (--format pt2: FP32 in it)")
 
     def module(self) -> Any:
         """Not available: a streamed checkpoint's weights are never materialised in memory.
@@ -205,9 +256,13 @@ class StreamedConversion:
         if inputs is None or _on_meta(inputs):
             inputs = random_inputs(self.pipeline.original, int(self.checkpoint.config.get("vocab_size", 2)))
         converted_dir = Path(converted_dir)
-        if converted_dir.is_dir():
+        if converted_dir.is_dir():  # read as from_pretrained reads it: each weight in the dtype the loader gives it
             written = open_checkpoint(converted_dir)
-            load_converted = lambda n: self.tensor(n, source=written)  # noqa: E731
+            loaded = loader_dtypes(self.keys.model, written.config)
+
+            def load_converted(n: str) -> torch.Tensor:
+                t = self.tensor(n, source=written, dtype=loaded(n.removeprefix(PREFIX)))
+                return cast_tensor(t, self.dtypes.get(n, t.dtype))  # then what the program computes in
         else:  # a .pt2: its weights are read back from the archive, one at a time
             reader = Pt2Weights(converted_dir)
             load_converted = reader.tensor
@@ -222,6 +277,31 @@ class StreamedConversion:
         self.report.attach(self.report.section(Timings).add(verify=perf_counter() - start))
         self.report.attach(Verification(section))  # verify_blockwise builds the block-wise section
         return section
+
+
+def loader_dtypes(lm: Any, config: Mapping[str, Any]) -> Callable[[str], torch.dtype | None]:
+    """Model tensor name -> the dtype ``from_pretrained(DIR)`` gives it (None: the stored one).
+
+    transformers builds the model in the dtype ``config.json`` names and casts every stored floating tensor to
+    its parameter's dtype, except the modules the model class keeps in FP32 (``_keep_in_fp32_modules`` at
+    fp16, ``_keep_in_fp32_modules_strict`` at fp16 and bf16: its ``_get_dtype_plan``). A wider tensor stored in
+    a float16 directory is therefore loaded as float16, whatever amplite's plan said.
+    """
+    name = config.get("dtype", config.get("torch_dtype"))
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        return lambda n: None
+    get_plan = getattr(lm, "_get_dtype_plan", None)
+    plan = dict(get_plan(dtype)) if callable(get_plan) else {}
+    params = {n for n, _ in lm.named_parameters(remove_duplicate=False)} if hasattr(lm, "named_parameters") else set()
+    keep = [re.compile(rf"(^|\.){re.escape(k)}(\.|$)") for k, v in plan.items() if v == torch.float32]
+
+    def of(n: str) -> torch.dtype | None:
+        if params and n not in params:
+            return None  # a buffer the model computes, not a stored parameter
+        return torch.float32 if any(k.search(n) for k in keep) else dtype
+
+    return of
 
 
 def _on_meta(inputs: Any) -> bool:

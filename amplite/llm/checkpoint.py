@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from amplite.checkpoint.convert import peak_rss_bytes
+from amplite.checkpoint.result import register_generation_check
 from amplite.errors import ConfigError
 from amplite.llm.generate import Runner, prepare
 from amplite.llm.metrics import (
@@ -111,6 +112,9 @@ def generation_check(
                           f"write it unscoped: {scoped[0].metric}{scoped[0].op}{scoped[0].threshold:g}")  # fmt: skip
     _check_causal(Path(source), criteria[0])
     return GenerationCheck(Path(source), criteria, **kwargs)
+
+
+register_generation_check(generation_check)  # amplite.convert(DIR, tolerance=[...]).save(OUT) gates as the CLI
 
 
 def _check_causal(source: Path, criterion: Criterion) -> None:

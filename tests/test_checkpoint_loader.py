@@ -1,0 +1,169 @@
+"""Issue 44: a converted checkpoint directory is verified as the standard loader (``from_pretrained``) loads it,
+the library gates like the CLI, a written directory can be re-checked, and the friction cases are refused or
+reported with their true reason. Every checkpoint here is built by code (tiny Llama, sharded)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import transformers  # dev extra: a missing install fails, it does not skip
+from safetensors.torch import load_file, save_file
+
+import amplite
+from amplite.errors import AmpliteError
+from amplite.save import convert_to_files
+from tests.conftest import Cli
+
+VOCAB = 128
+INDEX = "model.safetensors.index.json"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One intra-op thread (tiny models on a shared 2-core machine); restored after."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def _llama(path: Path, dtype: torch.dtype = torch.float32, tie: bool = False, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=tie)  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).eval().to(dtype).save_pretrained(path, max_shard_size="20KB")
+    assert len(list(path.glob("*.safetensors"))) >= 3
+    return path
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _llama(tmp_path_factory.mktemp("llama") / "tiny-llama")
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    return Path(shutil.copytree(src, dst))
+
+
+def _shard_of(path: Path, name: str) -> Path:
+    return path / json.loads((path / INDEX).read_text())["weight_map"][name]
+
+
+def _edit(path: Path, name: str, value: torch.Tensor) -> None:
+    shard = _shard_of(path, name)
+    tensors = load_file(shard)
+    tensors[name] = value.contiguous()
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(5))
+
+
+# --- item 3: the library runs the generation gate, and .passed agrees with the CLI's exit code ---------------
+
+
+def test_library_save_runs_the_generation_criteria_and_agrees_with_the_cli(ckpt: Path, tmp_path: Path,
+                                                                           cli: Cli) -> None:  # fmt: skip
+    tol = ["token_agreement>=0.5", "ppl_delta<=1e-7"]  # ppl_delta cannot hold at bf16: both must say "fail"
+    res = amplite.convert(ckpt, precision="bf16", level="O2", tolerance=tol)
+    res.save(tmp_path / "lib")
+    llm = res.data["llm"]
+    assert [(c["criterion"], c["passed"]) for c in llm["checks"]] == [("token_agreement>=0.5", True),
+                                                                     ("ppl_delta<=1e-07", False)]  # fmt: skip
+    assert res.passed is False
+    proc = cli("convert", ckpt, "--precision", "bf16", "--level", "O2", "-o", tmp_path / "cli",
+               *[a for t in tol for a in ("--tolerance", t)])  # fmt: skip
+    assert proc.exit_code == 1, proc.stdout + proc.stderr
+    ok = amplite.convert(ckpt, precision="bf16", level="O2", tolerance=["token_agreement>=0.5"])
+    ok.save(tmp_path / "ok")
+    assert ok.passed is True and ok.data["llm"]["checks"][0]["passed"] is True
+
+
+# --- item 8: friction ------------------------------------------------------------------------------------------
+
+
+def test_a_quantization_config_is_refused_before_writing(ckpt: Path, tmp_path: Path, cli: Cli) -> None:
+    src = _copy(ckpt, tmp_path / "q")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    (src / "config.json").write_text(json.dumps(cfg))
+    proc = cli("convert", src, "-o", tmp_path / "out")
+    assert proc.exit_code == 2 and "quantization_config" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_the_index_of_weights_that_are_not_copied_is_not_copied(ckpt: Path, tmp_path: Path) -> None:
+    src = _copy(ckpt, tmp_path / "bin")
+    (src / "pytorch_model.bin").write_bytes(b"not read")
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"x": "pytorch_model.bin"}}))
+    (src / "tokenizer_config.json").write_text("{}")
+    convert_to_files(src, output=tmp_path / "out", precision="bf16", verify=False)
+    out = tmp_path / "out"
+    assert (out / "tokenizer_config.json").exists()
+    assert not (out / "pytorch_model.bin").exists() and not (out / "pytorch_model.bin.index.json").exists()
+    skipped = json.loads((out / "amplite-plan.json").read_text())["not_copied"]
+    assert any(s.startswith("pytorch_model.bin.index.json") for s in skipped), skipped
+
+
+def test_a_bf16_source_at_bf16_o2_is_not_told_to_use_o2(tmp_path: Path) -> None:
+    src = _llama(tmp_path / "bf16", torch.bfloat16)
+    res = amplite.convert(src, precision="bf16", level="O2")
+    assert not any("--level O2" in w for w in res.data.get("warnings", [])), res.data["warnings"]
+    fp32 = amplite.convert(_llama(tmp_path / "fp32"), precision="bf16", level="O1")  # still said where it applies
+    assert any("--level O2" in w for w in fp32.data["warnings"])
+
+
+def test_an_index_naming_the_wrong_shard_is_reported_as_such(ckpt: Path, tmp_path: Path) -> None:
+    src = _copy(ckpt, tmp_path / "idx")
+    index = json.loads((src / INDEX).read_text())
+    name = "model.layers.0.mlp.up_proj.weight"
+    held_by = index["weight_map"][name]
+    other = next(s for s in sorted(set(index["weight_map"].values())) if s != held_by)
+    index["weight_map"][name] = other
+    (src / INDEX).write_text(json.dumps(index))
+    with pytest.raises(AmpliteError, match=rf"the index names {other} for tensor '{name}', but {held_by} holds it"):
+        amplite.convert(src, precision="bf16")
+
+
+# --- item 1: verification checks what from_pretrained loads ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def overflow(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with one weight beyond fp16's range (|w| = 1e5)."""
+    src = _copy(ckpt, tmp_path_factory.mktemp("over") / "big")
+    name = "model.layers.1.mlp.down_proj.weight"
+    w = load_file(_shard_of(src, name))[name]
+    w[0, 0] = 1e5
+    _edit(src, name, w)
+    return src
+
+
+def test_a_weight_beyond_fp16_is_refused_for_a_safetensors_output(overflow: Path, tmp_path: Path, cli: Cli) -> None:
+    proc = cli("convert", overflow, "--precision", "fp16", "-o", tmp_path / "out")
+    assert proc.exit_code == 2, proc.stdout + proc.stderr
+    assert "model.layers.1.mlp.down_proj.weight" in proc.stderr and "--precision bf16" in proc.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.report.json").exists()
+    with pytest.raises(AmpliteError, match="beyond float16's range"):
+        amplite.convert(overflow, precision="fp16").save(tmp_path / "lib")
+    proc = cli("convert", overflow, "--precision", "fp16", "-o", tmp_path / "m.pt2")  # the .pt2 keeps it FP32
+    assert proc.exit_code == 0, proc.stdout + proc.stderr
+
+
+def test_verification_reads_the_directory_as_from_pretrained_loads_it(overflow: Path, tmp_path: Path) -> None:
+    """Written without the guard (the writer alone), the directory stores the wide weight in a float16 config:
+    from_pretrained loads inf, and block-wise verification now sees the same and fails."""
+    conv = amplite.convert(overflow, precision="fp16", level="O2")
+    out = conv.save_safetensors(tmp_path / "raw")
+    loaded = transformers.LlamaForCausalLM.from_pretrained(out, dtype="auto")
+    assert torch.isinf(loaded.model.layers[1].mlp.down_proj.weight).any()
+    section = conv.verify(out)
+    assert section["passed"] is False
+    assert conv.passed is False
