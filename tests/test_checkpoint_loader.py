@@ -167,3 +167,47 @@ def test_verification_reads_the_directory_as_from_pretrained_loads_it(overflow: 
     section = conv.verify(out)
     assert section["passed"] is False
     assert conv.passed is False
+
+
+# --- item 2: ties resolved as transformers resolves them ----------------------------------------------------------
+
+
+def test_a_distinct_stored_head_under_tie_word_embeddings_is_used_as_transformers_does(tmp_path: Path) -> None:
+    """config says tie, the shards hold a different lm_head: transformers unties and uses the stored head. The
+    safetensors output and the .pt2 must compute that function, and verification must compare against it."""
+    src = _llama(tmp_path / "tied")  # saved untied: lm_head differs from the embedding
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    (src / "config.json").write_text(json.dumps(cfg))
+    ref = transformers.LlamaForCausalLM.from_pretrained(src).eval()
+    assert not torch.equal(ref.lm_head.weight, ref.model.embed_tokens.weight)  # transformers untied them
+    res = amplite.convert(src, precision="bf16", level="O2")
+    res.save(tmp_path / "out", format="safetensors,pt2")
+    assert res.passed is True
+    with torch.no_grad():
+        expected = ref(_ids()).logits
+        loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype="auto").eval()
+        from_dir = loaded(_ids()).logits.float()
+        from_pt2 = torch.export.load(tmp_path / "out.pt2").module()(_ids()).float()
+
+    def sqnr(got: torch.Tensor) -> float:
+        return float(10 * torch.log10(expected.pow(2).sum() / (got - expected).pow(2).sum()))
+
+    assert sqnr(from_dir) > 30 and sqnr(from_pt2) > 30, (sqnr(from_dir), sqnr(from_pt2))
+
+
+def test_an_equal_stored_twin_stays_tied_and_is_stored_like_its_origin(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    src = _llama(tmp_path / "twin")
+    emb = load_file(_shard_of(src, "model.embed_tokens.weight"))["model.embed_tokens.weight"]
+    _edit(src, "lm_head.weight", emb.clone())
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    (src / "config.json").write_text(json.dumps(cfg))
+    res = amplite.convert(src, precision="bf16", level="O2")
+    assert res.keys.tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    res.save(tmp_path / "out")
+    shard = _shard_of(tmp_path / "out", "lm_head.weight")
+    with safe_open(str(shard), "pt") as fh:
+        assert fh.get_tensor("lm_head.weight").dtype == torch.bfloat16  # not left FP32 beside a bf16 embedding

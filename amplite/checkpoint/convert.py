@@ -161,7 +161,8 @@ def storage_dtypes(ckpt: Checkpoint, keys: KeyMap, planned: dict[str, torch.dtyp
     targets = keys.shard_targets()
     out = {}
     for name, info in ckpt.tensors.items():
-        want = planned.get(PREFIX + targets[name], info.dtype) if name in targets else info.dtype
+        model = targets.get(name, keys.twins.get(name))  # a stored tied twin is stored as what it is tied to
+        want = planned.get(PREFIX + model, info.dtype) if model is not None else info.dtype
         floating = info.dtype.is_floating_point and want.is_floating_point
         out[name] = want if floating and want.itemsize <= info.dtype.itemsize else info.dtype
     return out
