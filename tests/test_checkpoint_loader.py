@@ -211,3 +211,128 @@ def test_an_equal_stored_twin_stays_tied_and_is_stored_like_its_origin(tmp_path:
     shard = _shard_of(tmp_path / "out", "lm_head.weight")
     with safe_open(str(shard), "pt") as fh:
         assert fh.get_tensor("lm_head.weight").dtype == torch.bfloat16  # not left FP32 beside a bf16 embedding
+
+
+# --- item 5: higher-order ops in forward, in the checkpoint path -------------------------------------------------
+
+
+def test_a_checkpoint_whose_forward_has_no_grad_and_cond_regions_converts_and_verifies(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Llama's MLP wrapped in a no_grad region and followed by a torch.cond (planted, so that the case does not
+    depend on one release's modelling code): the region's ops are converted, the cond's sub-graphs are never
+    taken for weights, block-wise verification passes, and the output loads and agrees with the source."""
+    from transformers.models.llama import modeling_llama
+
+    mlp = modeling_llama.LlamaMLP.forward
+
+    def with_regions(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            y = mlp(self, x)
+        return torch.cond(y.sum() > 0, lambda t: t * 2.0, lambda t: t * 3.0, (y,))
+
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", with_regions)
+    res = amplite.convert(ckpt, precision="bf16", level="O2")
+    downs = {p["dtype"] for p in res.data["plan"] if p["module"].endswith("mlp.down_proj") and "linear" in p["op"]}
+    assert downs == {"bfloat16"}  # inside the no_grad region: converted
+    res.save(tmp_path / "out", format="safetensors,pt2")
+    assert res.passed is True and len(res.data["verification"]["blocks"]) == 2
+    ref = transformers.LlamaForCausalLM.from_pretrained(ckpt).eval()
+    with torch.no_grad():
+        expected = ref(_ids()).logits
+        got = torch.export.load(tmp_path / "out.pt2").module()(_ids()).float()
+    assert 10 * torch.log10(expected.pow(2).sum() / (got - expected).pow(2).sum()) > 30
+
+
+# --- item 6: families that failed -------------------------------------------------------------------------------
+
+
+def test_a_config_with_transformers_special_floats_is_read_as_transformers_reads_it(tmp_path: Path) -> None:
+    """Mamba2's time_step_limit (0, inf) is written by transformers as {"__float__": "Infinity"}."""
+    cfg = transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=8, head_dim=8,
+                                    state_size=8, n_groups=1, expand=2,
+                                    time_step_limit=(0.0, float("inf")))  # fmt: skip
+    transformers.Mamba2ForCausalLM(cfg).save_pretrained(tmp_path / "m", max_shard_size="20KB")
+    assert '"__float__": "Infinity"' in (tmp_path / "m" / "config.json").read_text()
+    saved = convert_to_files(tmp_path / "m", output=tmp_path / "out", precision="bf16")
+    assert saved.exit_code == 0
+    assert '"__float__": "Infinity"' in (tmp_path / "out" / "config.json").read_text()  # carried as written
+    transformers.Mamba2ForCausalLM.from_pretrained(tmp_path / "out")
+
+
+@pytest.mark.parametrize("name", ["gpt_neo", "recurrent_gemma"])
+def test_families_that_were_refused_or_crashed_now_convert_and_load(name: str, tmp_path: Path) -> None:
+    """GPT-Neo: a constant made on meta (no .pt2, the safetensors output converted and verified through
+    from_pretrained); RecurrentGemma: a bf16 buffer the reference used to read as FP32 (exit 3)."""
+    from bench.checkpoint_archs import correct, run_one
+
+    row = run_one(name, "bf16", "O2", tmp_path)
+    assert row["exit"] == 0, row
+    assert correct(row), row
+    pt2 = (tmp_path / f"{name}.bf16.O2.pt2").exists()
+    assert pt2 == (name == "recurrent_gemma"), row["warnings"]
+
+
+def test_dynamic_ntk_rope_converts_without_a_pt2(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                    "rope_theta": 10000.0})  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "s", max_shard_size="20KB")
+    saved = convert_to_files(tmp_path / "s", output=tmp_path / "out", formats="safetensors,pt2", precision="bf16")
+    data = saved.result.report.data
+    assert saved.exit_code == 0 and not (tmp_path / "out.pt2").exists()
+    assert any(w.startswith("no .pt2") for w in data["warnings"])
+    assert data["verification"]["mode"].startswith("through from_pretrained") and data["verification"]["passed"]
+    with pytest.raises(AmpliteError, match=r"no \.pt2 for this checkpoint"):
+        convert_to_files(tmp_path / "s", output=tmp_path / "only.pt2", precision="bf16")
+
+
+# --- item 4: re-verify an existing converted directory against its source ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def written(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("written") / "llama.bf16"
+    convert_to_files(ckpt, output=out, precision="bf16", level="O2", verify=False)
+    return out
+
+
+@pytest.mark.parametrize("defect", ["none", "transposed", "swapped"])
+def test_check_converted_dir_verifies_it_against_its_source(ckpt: Path, written: Path, tmp_path: Path, cli: Cli,
+                                                            defect: str) -> None:  # fmt: skip
+    out = _copy(written, tmp_path / "out")
+    a, b = "model.layers.0.self_attn.o_proj.weight", "model.layers.1.self_attn.o_proj.weight"
+    wa, wb = load_file(_shard_of(out, a))[a], load_file(_shard_of(out, b))[b]
+    if defect == "transposed":  # square: the shapes still agree, only the numbers can tell
+        _edit(out, a, wa.t())
+    elif defect == "swapped":
+        _edit(out, a, wb)
+        _edit(out, b, wa)
+    proc = cli("check", ckpt, "--converted", out, "--tolerance", "sqnr>=30", "--tolerance", "token_agreement>=0.8",
+               "--report", tmp_path / "r")  # fmt: skip
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert proc.exit_code == (0 if defect == "none" else 1), proc.stdout + proc.stderr
+    assert report["config"]["precision"] == "bf16"  # from OUT's config.json
+    assert len(report["verification"]["blocks"]) == 2 and "llm" in report  # block-wise and generation checks ran
+    sqnr = report["verification"]["outputs"][0]["sqnr_db"]
+    assert (sqnr > 35) if defect == "none" else (sqnr < 30), sqnr
+    assert not list(out.parent.glob(".amplite-check.*")) and sorted(p.name for p in tmp_path.iterdir()) == ["out", "r"]
+
+
+def test_check_converted_refuses_what_is_not_a_converted_directory(ckpt: Path, written: Path, tmp_path: Path,
+                                                                   cli: Cli) -> None:  # fmt: skip
+    out = _copy(written, tmp_path / "out")
+    name = "model.layers.1.mlp.up_proj.weight"
+    shard = _shard_of(out, name)
+    tensors = load_file(shard)
+    del tensors[name]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index = json.loads((out / INDEX).read_text())
+    del index["weight_map"][name]
+    (out / INDEX).write_text(json.dumps(index))
+    proc = cli("check", ckpt, "--converted", out)
+    assert proc.exit_code == 2 and name in proc.stderr, proc.stderr
+    proc = cli("check", ckpt, "--converted", tmp_path / "nothing-here")
+    assert proc.exit_code == 2 and "not a checkpoint directory" in proc.stderr, proc.stderr

@@ -24,9 +24,10 @@ from amplite.checkpoint.keys import KeyMap, map_keys
 from amplite.checkpoint.model import build_meta_model
 from amplite.checkpoint.result import Progress, StreamedConversion, _no_progress, _on_meta, random_inputs
 from amplite.checkpoint.source import PREFIX, Checkpoint, example_inputs_for, iter_shard, open_checkpoint
+from amplite.checkpoint.untraced import planned_dtypes
 from amplite.converter.graph_stats import graph_stats
-from amplite.converter.pipeline import run_pipeline
-from amplite.errors import ConfigError
+from amplite.converter.pipeline import PipelineOutput, run_pipeline
+from amplite.errors import ExportError
 from amplite.levels import LEVEL_ENV, resolve_level
 from amplite.options import ConvertOptions
 from amplite.passes.range_guard import RangeRules, weight_reason
@@ -102,32 +103,43 @@ def convert_checkpoint(
     pins = make_overrides([f"module:{m.removeprefix(PREFIX)}" for m in flagged], source="checkpoint")
     policy = PrecisionPolicy(precision, lvl, (*make_overrides(keep_fp32, force_low), *pins), low_precision_io,
                              module_prefix=PREFIX)  # fmt: skip
-    out = run_pipeline(model, inputs, policy, fold_batchnorm=False)
-    timings.update(out.timings)
-    _check_constants(out.converted, keys, buffers)
-    dtypes = {name: t.dtype for name, t in [*out.converted.state_dict.items(), *out.converted.constants.items()]
-              if isinstance(t, torch.Tensor)}  # fmt: skip
+    untraced: str | None = None
+    try:
+        out: PipelineOutput | None = run_pipeline(model, inputs, policy, fold_batchnorm=False)
+        timings.update(out.timings)
+        _check_constants(out.converted, keys, buffers)
+        dtypes = {name: t.dtype for name, t in [*out.converted.state_dict.items(), *out.converted.constants.items()]
+                  if isinstance(t, torch.Tensor)}  # fmt: skip
+    except ExportError as exc:  # the safetensors output needs no trace (amplite.checkpoint.untraced)
+        out, untraced = None, exc.problem
+        dtypes = planned_dtypes(keys, policy.low_dtype, lvl, flagged)
     dtypes.update(storage_dtypes(ckpt, keys, dtypes))
     after = sum(math.prod(i.shape) * dtypes[n].itemsize for n, i in ckpt.tensors.items())
     applied = bool(flagged or use_rules)
+    warnings = storage_warnings(ckpt, keys, dtypes, lvl)
+    if untraced is not None:
+        warnings.append(f"no .pt2 and no block-wise check: {untraced}; the safetensors output is converted from the "
+                        "weights alone (every floating weight stored low at O2) and verified through from_pretrained")
+    empty = torch.fx.Graph()
     report = build_report(
         source=Source.of(ckpt.path, "checkpoint", shards=len(ckpt.shards)),
         config={"precision": precision, "level": lvl.value, "keep_fp32": list(keep_fp32),
                 "force_low": list(force_low), "low_precision_io": low_precision_io,
                 "range_rules": vars(RangeRules()) if applied else None,
                 **({"range_rules_scope": "weights only (streamed statistics)"} if applied else {})},
-        records=out.records,
-        plan=out.plan,
-        stats_before=graph_stats(out.original.graph, policy.low_dtype),
-        stats_after=graph_stats(out.converted.graph, policy.low_dtype),
+        records=out.records if out is not None else [],
+        plan=out.plan if out is not None else [],
+        stats_before=graph_stats(out.original.graph if out is not None else empty, policy.low_dtype),
+        stats_after=graph_stats(out.converted.graph if out is not None else empty, policy.low_dtype),
         weights=(ckpt.total_bytes, after),
         metrics=None,
         tolerance=None,
         timings=timings,
-        warnings=storage_warnings(ckpt, keys, dtypes, lvl),
+        warnings=warnings,
         extra=(WeightRules.of(flagged),),
     )  # fmt: skip
-    return StreamedConversion(ckpt, out, dtypes, buffers, keys, report, opts.verification().tolerance)
+    return StreamedConversion(ckpt, out, dtypes, buffers, keys, report, opts.verification().tolerance,  # type: ignore[arg-type]
+                              untraced=untraced, example=inputs)  # fmt: skip
 
 
 def _check_constants(program: ExportedProgram, keys: KeyMap, buffers: dict[str, torch.Tensor]) -> None:
@@ -136,14 +148,15 @@ def _check_constants(program: ExportedProgram, keys: KeyMap, buffers: dict[str, 
     5.25) has lost its values.
 
     Raises:
-        ConfigError: Such a constant (the conversion would write a program with made-up values).
+        ExportError: Such a constant (the program would have made-up values; the safetensors output, which
+            needs no program, is still converted: ``amplite.checkpoint.untraced``).
     """
     for name in [*program.state_dict, *program.constants]:
         bare = name.removeprefix(PREFIX)
         if bare not in keys.sources and bare not in keys.tied and name not in buffers:
-            raise ConfigError(f"tracing {type(keys.model).__name__} on the meta device creates a constant tensor "
-                              f"({name}) whose values only exist at run time; amplite cannot stream this "
-                              "architecture yet", "convert the loaded model in memory: amplite.convert(model, "
+            raise ExportError(f"tracing {type(keys.model).__name__} on the meta device creates a constant tensor "
+                              f"({name}) whose values only exist at run time",
+                              "convert the loaded model in memory for a program: amplite.convert(model, "
                               "example_inputs)")  # fmt: skip
 
 

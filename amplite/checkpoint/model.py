@@ -128,13 +128,14 @@ def resolve_class(ckpt: Checkpoint, config: Any) -> type:
 
 
 def build_config(ckpt: Checkpoint) -> Any:
-    """transformers' config object for ``config.json`` (its own config classes only)."""
+    """transformers' config object for ``config.json``, read by transformers' own loader (its config classes only:
+    ``auto_map`` and unknown types are refused first)."""
     transformers = _transformers()
     check_config(ckpt)
     if ckpt.config["model_type"] not in transformers.CONFIG_MAPPING:
         raise _fail(ckpt, f"unknown model_type {ckpt.config['model_type']!r}", "check model_type in config.json")
-    try:
-        return transformers.AutoConfig.for_model(**ckpt.config)
+    try:  # transformers' own reader (it decodes the {"__float__": "Infinity"} its writer stores, for one)
+        return transformers.AutoConfig.from_pretrained(str(ckpt.path), local_files_only=True, trust_remote_code=False)
     except Exception as exc:
         raise _fail(ckpt, f"transformers cannot read it: {type(exc).__name__}: {exc}",
                     "check model_type and the sizes in config.json") from None  # fmt: skip

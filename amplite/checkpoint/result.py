@@ -58,6 +58,11 @@ class StreamedConversion:
         keys: Which shard tensors make each model tensor (transformers' own mapping).
         report: The report (``report.data`` is report.json), built by :func:`~amplite.checkpoint.convert.
             convert_checkpoint` from the same section builders as a module's.
+        tolerance: The tolerance of the options (``save`` verifies by it; None: the precision's default).
+        untraced: Why the model has no program (it does not trace on meta), None when it has one: then
+            ``pipeline`` is None, there is no ``.pt2`` and verification runs through ``from_pretrained``
+            (``amplite.checkpoint.untraced``).
+        example: The (meta) example inputs the model was traced with.
     """
 
     checkpoint: Checkpoint
@@ -67,6 +72,8 @@ class StreamedConversion:
     keys: KeyMap
     report: Report = field(default_factory=Report)
     tolerance: Tolerance | None = None
+    untraced: str | None = None
+    example: Any = None
 
     @property
     def data(self) -> Mapping[str, Any]:
@@ -80,8 +87,28 @@ class StreamedConversion:
 
     @property
     def program(self) -> ExportedProgram:
-        """The converted program (weights on the meta device: save it to get them)."""
+        """The converted program (weights on the meta device: save it to get them).
+
+        Raises:
+            ConfigError: The model did not trace on meta (:attr:`untraced`): no program.
+        """
+        if self.untraced is not None:
+            raise ConfigError(f"no .pt2 for this checkpoint: {self.untraced}",
+                              "use the safetensors output (a directory), which is converted and verified")  # fmt: skip
         return self.pipeline.converted
+
+    def writable(self, targets: list[tuple[str, Path]]) -> list[tuple[str, Path]]:
+        """The outputs this conversion can write: without a program the ``.pt2`` is left out (and said in the
+        report's warnings); asked for alone, it is refused.
+
+        Raises:
+            ConfigError: Only a ``.pt2`` was asked for, and there is no program.
+        """
+        if self.untraced is None or all(f != "pt2" for f, _ in targets):
+            return targets
+        if all(f == "pt2" for f, _ in targets):
+            _ = self.program  # raises, naming why
+        return [(f, p) for f, p in targets if f != "pt2"]
 
     def tensor(self, name: str, source: Checkpoint | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """One weight read from ``source`` (default: the input checkpoint), cast to ``dtype`` (default: its
@@ -106,7 +133,7 @@ class StreamedConversion:
             progress("writing safetensors", done[0], total)
 
         plan = {"config": self.data.get("config"), "dtypes": {k: str(v) for k, v in self.dtypes.items()},
-                "plan": self.pipeline.plan}  # fmt: skip
+                "plan": self.pipeline.plan if self.pipeline is not None else []}  # fmt: skip
         return write_safetensors_dir(self.checkpoint, Path(out_dir), self.dtypes, plan, step)
 
     def save_pt2(self, dest: str | Path, progress: Progress = _no_progress) -> Path:
@@ -157,6 +184,7 @@ class StreamedConversion:
         # token_agreement / ppl_delta criteria: the written directory is also checked on generation (as the CLI)
         make = _GENERATION_CHECK[0] if _GENERATION_CHECK else None
         generation = make(self.checkpoint.path, self.tolerance, precision) if verify and make is not None else None
+        targets = self.writable(targets)
         if any(f == "safetensors" for f, _ in targets):
             self.check_loadable()
         if generation is not None and not any(f == "safetensors" for f, _ in targets):
@@ -253,8 +281,20 @@ class StreamedConversion:
         Returns:
             The ``verification`` section (also stored in :attr:`report`).
         """
+        vocab = int(self.checkpoint.config.get("vocab_size", 2))
+        precision = self.data["config"]["precision"]
+        if self.untraced is not None:  # no program to walk: the written directory through from_pretrained
+            from amplite.checkpoint.untraced import real_inputs, verify_through_loader
+
+            start = perf_counter()
+            real = inputs if inputs is not None and not _on_meta(inputs) else real_inputs(self.example, vocab)
+            section = verify_through_loader(self.checkpoint, self.keys, Path(converted_dir), real,
+                                            tolerance or DEFAULT_TOLERANCES[precision])  # fmt: skip
+            self.report.attach(self.report.section(Timings).add(verify=perf_counter() - start))
+            self.report.attach(Verification(section))
+            return section
         if inputs is None or _on_meta(inputs):
-            inputs = random_inputs(self.pipeline.original, int(self.checkpoint.config.get("vocab_size", 2)))
+            inputs = random_inputs(self.pipeline.original, vocab)
         converted_dir = Path(converted_dir)
         if converted_dir.is_dir():  # read as from_pretrained reads it: each weight in the dtype the loader gives it
             written = open_checkpoint(converted_dir)
@@ -266,11 +306,13 @@ class StreamedConversion:
         else:  # a .pt2: its weights are read back from the archive, one at a time
             reader = Pt2Weights(converted_dir)
             load_converted = reader.tensor
-        precision = self.data["config"]["precision"]
+        original = self.pipeline.original  # the reference reads each tensor in its traced dtype (a bf16 buffer stays)
+        traced = {n: t.dtype for n, t in [*original.state_dict.items(), *original.constants.items()]
+                  if isinstance(t, torch.Tensor)}  # fmt: skip
         start = perf_counter()
         section = verify_blockwise(
             self.pipeline.original, self.program, inputs,
-            lambda n: self.tensor(n, dtype=torch.float32), load_converted,
+            lambda n: self.tensor(n, dtype=traced.get(n, torch.float32)), load_converted,
             tolerance or DEFAULT_TOLERANCES[precision],
             max_memory=max_memory_gb * 2**30 if max_memory_gb is not None else None, progress=progress,
         )  # fmt: skip

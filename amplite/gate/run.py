@@ -132,15 +132,23 @@ def _guard_files(model: Any, s: CheckSettings, calibration: Any) -> Path | None:
 def _check_checkpoint(model: str | Path, example: Any, s: CheckSettings, out_dir: Path | None,
                       opts: ConvertOptions) -> CheckResult:  # fmt: skip
     """``check DIR`` for a transformers checkpoint directory: streamed conversion and block-wise verification."""
-    from amplite.checkpoint.check import check_checkpoint
+    from amplite.checkpoint.check import check_checkpoint, check_converted_dir
+    from amplite.errors import ConfigError
     from amplite.llm.checkpoint import generation_check
 
-    s.refuse_for("a checkpoint directory", {"converted": "--converted", "golden": "--golden", "baseline": "--baseline",
+    s.refuse_for("a checkpoint directory", {"golden": "--golden", "baseline": "--baseline",
                  "data": "--data", "data_loader": "--data-loader", "random_batches": "--random-batches",
                  "grad": "--grad"}, "check it with --input/--inputs and --tolerance")  # fmt: skip
     # token_agreement / ppl_delta criteria: the written directory is also checked on generation
     generation = generation_check(model, s.tolerance, opts.precision_name)
-    conv, reasons = check_checkpoint(model, example, tolerance=s.tolerance, check_more=generation, options=opts)
+    if s.converted is not None:  # an existing converted directory against its source, as from_pretrained loads it
+        if not isinstance(s.converted, (str, Path)):
+            raise ConfigError("--converted for a checkpoint directory is the converted directory",
+                              "pass the path `amplite convert DIR` wrote")  # fmt: skip
+        conv, reasons = check_converted_dir(model, s.converted, example, tolerance=s.tolerance, check_more=generation,
+                                            options=opts)  # fmt: skip
+    else:
+        conv, reasons = check_checkpoint(model, example, tolerance=s.tolerance, check_more=generation, options=opts)
     return finish(conv.report.copy(), reasons, [], s.name or Path(model).name, out_dir, s.junit)
 
 
