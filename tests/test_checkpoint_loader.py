@@ -337,3 +337,32 @@ def test_check_converted_refuses_what_is_not_a_converted_directory(ckpt: Path, w
     assert proc.exit_code == 2 and name in proc.stderr, proc.stderr
     proc = cli("check", ckpt, "--converted", tmp_path / "nothing-here")
     assert proc.exit_code == 2 and "not a checkpoint directory" in proc.stderr, proc.stderr
+
+
+# --- item 7: the generation gate on sliding-window models --------------------------------------------------------
+
+
+def _mistral(path: Path, window: int) -> Path:
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                     sliding_window=window)  # fmt: skip
+    transformers.MistralForCausalLM(cfg).save_pretrained(path, max_shard_size="20KB")
+    return path
+
+
+def test_the_generation_check_is_sized_to_a_sliding_window(tmp_path: Path) -> None:
+    """Window 16, prompts of 8: 7 steps (prompt + steps inside the window, where sliding attention is full
+    attention) and 15 perplexity tokens per row; it used to crash (exit 3) once the sequence passed the window."""
+    src = _mistral(tmp_path / "m", 16)
+    saved = convert_to_files(src, output=tmp_path / "out", precision="bf16", tolerance=["token_agreement>=0.5"])
+    llm = saved.result.report.data["llm"]
+    assert saved.exit_code == 0 and llm["steps"] == 7 and llm["ppl_tokens"] == 2 * 15, llm
+    assert llm["token_agreement"] >= 0.5
+
+
+def test_a_window_shorter_than_the_prompts_is_refused_before_converting(tmp_path: Path, cli: Cli) -> None:
+    src = _mistral(tmp_path / "m", 4)
+    proc = cli("convert", src, "-o", tmp_path / "out", "--tolerance", "token_agreement>=0.5")
+    assert proc.exit_code == 2 and "sliding window" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.report.json").exists()
