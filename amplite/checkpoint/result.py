@@ -7,7 +7,6 @@ weights, its plan, where each weight comes from) and what it does: write the out
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from torch.export import ExportedProgram
 
 from amplite.checkpoint.blockwise import verify_blockwise
 from amplite.checkpoint.keys import KeyMap
+from amplite.checkpoint.loader import check_loadable, loader_dtypes
 from amplite.checkpoint.source import PREFIX, Checkpoint, load_tensor, open_checkpoint
 from amplite.checkpoint.write import Pt2Weights, cast_tensor, write_pt2, write_safetensors_dir
 from amplite.converter.pipeline import PipelineOutput
@@ -208,30 +208,9 @@ class StreamedConversion:
         return written[0]
 
     def check_loadable(self) -> None:
-        """Refuse a safetensors output that ``from_pretrained`` would load broken (before anything is written).
-
-        The output's ``config.json`` names one dtype and transformers casts every stored tensor to it (bar the
-        modules the class keeps FP32): a weight kept wide because fp16 cannot hold it (``range:weight-overflow``)
-        would load as ``inf``.
-
-        Raises:
-            ConfigError: Such a weight, naming it and the outputs that keep it.
-        """
-        from amplite.checkpoint.write import output_config
-
-        over = {r["module"].removeprefix(PREFIX): r["reason"] for r in self.data.get("weight_rules", [])
-                if "overflow" in r["reason"]}  # fmt: skip
-        if not over:
-            return
-        loaded = loader_dtypes(self.keys.model, output_config(self.checkpoint, self.dtypes))
-        for shard_name, target in self.keys.shard_targets().items():
-            module = target.rsplit(".", 1)[0]
-            want = loaded(target)
-            if module in over and want is not None and want.itemsize < self.dtypes[shard_name].itemsize:
-                raise ConfigError(f"{shard_name} ({over[module].removeprefix('range:weight-overflow ')}) is beyond "
-                                  f"float16's range: from_pretrained would load it as {str(want)[6:]} (inf) from a "
-                                  "safetensors output, whose config.json names one dtype",
-                                  "use --precision bf16, or write only the .pt2 (--format pt2: FP32 in it)")
+        """Refuse a safetensors output that ``from_pretrained`` would load broken, before anything is written
+        (:func:`amplite.checkpoint.loader.check_loadable`)."""
+        check_loadable(self.checkpoint, self.keys, self.dtypes, self.data.get("weight_rules", []))
 
     def module(self) -> Any:
         """Not available: a streamed checkpoint's weights are never materialised in memory.
@@ -319,31 +298,6 @@ class StreamedConversion:
         self.report.attach(self.report.section(Timings).add(verify=perf_counter() - start))
         self.report.attach(Verification(section))  # verify_blockwise builds the block-wise section
         return section
-
-
-def loader_dtypes(lm: Any, config: Mapping[str, Any]) -> Callable[[str], torch.dtype | None]:
-    """Model tensor name -> the dtype ``from_pretrained(DIR)`` gives it (None: the stored one).
-
-    transformers builds the model in the dtype ``config.json`` names and casts every stored floating tensor to
-    its parameter's dtype, except the modules the model class keeps in FP32 (``_keep_in_fp32_modules`` at
-    fp16, ``_keep_in_fp32_modules_strict`` at fp16 and bf16: its ``_get_dtype_plan``). A wider tensor stored in
-    a float16 directory is therefore loaded as float16, whatever amplite's plan said.
-    """
-    name = config.get("dtype", config.get("torch_dtype"))
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        return lambda n: None
-    get_plan = getattr(lm, "_get_dtype_plan", None)
-    plan = dict(get_plan(dtype)) if callable(get_plan) else {}
-    params = {n for n, _ in lm.named_parameters(remove_duplicate=False)} if hasattr(lm, "named_parameters") else set()
-    keep = [re.compile(rf"(^|\.){re.escape(k)}(\.|$)") for k, v in plan.items() if v == torch.float32]
-
-    def of(n: str) -> torch.dtype | None:
-        if params and n not in params:
-            return None  # a buffer the model computes, not a stored parameter
-        return torch.float32 if any(k.search(n) for k in keep) else dtype
-
-    return of
 
 
 def _on_meta(inputs: Any) -> bool:
