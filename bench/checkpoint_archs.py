@@ -237,6 +237,10 @@ def table(rows: list[dict[str, Any]]) -> str:
     if unbuilt:
         lines += ["", f"Not swept ({len(unbuilt)} registry families that do not build from a tiny config here): "
                   + "; ".join(f"{r['arch']} ({r['error'].replace('|', '/')[:90]})" for r in unbuilt) + "."]  # fmt: skip
+    missing = [n for n in all_names() if n not in {r["arch"] for r in rows}]
+    if missing:
+        lines += ["", f"Not run yet ({len(missing)} registry families: the sweep was stopped before them): "
+                  + ", ".join(missing) + "."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
