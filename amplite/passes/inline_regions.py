@@ -6,7 +6,8 @@
 one graph, so those ops stayed FP32 while the parent fed them low-precision tensors (a dtype mismatch at
 run time). In an inference program neither region changes what its ops compute (no gradient is taken, and
 the traced ops already carry their dtypes), so :class:`InlineRegions` copies their nodes into the parent
-graph, where every pass sees them.
+graph, where every pass sees them; the outputs of a no-grad region are detached, so that a train-mode graph
+still takes no gradient through it.
 
 Control flow (``cond``, ``map``, ``scan``, ``while_loop``) cannot be inlined. Its sub-graphs run exactly as
 traced: each floating operand is cast to the dtype the sub-graph's placeholder was traced with, so that a
@@ -87,6 +88,8 @@ class InlineRegions:
                     continue
                 env[sn] = gm.graph.node_copy(sn, lambda n: env[n])
         outs = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+        if region.target is getattr(_HOP, "wrap_with_set_grad_enabled", None) and region.args[0] is False:
+            outs = [_detached(gm, region, o) for o in outs]  # no gradient leaves the region (a train-mode graph)
         for user in list(region.users):
             if user.op == "call_function" and user.target is operator.getitem:
                 user.replace_all_uses_with(outs[user.args[1]])
@@ -95,6 +98,16 @@ class InlineRegions:
             with gm.graph.inserting_before(region):
                 region.replace_all_uses_with(gm.graph.call_function(tuple, (outs,)))
         gm.graph.erase_node(region)
+
+
+def _detached(gm: torch.fx.GraphModule, region: torch.fx.Node, out: Any) -> Any:
+    """``detach(out)`` for a tensor output of a no-grad region: what ``torch.no_grad`` meant for gradients."""
+    if not (isinstance(out, torch.fx.Node) and isinstance(out.meta.get("val"), torch.Tensor)):
+        return out
+    with gm.graph.inserting_before(region):
+        node = gm.graph.call_function(torch.ops.aten.detach.default, (out,))
+    node.meta.update({k: v for k, v in out.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+    return node
 
 
 def _fresh(gm: torch.fx.GraphModule, base: str) -> str:
