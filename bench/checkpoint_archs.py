@@ -185,13 +185,17 @@ def run_one(name: str, precision: str, level: str, work: Path) -> dict[str, Any]
     except Exception as exc:
         row.update(exit=3, error=f"{type(exc).__name__}: {exc}"[:200])
     row["seconds"] = round(time.perf_counter() - start, 1)
-    row["commit"] = _commit()
+    row["commit"] = COMMIT
     return row
 
 
 def _commit() -> str:
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
     return out.strip()
+
+
+#: The commit this process's code is from (read once: later commits do not change a running sweep's code).
+COMMIT = _commit()
 
 
 def outcome(row: dict[str, Any]) -> str:
