@@ -153,6 +153,8 @@ def test_a_weight_beyond_fp16_is_refused_for_a_safetensors_output(overflow: Path
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.report.json").exists()
     with pytest.raises(AmpliteError, match="beyond float16's range"):
         amplite.convert(overflow, precision="fp16").save(tmp_path / "lib")
+    proc = cli("check", overflow, "--precision", "fp16")  # the gate checks the same output: refused alike
+    assert proc.exit_code == 2 and "beyond float16's range" in proc.stderr, proc.stderr
     proc = cli("convert", overflow, "--precision", "fp16", "-o", tmp_path / "m.pt2")  # the .pt2 keeps it FP32
     assert proc.exit_code == 0, proc.stdout + proc.stderr
 

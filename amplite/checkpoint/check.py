@@ -35,6 +35,7 @@ def check_checkpoint(
     precision = conv.data["config"]["precision"]
     tol = parse_tolerance(list(tolerance or ()), precision) if not hasattr(tolerance, "criteria") else tolerance
     real = example_inputs if example_inputs is not None and not _on_meta(example_inputs) else None
+    conv.check_loadable()  # what is checked is the safetensors output: one from_pretrained would break is refused
     with tempfile.TemporaryDirectory(prefix=".amplite-check.") as tmp:
         out = conv.save_safetensors(Path(tmp) / "converted")
         section = conv.verify(out, real, tolerance=tol)
