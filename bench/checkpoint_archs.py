@@ -138,7 +138,7 @@ def from_pretrained_check(name: str, src: Path, out: Path, precision: str = "bf1
     if family(name) != "encoder" and family(name) != "encoder-decoder":
         try:
             with torch.no_grad():
-                ids = low.generate(args[0], max_new_tokens=4, do_sample=False, pad_token_id=0)
+                ids = low.generate(args[0], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
             row["generates"] = bool(ids.shape[1] == args[0].shape[1] + 4)
         except Exception as exc:
             row["generates"] = False

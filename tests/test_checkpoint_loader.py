@@ -262,11 +262,12 @@ def test_a_config_with_transformers_special_floats_is_read_as_transformers_reads
     transformers.Mamba2ForCausalLM.from_pretrained(tmp_path / "out")
 
 
-@pytest.mark.parametrize("name", ["gpt_neo", "recurrent_gemma", "deepseek_v2"])
+@pytest.mark.parametrize("name", ["gpt_neo", "recurrent_gemma", "deepseek_v2", "hrm_text"])
 def test_families_that_were_refused_or_crashed_now_convert_and_load(name: str, tmp_path: Path) -> None:
     """GPT-Neo: a constant made on meta (no .pt2, the safetensors output converted and verified through
     from_pretrained); RecurrentGemma: a bf16 buffer the reference used to read as FP32 (exit 3); DeepSeek-V2:
-    complex rotary (view_as_complex/polar have no bfloat16 kernel: exit 3), now FP32."""
+    complex rotary (view_as_complex/polar have no bfloat16 kernel: exit 3), now FP32; HRM: a fused
+    ``gqkv_proj`` that transformers splits into q/k/v on load (a one-to-many converter: "no shard holds q_proj")."""
     from bench.checkpoint_archs import correct, run_one
 
     row = run_one(name, "bf16", "O2", tmp_path)

@@ -167,13 +167,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _check(ckpt: Checkpoint, kmap: KeyMap, expected: dict[str, torch.Tensor], non_persistent: set[str]) -> None:
     cfg = ckpt.path / "config.json"
     buffers = {n for n, b in expected.items() if not isinstance(b, nn.Parameter)}
-    for name, want in expected.items():
-        tied = name in kmap.tied and kmap.resolve(name) in kmap.sources
-        if name in non_persistent or tied or name in kmap.sources or name in buffers:
-            continue  # a buffer the model computes is initialised as from_pretrained initialises it
-        raise LoadError(f"the model {cfg} describes needs {name!r} {tuple(want.shape)}, which no shard holds (and "
-                        "the config does not tie it)", "add the tensor to the shards, or fix the config "
-                        "(tie_word_embeddings?)")  # fmt: skip
     for src in {id(s): s for s in kmap.sources.values()}.values():
         infos = [ckpt.tensors[k] for k, _ in src.keys]
         want = expected[src.target]
@@ -204,3 +197,10 @@ def _check(ckpt: Checkpoint, kmap: KeyMap, expected: dict[str, torch.Tensor], no
                                 f"model {tuple(expected[target].shape)}", "the shards and config.json do not "
                                 "belong together: regenerate one of them")  # fmt: skip
             kmap.sources.setdefault(target, src)
+    for name, want in expected.items():
+        tied = name in kmap.tied and kmap.resolve(name) in kmap.sources
+        if name in non_persistent or tied or name in kmap.sources or name in buffers:
+            continue  # a buffer the model computes is initialised as from_pretrained initialises it
+        raise LoadError(f"the model {cfg} describes needs {name!r} {tuple(want.shape)}, which no shard holds (and "
+                        "the config does not tie it)", "add the tensor to the shards, or fix the config "
+                        "(tie_word_embeddings?)")  # fmt: skip
