@@ -19,6 +19,7 @@ import torch
 
 from amplite.checkpoint.keys import KeyMap
 from amplite.checkpoint.source import PREFIX, Checkpoint, LogitsOnly
+from amplite.errors import ConfigError
 from amplite.policy import Level
 from amplite.verify.compare import Tolerance, compare
 
@@ -70,13 +71,37 @@ def _logits(cls: type, path: Path, dtype: Any, inputs: tuple[tuple, dict[str, An
     return out
 
 
+def _stored(path: Path) -> list[torch.Tensor]:
+    """One stored tensor per shard of a written directory (enough to read the low dtype it holds)."""
+    from amplite.checkpoint.source import iter_shard, open_checkpoint
+
+    out = []
+    for shard in open_checkpoint(path).shards:
+        for _, t in iter_shard(shard):
+            if t.dtype.is_floating_point:
+                out.append(t)
+                break
+    return out
+
+
 def verify_through_loader(ckpt: Checkpoint, keys: KeyMap, converted: Path, inputs: tuple[tuple, dict[str, Any]],
                           tolerance: Tolerance) -> dict[str, Any]:  # fmt: skip
     """The ``verification`` section: the written directory as ``from_pretrained(dtype="auto")`` loads it, against
     the source loaded in FP32, on ``inputs``."""
     cls = type(keys.model)
     reference = _logits(cls, ckpt.path, torch.float32, inputs)
-    got = _logits(cls, converted, "auto", inputs)
+    try:
+        got = _logits(cls, converted, "auto", inputs)
+    except Exception as exc:  # transformers' own forward at the low dtype, or amplite's output?
+        problem = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        low = next((t.dtype for t in _stored(converted) if t.dtype.itemsize == 2), torch.bfloat16)
+        try:
+            _logits(cls, ckpt.path, low, inputs)  # the naive cast of the source, as transformers loads it
+        except Exception:
+            raise ConfigError(f"transformers' {cls.__name__} does not run in {str(low)[6:]} (from_pretrained(OUT) and "
+                              f"from_pretrained(SRC, dtype={str(low)[6:]}) both fail: {problem})",
+                              "use the other --precision, or keep this model FP32") from None  # fmt: skip
+        raise
     metrics = compare(reference, got, tolerance)
     return {
         "passed": all(m.passed for m in metrics),
