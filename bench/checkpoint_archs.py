@@ -170,9 +170,10 @@ def run_one(name: str, precision: str, level: str, work: Path) -> dict[str, Any]
         try:
             make_checkpoint(name, src)
         except ValueError as exc:  # the registry family does not build from a tiny config: said, not dropped
-            return {**row, "exit": None, "builds": False, "error": str(exc)}
+            return {**row, "exit": None, "builds": False, "error": str(exc), "commit": COMMIT}
         except Exception as exc:  # transformers' own save_pretrained fails on the tiny config
-            return {**row, "exit": None, "builds": False, "error": f"save: {type(exc).__name__}: {exc}"[:200]}
+            return {**row, "exit": None, "builds": False, "error": f"save: {type(exc).__name__}: {exc}"[:200],
+                    "commit": COMMIT}  # fmt: skip
     out = work / f"{name}.{precision}.{level}"
     start = time.perf_counter()
     try:
@@ -231,11 +232,13 @@ def table(rows: list[dict[str, Any]]) -> str:
     families = sorted({r["arch"] for r in built})
     judged = [r for r in built if measured(r) or r.get("exit") != 0]
     good = sorted({r["arch"] for r in judged} - {r["arch"] for r in judged if not correct(r)})
-    bad = sorted({r["arch"] for r in judged if not correct(r)})
+    bad = sorted({r["arch"] for r in judged if not correct(r) and r.get("exit") == 0})
+    refused = sorted({r["arch"] for r in judged if r.get("exit") == 2})
     exit3 = sorted({r["arch"] for r in built if r.get("exit") == 3})
     older = sorted({r["arch"] for r in built} - {r["arch"] for r in judged})
     lines += ["", f"{len(families)} families build from a tiny config; {len(good)} are converted and correct in "
-              f"every configuration measured; not correct: {', '.join(bad) or 'none'}; exit 3 (internal error): "
+              f"every configuration measured; refused with their reason (exit 2): {', '.join(refused) or 'none'}; "
+              f"converted but not correct: {', '.join(bad) or 'none'}; exit 3 (internal error): "
               f"{', '.join(exit3) or 'none'}"
               + (f"; from an earlier run without the naive-cast and generation columns: {', '.join(older)}"
                  if older else "") + "."]  # fmt: skip
