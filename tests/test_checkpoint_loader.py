@@ -369,3 +369,13 @@ def test_a_window_shorter_than_the_prompts_is_refused_before_converting(tmp_path
     proc = cli("convert", src, "-o", tmp_path / "out", "--tolerance", "token_agreement>=0.5")
     assert proc.exit_code == 2 and "sliding window" in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.report.json").exists()
+
+
+def test_a_model_transformers_cannot_run_at_the_precision_is_refused_with_that_reason(tmp_path: Path) -> None:
+    """XLNet does not trace on meta (verified through from_pretrained) and transformers' own XLNet fails in
+    bfloat16 (the naive cast fails alike): exit 2 naming that, not exit 3, and nothing left behind."""
+    from bench.checkpoint_archs import run_one
+
+    row = run_one("xlnet", "bf16", "O2", tmp_path)
+    assert row["exit"] == 2 and "does not run in bfloat16" in row["error"], row
+    assert not (tmp_path / "xlnet.bf16.O2").exists() and not (tmp_path / "xlnet.bf16.O2.pt2").exists()
