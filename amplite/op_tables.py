@@ -153,6 +153,8 @@ FP32_OPS: dict[str, tuple[str, ...]] = {
         "erfinv.default",
         "softplus.default",
     ),
+    # Complex views (rotary embeddings as complex products): torch has no bfloat16 complex dtype.
+    "complex": ("view_as_complex.default", "polar.default", "complex.default"),
     # Interpolation weights are fractions; autocast keeps upsampling in FP32 too.
     "upsample": (
         "upsample_nearest1d.vec",

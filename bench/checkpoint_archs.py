@@ -66,17 +66,34 @@ ARCHS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
                   decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)),
 }
 CONFIGS = (("bf16", "O2"), ("fp16", "O1"))
+#: The registry's families: bf16 O2 only (the output that stores low precision; O1's safetensors output is the
+#: source unchanged), so that the whole registry runs in about an hour on a shared 2-core machine.
+REGISTRY_CONFIGS = (("bf16", "O2"),)
 #: One per family for CI (tests/test_checkpoint_archs.py); the rest run in the full sweep.
 CI_SUBSET = ("llama", "gpt2", "mixtral", "bert", "t5", "gemma2", "gpt_neox", "falcon")
 
 
+def family(name: str) -> str:
+    """decoder / moe / encoder / encoder-decoder for the hand-written configs, ``causal-lm`` for the registry's."""
+    return ARCHS[name][0] if name in ARCHS else "causal-lm"
+
+
 def make_checkpoint(name: str, path: Path, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
-    """Build ``name`` from its tiny config and save it sharded (3+ shards) at ``path``."""
+    """Build ``name`` from its tiny config and save it sharded (3+ shards) at ``path``.
+
+    ``name`` is a key of :data:`ARCHS` or a ``model_type`` of transformers' causal-LM registry
+    (``bench.tiny_causal``: raises ``ValueError`` with the reason when the family does not build tiny).
+    """
     import transformers
 
-    _, cfg_cls, model_cls, kwargs = ARCHS[name]
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**kwargs)).eval().to(dtype)
+    if name in ARCHS:
+        _, cfg_cls, model_cls, kwargs = ARCHS[name]
+        torch.manual_seed(seed)
+        model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**kwargs)).eval().to(dtype)
+    else:
+        from bench.tiny_causal import build
+
+        model = build(name, seed).to(dtype)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     model.save_pretrained(path, max_shard_size=f"{max(4, total // 3000)}KB")
     return path
@@ -84,7 +101,7 @@ def make_checkpoint(name: str, path: Path, dtype: torch.dtype = torch.float32, s
 
 def _inputs(name: str) -> tuple[tuple, dict[str, Any]]:
     ids = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(1))
-    return ((ids,), {"decoder_input_ids": ids[:, :5].clone()}) if ARCHS[name][0] == "encoder-decoder" else ((ids,), {})
+    return ((ids,), {"decoder_input_ids": ids[:, :5].clone()}) if family(name) == "encoder-decoder" else ((ids,), {})
 
 
 def _sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
@@ -92,21 +109,54 @@ def _sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
     return round(float(10 * torch.log10(ref.float().pow(2).sum() / err.clamp_min(1e-30))), 1)
 
 
-def from_pretrained_check(name: str, src: Path, out: Path) -> dict[str, Any]:
-    """Load the converted safetensors directory with ``from_pretrained`` and compare it with the source."""
+def _class(name: str) -> type:
     import transformers
 
-    cls = getattr(transformers, ARCHS[name][2])
+    from bench.tiny_causal import registry
+
+    return getattr(transformers, ARCHS[name][2] if name in ARCHS else registry()[name])
+
+
+def from_pretrained_check(name: str, src: Path, out: Path, precision: str = "bf16") -> dict[str, Any]:
+    """Load the converted safetensors directory with ``from_pretrained`` (``dtype="auto"``: as its config.json
+    says) and compare it with the FP32 source, beside the naive cast ``from_pretrained(src, dtype=low)``;
+    a causal LM also generates 4 greedy tokens from the converted directory."""
+    cls = _class(name)
     ref = cls.from_pretrained(src).eval()
-    low, info = cls.from_pretrained(out, output_loading_info=True)
+    low, info = cls.from_pretrained(out, dtype="auto", output_loading_info=True)
+    naive = cls.from_pretrained(src, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[precision]).eval()
     missing = [k for k in info["missing_keys"] if k not in ref.all_tied_weights_keys]
     args, kwargs = _inputs(name)
     with torch.no_grad():
         expected = ref(*args, **kwargs, return_dict=False)[0]
         got = low.eval()(*args, **kwargs, return_dict=False)[0]
-    dtypes = sorted({str(p.dtype)[6:] for p in low.parameters()})
-    return {"loads": not missing and not info["unexpected_keys"] and not info["mismatched_keys"],
-            "missing": missing[:3], "sqnr_db": _sqnr(expected, got), "dtypes": dtypes}  # fmt: skip
+        cast = naive(*args, **kwargs, return_dict=False)[0]
+    row: dict[str, Any] = {"loads": not missing and not info["unexpected_keys"] and not info["mismatched_keys"],
+                           "missing": missing[:3], "sqnr_db": _sqnr(expected, got),
+                           "naive_sqnr_db": _sqnr(expected, cast),
+                           "dtypes": sorted({str(p.dtype)[6:] for p in low.parameters()})}  # fmt: skip
+    if family(name) != "encoder" and family(name) != "encoder-decoder":
+        try:
+            with torch.no_grad():
+                ids = low.generate(args[0], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+            row["generates"] = bool(ids.shape[1] == args[0].shape[1] + 4)
+        except Exception as exc:
+            row["generates"] = False
+            row["generate_error"] = f"{type(exc).__name__}: {exc}"[:160]
+    return row
+
+
+def correct(row: dict[str, Any]) -> bool:
+    """Converted and correct: exit 0, loads with from_pretrained, generates (causal LMs), logits as the naive cast
+    or better (within 1 dB, or both above 100 dB: unchanged weights)."""
+    fp = row.get("from_pretrained") or {}
+    same = fp.get("sqnr_db", -1e9) >= min(fp.get("naive_sqnr_db", 1e9) - 1.0, 100.0)
+    return row.get("exit") == 0 and bool(fp.get("loads")) and fp.get("generates", True) and same
+
+
+def measured(row: dict[str, Any]) -> bool:
+    """Whether the row has the naive-cast comparison (rows of runs before it was added do not)."""
+    return "naive_sqnr_db" in (row.get("from_pretrained") or {})
 
 
 def run_one(name: str, precision: str, level: str, work: Path) -> dict[str, Any]:
@@ -115,10 +165,16 @@ def run_one(name: str, precision: str, level: str, work: Path) -> dict[str, Any]
     from amplite.save import convert_to_files
 
     src = work / name
+    row: dict[str, Any] = {"arch": name, "family": family(name), "precision": precision, "level": level}
     if not src.exists():
-        make_checkpoint(name, src)
+        try:
+            make_checkpoint(name, src)
+        except ValueError as exc:  # the registry family does not build from a tiny config: said, not dropped
+            return {**row, "exit": None, "builds": False, "error": str(exc), "commit": COMMIT}
+        except Exception as exc:  # transformers' own save_pretrained fails on the tiny config
+            return {**row, "exit": None, "builds": False, "error": f"save: {type(exc).__name__}: {exc}"[:200],
+                    "commit": COMMIT}  # fmt: skip
     out = work / f"{name}.{precision}.{level}"
-    row: dict[str, Any] = {"arch": name, "family": ARCHS[name][0], "precision": precision, "level": level}
     start = time.perf_counter()
     try:
         saved = convert_to_files(src, _inputs(name), output=out, formats="safetensors,pt2", precision=precision,
@@ -126,56 +182,170 @@ def run_one(name: str, precision: str, level: str, work: Path) -> dict[str, Any]
         data = saved.result.report.data
         row.update(exit=saved.exit_code, sqnr_db=round(min(o["sqnr_db"] for o in data["verification"]["outputs"]), 1),
                    ratio=data["weights"]["ratio"], warnings=data.get("warnings", []))  # fmt: skip
-        row["from_pretrained"] = from_pretrained_check(name, src, out)
+        row["from_pretrained"] = from_pretrained_check(name, src, out, precision)
     except AmpliteError as exc:
         row.update(exit=exc.exit_code, error=str(exc).splitlines()[0][:200])
     except Exception as exc:
         row.update(exit=3, error=f"{type(exc).__name__}: {exc}"[:200])
     row["seconds"] = round(time.perf_counter() - start, 1)
+    row["commit"] = COMMIT
     return row
 
 
+def _commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    return out.strip()
+
+
+#: The commit this process's code is from (read once: later commits do not change a running sweep's code).
+COMMIT = _commit()
+
+
+def outcome(row: dict[str, Any]) -> str:
+    """One line: correct, or what went wrong (the refusal's reason, the loader's or generation's failure)."""
+    fp = row.get("from_pretrained")
+    if row.get("exit") != 0:
+        return f"refused (exit {row.get('exit')}): " + row.get("error", "").split(";")[0].replace("|", "/")
+    if not fp:
+        return "not loaded"
+    if not fp["loads"]:
+        return f"from_pretrained misses {fp['missing']}"
+    if not measured(row):
+        return f"loads (run at {row.get('commit', 'c35d2fe')}: naive cast and generation not measured)"
+    if not fp.get("generates", True):
+        return "does not generate: " + fp.get("generate_error", "").replace("|", "/")
+    return "correct" if correct(row) else f"worse than the naive cast ({fp['sqnr_db']} < {fp['naive_sqnr_db']} dB)"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    """The docs/models.md table."""
-    lines = ["| architecture | family | config | exit | SQNR (dB) | weights after/before "
-             "| from_pretrained (SQNR dB, dtypes) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in rows:
-        fp = r.get("from_pretrained")
-        if fp:
-            dts = "/".join(fp["dtypes"])
-            fp_text = f"loads, {fp['sqnr_db']} dB, {dts}" if fp["loads"] else f"missing {fp['missing']}"
-        else:
-            fp_text = "refused: " + r.get("error", "").split(";")[0].replace("|", "/")
-        sqnr = r.get("sqnr_db", "–")
-        lines.append(f"| {r['arch']} | {r['family']} | {r['precision']} {r['level']} | {r['exit']} | {sqnr} | "
-                     f"{r.get('ratio', '–')} | {fp_text} |")  # fmt: skip
+    """The docs/models.md table (families that build), then the families that do not build tiny."""
+    lines = ["| architecture | family | config | exit | block-wise SQNR (dB) | weights after/before "
+             "| from_pretrained SQNR (dB), dtypes | naive cast SQNR (dB) | outcome |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    built = [r for r in rows if r.get("builds", True)]
+    for r in built:
+        fp = r.get("from_pretrained") or {}
+        fp_text = f"{fp['sqnr_db']}, {'/'.join(fp['dtypes'])}" if fp else "–"
+        lines.append(f"| {r['arch']} | {r['family']} | {r['precision']} {r['level']} | {r['exit']} | "
+                     f"{r.get('sqnr_db', '–')} | {r.get('ratio', '–')} | {fp_text} | {fp.get('naive_sqnr_db', '–')} | "
+                     f"{outcome(r)} |")  # fmt: skip
+    families = sorted({r["arch"] for r in built})
+    judged = [r for r in built if measured(r) or r.get("exit") != 0]
+    good = sorted({r["arch"] for r in judged} - {r["arch"] for r in judged if not correct(r)})
+    bad = sorted({r["arch"] for r in judged if not correct(r) and r.get("exit") == 0})
+    refused = sorted({r["arch"] for r in judged if r.get("exit") == 2})
+    exit3 = sorted({r["arch"] for r in built if r.get("exit") == 3})
+    older = sorted({r["arch"] for r in built} - {r["arch"] for r in judged})
+    lines += ["", f"{len(families)} families build from a tiny config; {len(good)} are converted and correct in "
+              f"every configuration measured; refused with their reason (exit 2): {', '.join(refused) or 'none'}; "
+              f"converted but not correct: {', '.join(bad) or 'none'}; exit 3 (internal error): "
+              f"{', '.join(exit3) or 'none'}"
+              + (f"; from an earlier run without the naive-cast and generation columns: {', '.join(older)}"
+                 if older else "") + "."]  # fmt: skip
+    unbuilt = [r for r in rows if not r.get("builds", True)]
+    if unbuilt:
+        lines += ["", f"Not swept ({len(unbuilt)} registry families that do not build from a tiny config here): "
+                  + "; ".join(f"{r['arch']} ({r['error'].replace('|', '/')[:90]})" for r in unbuilt) + "."]  # fmt: skip
+    missing = [n for n in all_names() if n not in {r["arch"] for r in rows}]
+    if missing:
+        lines += ["", f"Not run yet ({len(missing)} registry families: the sweep was stopped before them): "
+                  + ", ".join(missing) + "."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
-def main(names: list[str]) -> int:
-    """Run the sweep; with no names, write the results file and the docs table."""
-    rows = []
+#: Registry families that failed before (issue 44), swept first.
+FIRST = ("recurrent_gemma", "mamba2", "gpt_neo", "granitemoe", "phimoe", "rwkv", "deepseek_v32", "axk2",
+         "dots3_note_text", "cohere2", "gemma3_text", "ministral", "qwen3_next")  # fmt: skip
+
+
+def all_names() -> list[str]:
+    """The hand-written configs, then every family of transformers' causal-LM registry."""
+    from bench.tiny_causal import registry
+
+    return list(dict.fromkeys([*ARCHS, *(n for n in FIRST if n in registry()), *registry()]))
+
+
+def _timed(name: str, precision: str, level: str, work: Path, limit: int = 420) -> dict[str, Any]:
+    import signal
+
+    def stop(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"over {limit} s")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(limit)
+    try:
+        return run_one(name, precision, level, work)
+    except TimeoutError as exc:
+        return {"arch": name, "family": family(name), "precision": precision, "level": level, "exit": None,
+                "error": f"bench timeout: {exc}"}  # fmt: skip
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def main(argv: list[str]) -> int:
+    """Run the sweep. No names: every family, results file and docs table written (after each row for the file);
+    ``--update NAME...`` (or ``--update --registry``): re-run those and merge them into both; names alone: printed
+    only."""
+    if argv[:1] == ["--merge"]:  # rows printed by runs over parts of the list (parallel processes), merged
+        logs = [json.loads(line) for log in argv[1:] for line in Path(log).read_text().splitlines()
+                if line.startswith("{")]  # fmt: skip
+        return write_results(_merge(_load_results(), logs))
+    update = "--update" in argv
+    names = [a for a in argv if a not in ("--update", "--registry")]
+    if "--registry" in argv:  # the registry's families that have no hand-written config
+        names += [n for n in all_names() if n not in ARCHS]
+    results = ROOT / "bench" / "results-checkpoint-archs.json"
+    old = json.loads(results.read_text()) if update and results.exists() else []
+    rows: list[dict[str, Any]] = []
+    write = update or not names
     with tempfile.TemporaryDirectory() as tmp:
-        for name in names or list(ARCHS):
-            for precision, level in CONFIGS:
-                rows.append(run_one(name, precision, level, Path(tmp)))
+        for name in names or all_names():
+            for precision, level in CONFIGS if name in ARCHS else REGISTRY_CONFIGS:
+                rows.append(_timed(name, precision, level, Path(tmp)))
                 print(json.dumps(rows[-1]), flush=True)
+                if not rows[-1].get("builds", True):
+                    break
+            if write:
+                results.write_text(json.dumps(_merge(old, rows), indent=1) + "\n")
+    rows = _merge(old, rows)
+    if write:
+        return write_results(rows)
+    print(table(rows))
+    return 0 if all(correct(r) for r in rows if r.get("builds", True) and measured(r)) else 1
+
+
+def _load_results() -> list[dict[str, Any]]:
+    path = ROOT / "bench" / "results-checkpoint-archs.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def write_results(rows: list[dict[str, Any]]) -> int:
+    """bench/results-checkpoint-archs.json and the docs/models.md table (each row names the commit it ran at)."""
     import torch as _torch
     import transformers as _tf
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
-    text = (f"From the run of {time.strftime('%Y-%m-%d')} at commit `{commit.strip()}` (torch {_torch.__version__}, "
-            f"transformers {_tf.__version__}), CPU.\n\n" + table(rows))
+    (ROOT / "bench" / "results-checkpoint-archs.json").write_text(json.dumps(rows, indent=1) + "\n")
+    commits = sorted({r.get("commit", "c35d2fe") for r in rows})
+    text = (f"From the runs up to {time.strftime('%Y-%m-%d')} at commits {', '.join(f'`{c}`' for c in commits)} "
+            f"(torch {_torch.__version__}, transformers {_tf.__version__}), CPU; each row's commit is in "
+            "bench/results-checkpoint-archs.json.\n\n" + table(rows))  # fmt: skip
     print(text)
-    if not names:
-        (ROOT / "bench" / "results-checkpoint-archs.json").write_text(json.dumps(rows, indent=1) + "\n")
-        doc = ROOT / "docs" / "models.md"
-        start, end = "<!-- checkpoint-archs:start -->", "<!-- checkpoint-archs:end -->"
-        body = doc.read_text()
-        if start in body:
-            body = body[: body.index(start) + len(start)] + "\n" + text + body[body.index(end):]
-            doc.write_text(body)
-    return 0 if all(r["exit"] == 0 and (r.get("from_pretrained") or {}).get("loads") for r in rows) else 1
+    doc = ROOT / "docs" / "models.md"
+    start, end = "<!-- checkpoint-archs:start -->", "<!-- checkpoint-archs:end -->"
+    body = doc.read_text()
+    if start in body:
+        body = body[: body.index(start) + len(start)] + "\n" + text + body[body.index(end):]
+        doc.write_text(body)
+    return 0 if all(correct(r) for r in rows if r.get("builds", True)) else 1
+
+
+def _merge(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``old`` with the rows of ``new`` replacing those of the same architecture (order of ``all_names``)."""
+    fresh = {r["arch"] for r in new}
+    rows = [r for r in old if r["arch"] not in fresh] + new
+    order = {n: i for i, n in enumerate(all_names())}
+    return sorted(rows, key=lambda r: (order.get(r["arch"], len(order)), r.get("precision", ""), r.get("level", "")))
 
 
 if __name__ == "__main__":

@@ -83,6 +83,9 @@ class _Streaming(torch.fx.Interpreter):
         self._last = _block_outputs(gm)
 
     def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+        attr = self.fetch_attr(str(target))
+        if isinstance(attr, torch.nn.Module):  # a higher-order op's sub-graph (submod_N, true_graph_0): no weight
+            return attr
         return self.loader(str(target))
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:

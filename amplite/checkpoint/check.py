@@ -1,4 +1,4 @@
-"""``amplite check DIR``: the accuracy gate for a checkpoint directory.
+"""``amplite check DIR`` (and ``check DIR --converted OUT``): the accuracy gate for a checkpoint directory.
 
 The checkpoint is converted as ``amplite convert DIR`` would, written to a temporary directory (so the
 converted weights are read back from files, as a user gets them), verified block by block on the given
@@ -14,7 +14,7 @@ from typing import Any
 
 from amplite.checkpoint.convert import StreamedConversion, _on_meta, convert_checkpoint
 from amplite.checkpoint.fp8 import READ_BACK, Fp8Reader, tolerance_precision
-from amplite.checkpoint.source import open_checkpoint
+from amplite.checkpoint.source import is_checkpoint_dir, open_checkpoint
 from amplite.errors import ConfigError
 from amplite.options import ConvertOptions
 from amplite.report.document import Report
@@ -30,35 +30,78 @@ def check_checkpoint(
     """Convert, write to a temporary directory, verify block by block; the conversion and failure reasons.
 
     The conversion options are those of ``amplite.convert(DIR)`` (any other one given is refused).
-    ``converted``: a directory already written by ``amplite convert DIR`` (e.g. an FP8 one, read back with its
-    scales) is verified instead of a fresh conversion; its precision is the one it records unless given.
+    ``converted``: a directory already written (by ``amplite convert DIR``, then perhaps copied, edited or
+    uploaded) is checked against its source instead of a fresh conversion (:func:`check_converted_dir`).
     ``check_more(report, written directory)`` then runs on the written directory (the generation check)
     and returns its failure reasons.
     """
     opts = ConvertOptions.of(options, **changes)
     if converted is not None:
-        if not isinstance(converted, (str, Path)) or not Path(converted).is_dir():
-            raise ConfigError(f"--converted {converted!s:.80} is not a directory: for a checkpoint directory it is the "
-                              "directory `amplite convert DIR` wrote", "pass that directory, or drop --converted")
-        written = open_checkpoint(converted)  # refuses what is not a checkpoint directory
-        if opts.precision is None and "quantization_config" in written.config:
-            opts = ConvertOptions.of(opts, precision=Fp8Reader(written).precision)
+        return check_converted_dir(path, converted, example_inputs, tolerance=tolerance, check_more=check_more,
+                                   options=opts)  # fmt: skip
     conv = convert_checkpoint(path, example_inputs, options=opts)
-    precision = tolerance_precision(conv.data["config"]["precision"])
-    tol = parse_tolerance(list(tolerance or ()), precision) if not hasattr(tolerance, "criteria") else tolerance
+    tol = _tolerance(tolerance, conv)
     real = example_inputs if example_inputs is not None and not _on_meta(example_inputs) else None
+    conv.check_loadable()  # what is checked is the safetensors output: one from_pretrained would break is refused
     with tempfile.TemporaryDirectory(prefix=".amplite-check.") as tmp:
-        out = conv.save_safetensors(Path(tmp) / "converted") if converted is None else Path(converted)
+        out = conv.save_safetensors(Path(tmp) / "converted")
         section = conv.verify(out, real, tolerance=tol)
-        if converted is not None and conv.fp8 is not None:  # describe the directory checked, not a fresh plan
-            described = conv.report.section(Fp8Checkpoint)
-            scheme = Fp8Reader(open_checkpoint(out)).scheme
-            conv.report.attach(Fp8Checkpoint({**described.to_json(), "activation_scheme": scheme,
-                                              "calibration": None, "verified_as": READ_BACK[scheme]}))  # fmt: skip
         more = check_more(conv.report, out) if check_more is not None else []
+    return conv, _reasons(section) + more
+
+
+def check_converted_dir(
+    path: str | Path, converted: str | Path, example_inputs: Any = None, *, tolerance: Any = None,
+    check_more: Callable[[Report, Path], list[str]] | None = None, options: ConvertOptions | None = None,
+) -> tuple[StreamedConversion, list[str]]:
+    """``check SRC --converted OUT``: an existing converted directory (copied, edited, uploaded) against its
+    source, as ``from_pretrained`` loads it: block by block (the source's plan, OUT's weights in the dtypes the
+    loader gives them; an FP8 directory read back with its scales) and, with ``check_more``, on generation.
+    Nothing is written.
+
+    The precision is OUT's (``config.json``'s dtype, or FP8 for a ``quantization_config`` amplite wrote) unless
+    one is given.
+
+    Raises:
+        ConfigError: OUT is not a checkpoint directory, or lacks a tensor the source's model reads.
+    """
+    if not isinstance(converted, (str, Path)) or not is_checkpoint_dir(Path(converted)):
+        raise ConfigError(f"--converted {converted!s:.80} is not a checkpoint directory (config.json + "
+                          "*.safetensors)", "pass the directory `amplite convert SRC` wrote")  # fmt: skip
+    out = Path(converted)
+    written = open_checkpoint(out)
+    opts = ConvertOptions.of(options)
+    if opts.precision is None:
+        fp8 = Fp8Reader(written).precision if "quantization_config" in written.config else None
+        stored = fp8 or {"bfloat16": "bf16", "float16": "fp16"}.get(str(written.config.get("dtype", "")))
+        if stored is not None:
+            opts = ConvertOptions.of(opts, precision=stored)
+    conv = convert_checkpoint(path, example_inputs, options=opts)
+    missing = [n for n in conv.keys.shard_targets() if n not in written.tensors]
+    if missing:
+        raise ConfigError(f"{out} has no tensor {missing[0]!r}, which {path} holds and its model reads",
+                          "check OUT against the checkpoint it was converted from")  # fmt: skip
+    tol = _tolerance(tolerance, conv)
+    real = example_inputs if example_inputs is not None and not _on_meta(example_inputs) else None
+    section = conv.verify(out, real, tolerance=tol)
+    if conv.fp8 is not None:  # describe the directory checked, not a fresh plan
+        described = conv.report.section(Fp8Checkpoint)
+        scheme = Fp8Reader(written).scheme
+        conv.report.attach(Fp8Checkpoint({**described.to_json(), "activation_scheme": scheme,
+                                          "calibration": None, "verified_as": READ_BACK[scheme]}))  # fmt: skip
+    more = check_more(conv.report, out) if check_more is not None else []
+    return conv, _reasons(section) + more
+
+
+def _tolerance(tolerance: Any, conv: StreamedConversion) -> Any:
+    precision = tolerance_precision(conv.data["config"]["precision"])
+    return parse_tolerance(list(tolerance or ()), precision) if not hasattr(tolerance, "criteria") else tolerance
+
+
+def _reasons(section: dict[str, Any]) -> list[str]:
     reasons = []
     for o in section["outputs"]:
         if not o["passed"]:
             failed = [f"{c['criterion']} (got {c['value']})" for c in o.get("checks", []) if not c["passed"]]
             reasons.append(f"{o['name']}: " + "; ".join(failed + list(o.get("notes", []))))
-    return conv, reasons + more
+    return reasons

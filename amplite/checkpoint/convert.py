@@ -32,9 +32,10 @@ from amplite.checkpoint.source import (
     load_tensor,
     open_checkpoint,
 )
+from amplite.checkpoint.untraced import planned_dtypes
 from amplite.converter.graph_stats import graph_stats
-from amplite.converter.pipeline import run_pipeline
-from amplite.errors import ConfigError
+from amplite.converter.pipeline import PipelineOutput, run_pipeline
+from amplite.errors import ExportError
 from amplite.levels import LEVEL_ENV, resolve_level
 from amplite.options import ConvertOptions
 from amplite.passes.range_guard import RangeRules, weight_reason
@@ -119,38 +120,51 @@ def convert_checkpoint(
     pins = make_overrides([f"module:{m.removeprefix(PREFIX)}" for m in flagged], source="checkpoint")
     policy = PrecisionPolicy(precision, lvl, (*make_overrides(keep_fp32, force_low), *pins), low_precision_io,
                              module_prefix=PREFIX)  # fmt: skip
-    out = run_pipeline(model, inputs, policy, fold_batchnorm=False)
-    timings.update(out.timings)
-    _check_constants(out.converted, keys, buffers)
-    if plan is not None and batches is not None:
+    untraced: str | None = None
+    try:
+        out: PipelineOutput | None = run_pipeline(model, inputs, policy, fold_batchnorm=False)
+        timings.update(out.timings)
+        _check_constants(out.converted, keys, buffers)
+        dtypes = {name: t.dtype for name, t in [*out.converted.state_dict.items(), *out.converted.constants.items()]
+                  if isinstance(t, torch.Tensor)}  # fmt: skip
+    except ExportError as exc:  # the safetensors output needs no trace (amplite.checkpoint.untraced)
+        if plan is not None:  # FP8's static scales and its checks run the traced program
+            raise
+        out, untraced = None, exc.problem
+        dtypes = planned_dtypes(keys, policy.low_dtype, lvl, flagged)
+    if plan is not None and batches is not None and out is not None:
         start = perf_counter()
         plan = calibrate(plan, out.original, lambda n: _fp32_tensor(ckpt, keys, buffers, n), batches)
         timings["fp8_calibration"] = perf_counter() - start
-    dtypes = {name: t.dtype for name, t in [*out.converted.state_dict.items(), *out.converted.constants.items()]
-              if isinstance(t, torch.Tensor)}  # fmt: skip
     dtypes.update(storage_dtypes(ckpt, keys, dtypes))
     if plan is not None:
         dtypes.update(dict.fromkeys(plan.linears, torch.float8_e4m3fn))
     after = sum(math.prod(i.shape) * dtypes[n].itemsize for n, i in ckpt.tensors.items())
     applied = bool(flagged or use_rules)
+    warnings = storage_warnings(ckpt, keys, dtypes, lvl)
+    if untraced is not None:
+        warnings.append(f"no .pt2 and no block-wise check: {untraced}; the safetensors output is converted from the "
+                        "weights alone (every floating weight stored low at O2) and verified through from_pretrained")
+    empty = torch.fx.Graph()
     report = build_report(
         source=Source.of(ckpt.path, "checkpoint", shards=len(ckpt.shards)),
         config={"precision": "fp8" if plan is not None else precision, "level": lvl.value, "keep_fp32": list(keep_fp32),
                 "force_low": list(force_low), "low_precision_io": low_precision_io,
                 "range_rules": vars(RangeRules()) if applied else None,
                 **({"range_rules_scope": "weights only (streamed statistics)"} if applied else {})},
-        records=out.records,
-        plan=out.plan,
-        stats_before=graph_stats(out.original.graph, policy.low_dtype),
-        stats_after=graph_stats(out.converted.graph, policy.low_dtype),
+        records=out.records if out is not None else [],
+        plan=out.plan if out is not None else [],
+        stats_before=graph_stats(out.original.graph if out is not None else empty, policy.low_dtype),
+        stats_after=graph_stats(out.converted.graph if out is not None else empty, policy.low_dtype),
         weights=(ckpt.total_bytes, after),
         metrics=None,
         tolerance=None,
         timings=timings,
-        warnings=storage_warnings(ckpt, keys, dtypes, lvl),
+        warnings=warnings,
         extra=(WeightRules.of(flagged), *([fp8_section(plan, ckpt)] if plan is not None else [])),
     )  # fmt: skip
-    return StreamedConversion(ckpt, out, dtypes, buffers, keys, report, fp8=plan)
+    return StreamedConversion(ckpt, out, dtypes, buffers, keys, report, opts.verification().tolerance,  # type: ignore[arg-type]
+                              untraced=untraced, example=inputs, fp8=plan)  # fmt: skip
 
 
 def _fp32_tensor(ckpt: Checkpoint, keys: KeyMap, buffers: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -170,14 +184,15 @@ def _check_constants(program: ExportedProgram, keys: KeyMap, buffers: dict[str, 
     5.25) has lost its values.
 
     Raises:
-        ConfigError: Such a constant (the conversion would write a program with made-up values).
+        ExportError: Such a constant (the program would have made-up values; the safetensors output, which
+            needs no program, is still converted: ``amplite.checkpoint.untraced``).
     """
     for name in [*program.state_dict, *program.constants]:
         bare = name.removeprefix(PREFIX)
         if bare not in keys.sources and bare not in keys.tied and name not in buffers:
-            raise ConfigError(f"tracing {type(keys.model).__name__} on the meta device creates a constant tensor "
-                              f"({name}) whose values only exist at run time; amplite cannot stream this "
-                              "architecture yet", "convert the loaded model in memory: amplite.convert(model, "
+            raise ExportError(f"tracing {type(keys.model).__name__} on the meta device creates a constant tensor "
+                              f"({name}) whose values only exist at run time",
+                              "convert the loaded model in memory for a program: amplite.convert(model, "
                               "example_inputs)")  # fmt: skip
 
 
@@ -195,7 +210,8 @@ def storage_dtypes(ckpt: Checkpoint, keys: KeyMap, planned: dict[str, torch.dtyp
     targets = keys.shard_targets()
     out = {}
     for name, info in ckpt.tensors.items():
-        want = planned.get(PREFIX + targets[name], info.dtype) if name in targets else info.dtype
+        model = targets.get(name, keys.twins.get(name))  # a stored tied twin is stored as what it is tied to
+        want = planned.get(PREFIX + model, info.dtype) if model is not None else info.dtype
         floating = info.dtype.is_floating_point and want.is_floating_point
         out[name] = want if floating and want.itemsize <= info.dtype.itemsize else info.dtype
     return out
@@ -208,7 +224,8 @@ def storage_warnings(ckpt: Checkpoint, keys: KeyMap, dtypes: dict[str, torch.dty
     low = {torch.float16, torch.bfloat16}
     floats = {n: i for n, i in ckpt.tensors.items() if i.dtype.is_floating_point}
     changed = [n for n, i in floats.items() if dtypes[n] != i.dtype]
-    if floats and not changed:
+    wider = [n for n, i in floats.items() if i.dtype.itemsize > 2]  # a bf16/fp16 source is already low precision
+    if wider and not changed:
         why = "O1 keeps FP32 master weights" if level == Level.O1 else f"{level.value} keeps these weights' dtypes"
         warnings.append(f"the safetensors output stores every weight in its source dtype ({why}); the mixed-"
                         "precision plan is in the .pt2 (--format pt2), or use --level O2 to store low precision")

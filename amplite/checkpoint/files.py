@@ -79,7 +79,10 @@ def checkpoint_to_files(
         raise ConfigError("token_agreement/ppl_delta are measured on the safetensors output, and none is written",
                           "add it: --format safetensors,pt2 (or -o DIR)")  # fmt: skip
     conv = convert_checkpoint(src, example_inputs, options=opts, progress=progress)
-    if verify and verify_max_memory is not None:  # refused before anything is written
+    targets = conv.writable(targets)  # no program (untraced): no .pt2, said in the report
+    if any(f == "safetensors" for f, _ in targets):
+        conv.check_loadable()
+    if verify and verify_max_memory is not None and conv.untraced is None:  # refused before anything is written
         check_verify_memory(conv, verify_max_memory)
     written: list[Path] = []
     previous = _sigterm_raises()

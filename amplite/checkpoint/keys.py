@@ -46,12 +46,14 @@ class KeyMap:
         tied: Model name -> the model name whose values it shares (``lm_head.weight`` -> embeddings).
         unused: Shard tensors the model does not read (a tied twin stored anyway, stale keys).
         model: The meta model (transformers' converters may read its config).
+        twins: Shard tensor -> the model tensor it is tied to (stored anyway, equal to it: stored alike).
     """
 
     sources: dict[str, Source]
     tied: dict[str, str]
     unused: list[str]
     model: nn.Module
+    twins: dict[str, str] = field(default_factory=dict)
 
     def resolve(self, name: str) -> str:
         """The model name whose values ``name`` has (follows ties)."""
@@ -120,11 +122,42 @@ def map_keys(ckpt: Checkpoint, lm: nn.Module) -> KeyMap:
         if target in sources and origin not in sources:
             tied[origin] = target
             del tied[target]
-    for target in list(tied):
-        sources.pop(target, None)  # a tied twin stored anyway is not read (transformers ties over it)
-    kmap = KeyMap(sources, tied, unused, lm)
+    twins: dict[str, str] = {}
+    for target, origin in list(tied.items()):
+        if target in sources and origin in sources and not _equal_twins(ckpt, sources[target], sources[origin]):
+            del tied[target]  # both stored and different: transformers unties them and loads each
+            _untie(lm, target)
+            continue
+        for key, _ in sources.pop(target, Source(target)).keys:  # a tied twin stored anyway: transformers ties
+            twins[key] = origin  # over it (the values are equal), so it is not read
+    kmap = KeyMap(sources, tied, unused, lm, twins)
     _check(ckpt, kmap, expected, non_persistent)
     return kmap
+
+
+def _equal_twins(ckpt: Checkpoint, a: Source, b: Source) -> bool:
+    """Whether two stored tensors of a tie hold the same values (transformers' ``tie_weights`` in
+    ``from_pretrained`` ties them only then; a converted tensor is compared as a tie, never read here)."""
+    from amplite.checkpoint.source import load_tensor
+
+    if a.converter is not None or b.converter is not None or len(a.keys) != 1 or len(b.keys) != 1:
+        return True
+    x, y = (load_tensor(ckpt.tensors[s.keys[0][0]]) for s in (a, b))
+    if x.shape != y.shape:
+        return False
+    wide = torch.promote_types(x.dtype, y.dtype)
+    return torch.equal(x.to(wide), y.to(wide))
+
+
+def _untie(lm: nn.Module, target: str) -> None:
+    """Give ``target`` its own (meta) parameter, as ``from_pretrained`` leaves an untied pair."""
+    owner, _, attr = target.rpartition(".")
+    module = lm.get_submodule(owner)
+    old = getattr(module, attr)
+    setattr(module, attr, nn.Parameter(torch.empty_like(old, device="meta"), requires_grad=old.requires_grad))
+    keys = getattr(lm, "all_tied_weights_keys", None)
+    if isinstance(keys, dict):
+        keys.pop(target, None)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -134,13 +167,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _check(ckpt: Checkpoint, kmap: KeyMap, expected: dict[str, torch.Tensor], non_persistent: set[str]) -> None:
     cfg = ckpt.path / "config.json"
     buffers = {n for n, b in expected.items() if not isinstance(b, nn.Parameter)}
-    for name, want in expected.items():
-        tied = name in kmap.tied and kmap.resolve(name) in kmap.sources
-        if name in non_persistent or tied or name in kmap.sources or name in buffers:
-            continue  # a buffer the model computes is initialised as from_pretrained initialises it
-        raise LoadError(f"the model {cfg} describes needs {name!r} {tuple(want.shape)}, which no shard holds (and "
-                        "the config does not tie it)", "add the tensor to the shards, or fix the config "
-                        "(tie_word_embeddings?)")  # fmt: skip
     for src in {id(s): s for s in kmap.sources.values()}.values():
         infos = [ckpt.tensors[k] for k, _ in src.keys]
         want = expected[src.target]
@@ -171,3 +197,10 @@ def _check(ckpt: Checkpoint, kmap: KeyMap, expected: dict[str, torch.Tensor], no
                                 f"model {tuple(expected[target].shape)}", "the shards and config.json do not "
                                 "belong together: regenerate one of them")  # fmt: skip
             kmap.sources.setdefault(target, src)
+    for name, want in expected.items():
+        tied = name in kmap.tied and kmap.resolve(name) in kmap.sources
+        if name in non_persistent or tied or name in kmap.sources or name in buffers:
+            continue  # a buffer the model computes is initialised as from_pretrained initialises it
+        raise LoadError(f"the model {cfg} describes needs {name!r} {tuple(want.shape)}, which no shard holds (and "
+                        "the config does not tie it)", "add the tensor to the shards, or fix the config "
+                        "(tie_word_embeddings?)")  # fmt: skip

@@ -71,6 +71,12 @@ def check_config(ckpt: Checkpoint) -> None:
     if "auto_map" in cfg or any(isinstance(v, dict) and "auto_map" in v for v in cfg.values()):
         raise _fail(ckpt, "auto_map names custom model code shipped with the checkpoint; amplite never runs it",
                     "convert a model transformers implements (drop auto_map only if it is one)")  # fmt: skip
+    quantized = [k for k, v in (("", cfg), *cfg.items()) if isinstance(v, dict) and v.get("quantization_config")]
+    if quantized:  # its weights are packed for a quantizer: casting them would write another model
+        where = f"{quantized[0]}." if quantized[0] else ""
+        raise _fail(ckpt, f"{where}quantization_config: a pre-quantized checkpoint (transformers' quantizer loads "
+                    "it); amplite converts floating-point checkpoints only",
+                    "convert the unquantized (FP32/bf16/fp16) checkpoint instead")  # fmt: skip
     if not isinstance(cfg.get("model_type"), str):
         raise _fail(ckpt, "no model_type", "save the config with transformers (save_pretrained)")
     held = 1 + max((int(i) for n in ckpt.tensors for i in _INDEX.findall(n)), default=0)
@@ -122,13 +128,14 @@ def resolve_class(ckpt: Checkpoint, config: Any) -> type:
 
 
 def build_config(ckpt: Checkpoint) -> Any:
-    """transformers' config object for ``config.json`` (its own config classes only)."""
+    """transformers' config object for ``config.json``, read by transformers' own loader (its config classes only:
+    ``auto_map`` and unknown types are refused first)."""
     transformers = _transformers()
     check_config(ckpt)
     if ckpt.config["model_type"] not in transformers.CONFIG_MAPPING:
         raise _fail(ckpt, f"unknown model_type {ckpt.config['model_type']!r}", "check model_type in config.json")
-    try:
-        return transformers.AutoConfig.for_model(**ckpt.config)
+    try:  # transformers' own reader (it decodes the {"__float__": "Infinity"} its writer stores, for one)
+        return transformers.AutoConfig.from_pretrained(str(ckpt.path), local_files_only=True, trust_remote_code=False)
     except Exception as exc:
         raise _fail(ckpt, f"transformers cannot read it: {type(exc).__name__}: {exc}",
                     "check model_type and the sizes in config.json") from None  # fmt: skip

@@ -20,6 +20,7 @@ from torch.export import ExportedProgram
 from amplite.checkpoint.blockwise import verify_blockwise
 from amplite.checkpoint.fp8 import Fp8Plan, Fp8Reader, linear_weight, tolerance_precision
 from amplite.checkpoint.keys import KeyMap
+from amplite.checkpoint.loader import check_loadable, loader_dtypes
 from amplite.checkpoint.source import PREFIX, Checkpoint, load_tensor, open_checkpoint
 from amplite.checkpoint.write import Pt2Weights, cast_tensor, write_pt2, write_safetensors_dir
 from amplite.converter.pipeline import PipelineOutput
@@ -35,6 +36,18 @@ def _no_progress(step: str, done: int, total: int) -> None:
     return None
 
 
+#: ``(source directory, tolerance, precision) -> check or None``: the generation check a tolerance's
+#: ``token_agreement``/``ppl_delta`` criteria ask for, registered by ``amplite.llm.checkpoint`` (a layer above,
+#: imported with ``amplite``), so that :meth:`StreamedConversion.save` gates as ``amplite convert DIR`` does.
+GenerationCheckFactory = Callable[[Path, Any, str], "Callable[[Report, Path], list[str]] | None"]
+_GENERATION_CHECK: list[GenerationCheckFactory] = []
+
+
+def register_generation_check(factory: GenerationCheckFactory) -> None:
+    """Install the factory of the generation check (``amplite.llm.checkpoint.generation_check``)."""
+    _GENERATION_CHECK[:] = [factory]
+
+
 @dataclass
 class StreamedConversion:
     """A converted checkpoint: the program (meta weights), its plan and where each weight comes from.
@@ -47,6 +60,11 @@ class StreamedConversion:
         keys: Which shard tensors make each model tensor (transformers' own mapping).
         report: The report (``report.data`` is report.json), built by :func:`~amplite.checkpoint.convert.
             convert_checkpoint` from the same section builders as a module's.
+        tolerance: The tolerance of the options (``save`` verifies by it; None: the precision's default).
+        untraced: Why the model has no program (it does not trace on meta), None when it has one: then
+            ``pipeline`` is None, there is no ``.pt2`` and verification runs through ``from_pretrained``
+            (``amplite.checkpoint.untraced``).
+        example: The (meta) example inputs the model was traced with.
         fp8: For ``precision="fp8"``: which weights are stored FP8, the activation scheme and scales.
     """
 
@@ -56,6 +74,9 @@ class StreamedConversion:
     buffers: dict[str, torch.Tensor]
     keys: KeyMap
     report: Report = field(default_factory=Report)
+    tolerance: Tolerance | None = None
+    untraced: str | None = None
+    example: Any = None
     fp8: Fp8Plan | None = None
 
     @property
@@ -70,8 +91,28 @@ class StreamedConversion:
 
     @property
     def program(self) -> ExportedProgram:
-        """The converted program (weights on the meta device: save it to get them)."""
+        """The converted program (weights on the meta device: save it to get them).
+
+        Raises:
+            ConfigError: The model did not trace on meta (:attr:`untraced`): no program.
+        """
+        if self.untraced is not None:
+            raise ConfigError(f"no .pt2 for this checkpoint: {self.untraced}",
+                              "use the safetensors output (a directory), which is converted and verified")  # fmt: skip
         return self.pipeline.converted
+
+    def writable(self, targets: list[tuple[str, Path]]) -> list[tuple[str, Path]]:
+        """The outputs this conversion can write: without a program the ``.pt2`` is left out (and said in the
+        report's warnings); asked for alone, it is refused.
+
+        Raises:
+            ConfigError: Only a ``.pt2`` was asked for, and there is no program.
+        """
+        if self.untraced is None or all(f != "pt2" for f, _ in targets):
+            return targets
+        if all(f == "pt2" for f, _ in targets):
+            _ = self.program  # raises, naming why
+        return [(f, p) for f, p in targets if f != "pt2"]
 
     def tensor(
         self, name: str, source: Checkpoint | None = None, dtype: torch.dtype | None = None,
@@ -100,7 +141,7 @@ class StreamedConversion:
             progress("writing safetensors", done[0], total)
 
         plan = {"config": self.data.get("config"), "dtypes": {k: str(v) for k, v in self.dtypes.items()},
-                "plan": self.pipeline.plan}  # fmt: skip
+                "plan": self.pipeline.plan if self.pipeline is not None else []}  # fmt: skip
         if self.fp8 is not None:
             plan = {**plan, "fp8": {"activation_scheme": self.fp8.scheme, "fp8_linears": sorted(self.fp8.linears),
                                     "input_amax": self.fp8.input_amax or None}}  # fmt: skip
@@ -158,6 +199,15 @@ class StreamedConversion:
         precision = str(self.data.get("config", {}).get("precision", "fp16"))
         targets = plan_checkpoint_outputs(self.checkpoint.path, path, format, precision, level)
         check_outputs(targets)
+        # token_agreement / ppl_delta criteria: the written directory is also checked on generation (as the CLI)
+        make = _GENERATION_CHECK[0] if _GENERATION_CHECK else None
+        generation = make(self.checkpoint.path, self.tolerance, precision) if verify and make is not None else None
+        targets = self.writable(targets)
+        if any(f == "safetensors" for f, _ in targets):
+            self.check_loadable()
+        if generation is not None and not any(f == "safetensors" for f, _ in targets):
+            raise ConfigError("token_agreement/ppl_delta are measured on the safetensors output, and none is written",
+                              "add it: format='safetensors,pt2' (or a directory path)")  # fmt: skip
         written: list[Path] = []
         try:
             write_outputs(self, targets, progress, written)
@@ -169,8 +219,16 @@ class StreamedConversion:
         # earlier saves stay listed, as for a module's result
         self.report.attach((self.report.section(Outputs) or Outputs.of([])).with_entries(*fresh))
         if verify:
-            self.verify(next((p for f, p in targets if f == "safetensors"), targets[0][1]), inputs, progress=progress)
+            weights = next((p for f, p in targets if f == "safetensors"), targets[0][1])
+            self.verify(weights, inputs, tolerance=self.tolerance, progress=progress)
+            if generation is not None:
+                generation(self.report, weights)
         return written[0]
+
+    def check_loadable(self) -> None:
+        """Refuse a safetensors output that ``from_pretrained`` would load broken, before anything is written
+        (:func:`amplite.checkpoint.loader.check_loadable`)."""
+        check_loadable(self.checkpoint, self.keys, self.dtypes, self.data.get("weight_rules", []))
 
     def module(self) -> Any:
         """Not available: a streamed checkpoint's weights are never materialised in memory.
@@ -220,25 +278,44 @@ class StreamedConversion:
         Returns:
             The ``verification`` section (also stored in :attr:`report`).
         """
+        vocab = int(self.checkpoint.config.get("vocab_size", 2))
+        precision = self.data["config"]["precision"]
+        if self.untraced is not None:  # no program to walk: the written directory through from_pretrained
+            from amplite.checkpoint.untraced import real_inputs, verify_through_loader
+
+            start = perf_counter()
+            real = inputs if inputs is not None and not _on_meta(inputs) else real_inputs(self.example, vocab)
+            tol = tolerance or DEFAULT_TOLERANCES[tolerance_precision(precision)]
+            section = verify_through_loader(self.checkpoint, self.keys, Path(converted_dir), real, tol)
+            self.report.attach(self.report.section(Timings).add(verify=perf_counter() - start))
+            self.report.attach(Verification(section))
+            return section
         if inputs is None or _on_meta(inputs):
-            inputs = random_inputs(self.pipeline.original, int(self.checkpoint.config.get("vocab_size", 2)))
+            inputs = random_inputs(self.pipeline.original, vocab)
         converted_dir = Path(converted_dir)
         hook = None
         if converted_dir.is_dir():
             written = open_checkpoint(converted_dir)
-            load_converted = lambda n: self.tensor(n, source=written)  # noqa: E731
             if "quantization_config" in written.config:  # FP8: dequantized weights, quantized linear inputs
-                reader = Fp8Reader(written)
-                load_converted = lambda n: self.tensor(n, load=reader.tensor)  # noqa: E731
-                hook = self._fp8_inputs(reader)
+                fp8_reader = Fp8Reader(written)
+                load_converted = lambda n: self.tensor(n, load=fp8_reader.tensor)  # noqa: E731
+                hook = self._fp8_inputs(fp8_reader)
+            else:  # read as from_pretrained reads it: each weight in the dtype the loader gives it
+                loaded = loader_dtypes(self.keys.model, written.config)
+
+                def load_converted(n: str) -> torch.Tensor:
+                    t = self.tensor(n, source=written, dtype=loaded(n.removeprefix(PREFIX)))
+                    return cast_tensor(t, self.dtypes.get(n, t.dtype))  # then what the program computes in
         else:  # a .pt2: its weights are read back from the archive, one at a time
             reader = Pt2Weights(converted_dir)
             load_converted = reader.tensor
-        precision = self.data["config"]["precision"]
+        original = self.pipeline.original  # the reference reads each tensor in its traced dtype (a bf16 buffer stays)
+        traced = {n: t.dtype for n, t in [*original.state_dict.items(), *original.constants.items()]
+                  if isinstance(t, torch.Tensor)}  # fmt: skip
         start = perf_counter()
         section = verify_blockwise(
             self.pipeline.original, self.program, inputs,
-            lambda n: self.tensor(n, dtype=torch.float32), load_converted,
+            lambda n: self.tensor(n, dtype=traced.get(n, torch.float32)), load_converted,
             tolerance or DEFAULT_TOLERANCES[tolerance_precision(precision)],
             max_memory=max_memory_gb * 2**30 if max_memory_gb is not None else None, progress=progress,
             converted_hook=hook,

@@ -187,10 +187,12 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             if tname == "__metadata__":
                 continue
             other = ckpt.tensors.get(tname)
-            if other is not None or weight_map.get(tname, name) != name:
-                first = other.shard.name if other is not None else weight_map[tname]
-                raise LoadError(f"tensor {tname!r} is in {name} and in {first}",
+            if other is not None:
+                raise LoadError(f"tensor {tname!r} is in {name} and in {other.shard.name}",
                                 "the shards disagree: regenerate the checkpoint (one copy of each tensor)")  # fmt: skip
+            if weight_map.get(tname, name) != name:  # from_pretrained reads it from the shard the index names
+                raise LoadError(f"the index names {weight_map[tname]} for tensor {tname!r}, but {name} holds it",
+                                "the index and the shards do not belong together: regenerate the index")  # fmt: skip
             start, end = meta["data_offsets"]
             shape = meta.get("shape")
             if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):

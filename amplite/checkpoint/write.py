@@ -181,6 +181,8 @@ def copy_side_files(src: Path, dest: Path) -> list[str]:
         elif extra.name.lower().endswith(_WEIGHT_SUFFIXES) or ".safetensors" in extra.name:
             if extra.suffix != ".safetensors":
                 skipped.append(f"{extra.name} (weights in another format)")
+        elif extra.name.lower().removesuffix(".index.json").endswith(_WEIGHT_SUFFIXES):
+            skipped.append(f"{extra.name} (the index of weights that are not copied)")
         else:
             shutil.copyfile(extra, dest / extra.name)
     return skipped

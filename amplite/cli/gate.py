@@ -31,7 +31,8 @@ from amplite.options import ConvertOptions
 @conversion_options
 def check(
     model: ModelArg,
-    converted: Annotated[Path | None, typer.Option("--converted", help="Check this converted .pt2.")] = None,
+    converted: Annotated[Path | None, typer.Option(
+        "--converted", help="Check this converted .pt2 (for a checkpoint directory: its converted directory).")] = None,
     golden: Annotated[Path | None, typer.Option("--golden", help="Golden directory (inputs + FP32 outputs).")] = None,
     update_golden: UpdateOpt = False,
     baseline: Annotated[Path | None, typer.Option("--baseline", help="Accepted earlier report.json.")] = None,

@@ -39,6 +39,7 @@ from amplite.passes.fold_batchnorm import FOLDED_PREFIX, FoldBatchNorm
 from amplite.passes.fp8_matmul import Fp8Matmul
 from amplite.passes.graph_utils import module_path, retype, source_line
 from amplite.passes.guard_constants import GuardConstants, SaturateFills
+from amplite.passes.inline_regions import InlineRegions, has_regions
 from amplite.passes.insert_casts import InsertCasts
 from amplite.passes.meta import PRECISION_KEY
 from amplite.passes.range_guard import RangeGuard, RangeRules
@@ -106,7 +107,11 @@ def build_passes(
 
 
 def strip_export_checks(gm: torch.fx.GraphModule) -> None:
-    """Remove the input guards and dtype asserts export recorded; re-export recreates valid ones."""
+    """Remove the input guards and dtype asserts export recorded, in the sub-graphs of higher-order ops too;
+    re-export recreates valid ones."""
+    for sub in gm.modules():
+        if isinstance(sub, torch.fx.GraphModule) and sub is not gm:
+            _strip_asserts(sub)
     for node in list(gm.graph.nodes):
         if (node.op == "call_module" and node.target == "_guards_fn") or (
             node.op == "call_function" and node.target in _EXPORT_CHECKS
@@ -115,6 +120,12 @@ def strip_export_checks(gm: torch.fx.GraphModule) -> None:
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
     _rename_lifted_constants(gm)
+    gm.recompile()
+
+
+def _strip_asserts(gm: torch.fx.GraphModule) -> None:
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _EXPORT_CHECKS]:
+        gm.graph.erase_node(node)
     gm.recompile()
 
 
@@ -192,15 +203,18 @@ def rewrite(
     gm = original.module()
     # calibration batches in the program's calling convention (named inputs onto positional parameters)
     batches = [inputs] if calibration is None else [bind_to_program(gm, b) for b in calibration]
+    records: list[PassRecord] = []
+    if has_regions(gm):  # grad-mode/autocast regions: their ops join the graph; control flow stays exact
+        gm, records = PassManager([InlineRegions()])(gm)
     strip_export_checks(gm)
     if policy.low_precision_io:
         for node in gm.graph.nodes:
             val = node.meta.get("val")
             if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dtype == torch.float32:
                 node.meta["val"] = retype(val, policy.low_dtype)
-    records: list[PassRecord] = []
     if fold_batchnorm:  # before calibration: folding changes the conv outputs the ranges describe
-        gm, records = PassManager([FoldBatchNorm()])(gm)
+        gm, folded = PassManager([FoldBatchNorm()])(gm)
+        records += folded
     static_fp8 = policy.fp8 == "static"  # activation scales from calibrated ranges, whatever the low dtype
     if range_rules is None and not static_fp8:
         ranges = None

@@ -142,6 +142,7 @@ def _check_checkpoint(model: str | Path, example: Any, s: CheckSettings, out_dir
     # token_agreement / ppl_delta criteria: the written directory is also checked on generation
     plain, fp8 = split_fp8(opts)  # an FP8 checkpoint's outputs are bf16: judged by bf16's defaults
     generation = generation_check(model, s.tolerance, "bf16" if fp8 is not None else plain.precision_name)
+    # with --converted: an existing converted directory against its source, as from_pretrained loads it
     conv, reasons = check_checkpoint(model, example, tolerance=s.tolerance, check_more=generation, options=opts,
                                      converted=s.converted)  # fmt: skip
     return finish(conv.report.copy(), reasons, [], s.name or Path(model).name, out_dir, s.junit)

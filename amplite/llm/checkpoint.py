@@ -23,6 +23,7 @@ import torch
 
 from amplite.checkpoint.convert import peak_rss_bytes
 from amplite.checkpoint.fp8_model import Activations, is_fp8_dir, load_fp8_model
+from amplite.checkpoint.result import register_generation_check
 from amplite.errors import ConfigError
 from amplite.llm.generate import Runner, prepare
 from amplite.llm.metrics import (
@@ -119,6 +120,9 @@ def generation_check(
     return GenerationCheck(Path(source), criteria, **kwargs)
 
 
+register_generation_check(generation_check)  # amplite.convert(DIR, tolerance=[...]).save(OUT) gates as the CLI
+
+
 def _check_causal(source: Path, criterion: Criterion) -> None:
     """The checkpoint's class must be a transformers causal LM (what ``AutoModelForCausalLM`` loads it as)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
@@ -132,6 +136,33 @@ def _check_causal(source: Path, criterion: Criterion) -> None:
         what = archs[0] if archs else repr(model_type)
         raise ConfigError(f"{criterion} needs a causal LM, but {source} holds a {what} (no LM head to generate with)",
                           "drop the token_agreement/ppl_delta criteria (sqnr etc. still apply)")  # fmt: skip
+    _check_window(source, config, criterion)
+
+
+def sliding_window(config: dict[str, Any]) -> int | None:
+    """The smallest attention window a config (or its text config) sets, None when attention is full.
+
+    The check's steps keep the cache as one growing tensor (as the ``.pt2`` step program does), while
+    transformers keeps only the last ``window - 1`` tokens of a sliding layer: the check is sized to stay inside
+    the window (prompt + steps, and the perplexity tokens, at most ``window - 1``), where both agree.
+    """
+    found = []
+    for section in (config, config.get("text_config") or {}):
+        for key in ("sliding_window", "attention_window", "window_size"):
+            value = section.get(key) if isinstance(section, dict) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                found.append(value)
+    return min(found) if found else None
+
+
+def _check_window(source: Path, config: dict[str, Any], criterion: Criterion, prompt_len: int = 8) -> None:
+    """Refuse, before converting, a window too short for the default prompts plus one step."""
+    window = sliding_window(config)
+    if window is not None and window - 1 - prompt_len < 1:
+        raise ConfigError(f"{criterion} generates past the sliding window of {source} ({window} tokens): the "
+                          f"default prompts are {prompt_len} tokens", "drop the token_agreement/ppl_delta criteria "
+                          "for this model, or check it with amplite.llm.checkpoint.verify_checkpoint(..., "
+                          "prompts=shorter)")  # fmt: skip
 
 
 def _load(path: Path, dtype: torch.dtype | str) -> torch.nn.Module:
@@ -186,6 +217,14 @@ def verify_checkpoint(
     ids, mask = (prompts, attention_mask) if prompts is not None else default_prompts(vocab)
     ids, mask = prepare(ids, mask)
     evals = default_eval_ids(vocab) if eval_ids is None else prepare(eval_ids, None)[0]
+    window = sliding_window(reference.config.to_dict())
+    if window is not None:  # sized to the window: within it, sliding attention is full attention
+        steps = min(steps, window - 1 - ids.shape[1])
+        evals = evals[:, : window - 1]
+        if steps < 1:
+            raise ConfigError(f"the generation check needs prompts of {ids.shape[1]} tokens plus one step inside the "
+                              f"model's sliding window of {window}", "pass shorter prompts, or drop the "
+                              "token_agreement/ppl_delta criteria")  # fmt: skip
     with amplite_attention(reference):
         step = LMStep(reference, torch.float32)
         ref = reference_run(Runner(step, step.shape, torch.float32), ids, mask, steps, evals)
