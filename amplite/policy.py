@@ -35,7 +35,7 @@ from amplite.decisions import (
     RuleSource,
     make_overrides,
 )
-from amplite.levels import Level, precision_dtype
+from amplite.levels import Level, precision_dtype, resolve_level
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,8 @@ class PrecisionPolicy:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", precision_dtype(self.precision))
+        # the rules compare levels by identity (``policy.level is Level.O2``): a level written as text is one too
+        object.__setattr__(self, "level", self.level if isinstance(self.level, Level) else resolve_level(self.level))
 
     @property
     def low_dtype(self) -> torch.dtype:

@@ -104,21 +104,24 @@ def test_checkpointing_saves_less_for_backward():
         model = _Net(mode, blocks=4)
         x = torch.randn(64, 32)
         net, opt = amplite.prepare_training(model, torch.optim.SGD(model.parameters(), lr=0.1), x, level="O2")
-        weights = {t.untyped_storage().data_ptr() for pair in opt.pairs for t in pair}
-        weights |= {p.untyped_storage().data_ptr() for p in model.parameters()}
         storages: dict[int, int] = {}
 
-        def pack(t: torch.Tensor, storages=storages, weights=weights) -> torch.Tensor:
-            if t.untyped_storage().data_ptr() not in weights:  # activations only: weights are kept either way
+        def pack(t: torch.Tensor, storages=storages, opt=opt, model=model) -> torch.Tensor:
+            # activations only: weights are kept either way (the O2 low copies are made at each forward, so
+            # they are read when the forward saves them)
+            weights = {w.untyped_storage().data_ptr() for pair in opt.pairs for w in pair if w is not None}
+            weights |= {p.untyped_storage().data_ptr() for p in model.parameters()}
+            if t.untyped_storage().data_ptr() not in weights:
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             net(x).sum().backward()
         saved[mode] = sum(storages.values())
-    # kept: the regions' bf16 inputs and the head's (measured 24 KiB of 198 KiB; 48 KiB while an FP32 copy of
-    # each input, cast outside the region, was kept as well); recomputed: the 64x128 activations in the blocks
-    assert 0 < saved["non-reentrant"] < 0.15 * saved[None], saved
+    # kept: the regions' inputs and the head's; recomputed: the 64x128 activations in the blocks. The region
+    # inputs are the residual stream, FP32 at O2 (the residual-stream rule, as under autocast): measured 36 KiB
+    # of 198 KiB (24 KiB when the stream was bf16)
+    assert 0 < saved["non-reentrant"] < 0.2 * saved[None], saved
 
 
 def test_fsdp_checkpoint_wrapper():

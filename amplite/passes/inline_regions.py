@@ -136,7 +136,6 @@ def _pin_operands(gm: torch.fx.GraphModule, node: torch.fx.Node) -> int:
         with gm.graph.inserting_before(node):
             cast = gm.graph.call_function(torch.ops.aten._to_copy.default, (arg,), {"dtype": val.dtype})
         cast.meta["val"] = val
-        cast.meta["amplite_pinned"] = True
         node.replace_input_with(arg, cast)
         count += 1
     return count
