@@ -6,8 +6,12 @@ For the small models of ``tests/zoo_models.py`` with the culprits' structure (Ef
 and a sigmoid SE gate; the same with hard-swish as RepViT/MobileNetV3; MobileViTv2's separable attention),
 random BatchNorm statistics, batch 8, 200 logits: the SQNR against FP32 of CPU ``torch.autocast`` on the
 model, of autocast on the same model with every conv+BatchNorm fused (``fuse_conv_bn_eval``), and of amplite
-O1 with and without BatchNorm folding — side by side, per seed and precision, in one run. If "autocast on
-fused" equals "O1 (folded)", the gap to autocast is the folding, not amplite's precision plan.
+O1 as it folds today (``affine after``: the user's conv low, the BatchNorm's ``y·scale + shift`` in FP32 after
+it), with only the shift after the conv (the scale in the weight), with the whole fold in the conv (the shift
+in its low bias, as O1 folded before issue 47) and without folding, and of O2 with the whole fold (its
+default) and with the affine after the conv — side by side, per seed and precision, in one run, with the
+casts each executes per forward. If "autocast on fused" equals "O1 (shift in bias)", that gap to autocast is
+the folding, not amplite's precision plan.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import platform
 import sys
 import warnings
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -25,7 +30,9 @@ import torch
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 import amplite
-from bench.autocast_count import accuracy, run
+from amplite.converter import pipeline
+from amplite.passes.fold_batchnorm import FoldBatchNorm
+from bench.autocast_count import accuracy, count_casts, run
 from tests import zoo_models
 
 
@@ -46,8 +53,10 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     print(f"{platform.machine()}, torch {torch.__version__}, 1 thread; SQNR (dB) against FP32\n")
-    print("| model | precision | seed | autocast | autocast on fused | O1 (folded) | O1 no-fold | O1 − autocast |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("SQNR (dB), casts per forward in brackets\n")
+    print("| model | precision | seed | autocast | autocast on fused | O1 (affine after) | O1 (shift after) "
+          "| O1 (shift in bias) | O1 no-fold | O1 − autocast | O2 | O2 (affine after) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for cls in (zoo_models.EfficientNetLike, zoo_models.RepViTLike, zoo_models.MobileViTv2Like):
         for precision in ("fp16", "bf16"):
             for seed in range(ns.seeds):
@@ -61,11 +70,21 @@ def main() -> None:
                     return accuracy(ref, out, logits=False)["sqnr_db"]
 
                 ac, ac_fused = sqnr(run(model, inputs, precision)), sqnr(run(fused(model), inputs, precision))
-                o1 = [sqnr(run(amplite.convert(model, inputs, precision=precision, level="O1", verify=False,
-                                               fold_batchnorm=fold).program.module(), inputs))
-                      for fold in (True, False)]  # fmt: skip
-                print(f"| {cls.__name__} | {precision} | {seed} | {ac:.2f} | {ac_fused:.2f} | {o1[0]:.2f} | "
-                      f"{o1[1]:.2f} | {o1[0] - ac:+.2f} |", flush=True)
+                n_ac = count_casts(model, inputs, precision)["casts"]
+                o1 = []
+                for level, fold, split in (("O1", True, "affine"), ("O1", True, "shift"), ("O1", True, "full"),
+                                           ("O1", False, "full"), ("O2", True, "full"), ("O2", True, "affine")):
+                    # "full" at O1: the fold as O1 made it before issue 47, the shift rounded into the low bias
+                    def make(mode: str = "full", split: str = split) -> FoldBatchNorm:
+                        return FoldBatchNorm(split)  # whatever the level asks for
+
+                    with mock.patch.object(pipeline, "FoldBatchNorm", make):
+                        mod = amplite.convert(model, inputs, precision=precision, level=level, verify=False,
+                                              fold_batchnorm=fold).program.module()  # fmt: skip
+                    o1.append(f"{sqnr(run(mod, inputs)):.2f} ({count_casts(mod, inputs)['casts']})")
+                print(f"| {cls.__name__} | {precision} | {seed} | {ac:.2f} ({n_ac}) | {ac_fused:.2f} | "
+                      f"{' | '.join(o1[:4])} | {float(o1[0].split()[0]) - ac:+.2f} | {' | '.join(o1[4:])} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

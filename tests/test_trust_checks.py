@@ -40,7 +40,7 @@ def bn_cnn() -> tuple[nn.Module, tuple]:
 @pytest.fixture(scope="module")
 def folded() -> amplite.ConversionResult:
     model, inputs = bn_cnn()
-    return amplite.convert(model, inputs, level="O1")
+    return amplite.convert(model, inputs, level="O2")  # O2 folds all of the BatchNorm into the conv
 
 
 def test_layerwise_compares_a_folded_conv_with_conv_plus_batchnorm(folded: amplite.ConversionResult) -> None:
@@ -57,6 +57,17 @@ def test_layerwise_compares_a_folded_conv_with_conv_plus_batchnorm(folded: ampli
         assert e.node in {p["node"] for p in r.report.data["plan"]}  # named as the plan names it
     assert nodes["relu"].isolated["sqnr_db"] > 50  # fed the reference's BN output, not its conv output
     assert min(e.accumulated["sqnr_db"] for e in res.nodes) > out_sqnr - 15
+
+
+def test_layerwise_at_o1_pairs_the_conv_with_the_conv_and_the_fp32_affine_with_the_batchnorm() -> None:
+    """O1 keeps the user's conv and adds the BatchNorm's scale and shift in FP32 after it: the conv is
+    compared with the reference's conv (not its BN output), the affine's last op with the BN's output."""
+    model, inputs = bn_cnn()
+    r = amplite.convert(model, inputs, level="O1", verify=False)
+    res = analyze(r.original, r.program, r.inputs, r.inputs)
+    got = [(e.op, e.dtype) for e in res.nodes if e.op.startswith(("conv2d", "batch_norm"))]
+    assert got == [("conv2d.default", "float16"), ("batch_norm.default", "float32")] * 2, got
+    assert all(e.accumulated["sqnr_db"] > 50 and e.isolated["sqnr_db"] > 50 for e in res.nodes), res.nodes
 
 
 def test_layerwise_without_folding_still_pairs_bn_with_bn() -> None:

@@ -1,13 +1,20 @@
 """Pass 0 (inference): fold eval-mode BatchNorm into the convolution that feeds it.
 
-In eval mode BatchNorm is a per-channel affine map, so ``bn(conv(x, w, b))`` equals ``conv(x, w', b')`` with
-``w' = w · γ/√(σ²+ε)`` and ``b' = (b − μ) · γ/√(σ²+ε) + β``. Folding removes the BatchNorm — and with it
-the FP32 island and its two casts around every conv — before precision planning.
+In eval mode BatchNorm is a per-channel affine map ``y · s + t`` (``s = γ/√(σ²+ε)``), so ``bn(conv(x, w, b))``
+equals ``conv(x, w', b')`` with ``w' = w · s`` and ``b' = (b − μ) · s + β``. Folding removes the BatchNorm —
+and with it the FP32 island and its two casts around every conv — before precision planning.
+
+Three modes (``docs/policy.md``, "BatchNorm folding"): ``full`` puts both into the conv (``w'``, ``b'``; O2);
+``affine`` keeps the user's conv (weight and bias copied) and puts ``mul(y, s)`` and ``add(·, β − μ·s)`` after
+it, which O1 plans FP32 and which read the low conv output by promotion — BatchNorm's own numerics under
+autocast, the output rounded once, with no cast before them (O1); ``shift`` puts ``s`` into the weight and
+only the add after the conv (measured, not used: the rounded ``w'`` costs as much as the rounded ``b'``).
 
 Guarantees afterwards: every ``batch_norm`` in inference mode whose input is a 2-D/1-D/3-D convolution
 with no other user, and whose statistics and affine parameters are constant tensors, is gone; its conv
-reads new weight and bias tensors (computed in FP64, stored in the conv weight's dtype) registered on the
-module as ``amplite_folded_<n>_weight`` / ``_bias``. The user's tensors are never written.
+reads new tensors (computed in FP64, stored in the conv weight's dtype) registered on the module as
+``amplite_folded_<n>_weight`` / ``_bias`` / ``_scale`` / ``_shift`` (scale and shift shaped ``(C, 1, …)``);
+the last op of the chain takes the BatchNorm's users and source location. The user's tensors are never written.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ FOLDED_PREFIX = "amplite_folded_"
 aten = torch.ops.aten
 _CONVS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default}
 _BN = aten.batch_norm.default
+#: ``full``: scale and shift both in the conv (w', b'); ``shift``: the scale in the weight, the shift added
+#: after the conv; ``affine``: the conv keeps its weight, ``y · scale + shift`` after it.
+_MODES = frozenset({"full", "shift", "affine"})
 
 
 def _constant(gm: torch.fx.GraphModule, node: object) -> torch.Tensor | None:
@@ -43,11 +53,18 @@ class FoldBatchNorm:
 
     name = "fold_batchnorm"
 
+    def __init__(self, mode: str = "full") -> None:
+        if mode not in _MODES:
+            raise ValueError(f"fold mode {mode!r}: expected one of {sorted(_MODES)}")
+        self.mode = mode
+
     def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
         counters: Counter[str] = Counter()
         for bn in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _BN]:
             reason = self._fold(gm, bn)
             counters["folded" if reason is None else f"kept:{reason}"] += 1
+            if reason is None and self.mode != "full":
+                counters[f"affine_after_conv:{self.mode}"] += 1
         if counters["folded"]:
             before = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
             gm.graph.eliminate_dead_code()
@@ -79,28 +96,54 @@ class FoldBatchNorm:
         scale = torch.rsqrt(var_t + float(eps))
         if g is not None:
             scale = scale * g.detach().double()
-        shape = (-1,) + (1,) * (w.dim() - 1)
-        new_w = (w.detach().double() * scale.reshape(shape)).to(w.dtype)
+        beta64 = beta_t.detach().double() if beta_t is not None else torch.zeros_like(mean_t)
+        after = (-1,) + (1,) * (w.dim() - 2)  # one value per channel, broadcast over the conv output
+        w64 = w.detach().double()
+        if self.mode == "affine":  # the user's conv as it was (copied); y·scale + (β − μ·scale) after it
+            tensors = {"weight": w64, **({"bias": b.detach().double()} if b is not None else {}),
+                       "scale": scale.reshape(after), "shift": (beta64 - mean_t * scale).reshape(after)}  # fmt: skip
+            return self._rewrite(gm, conv, bn, tensors, w.dtype)
         bias0 = b.detach().double() if b is not None else torch.zeros_like(mean_t)
-        new_b = (bias0 - mean_t) * scale + (beta_t.detach().double() if beta_t is not None else 0.0)
-        new_b = new_b.to(w.dtype)
+        shift = (bias0 - mean_t) * scale + beta64
+        if self.mode == "shift":
+            tensors = {"weight": w64 * scale.reshape((-1, *after[1:], 1)), "shift": shift.reshape(after)}
+        else:
+            tensors = {"weight": w64 * scale.reshape((-1, *after[1:], 1)), "bias": shift}
+        return self._rewrite(gm, conv, bn, tensors, w.dtype)
+
+    def _rewrite(
+        self, gm: torch.fx.GraphModule, conv: torch.fx.Node, bn: torch.fx.Node, tensors: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+    ) -> None:
+        """Register ``tensors`` (FP64, stored in ``dtype``) as new parameters, point the conv at the weight
+        and bias, and put the scale/shift ops (those present) between the conv and the BatchNorm's users."""
         index = next(i for i in itertools.count() if not hasattr(gm, f"{FOLDED_PREFIX}{i}_weight"))
-        names = (f"{FOLDED_PREFIX}{index}_weight", f"{FOLDED_PREFIX}{index}_bias")
-        for attr, value in zip(names, (new_w, new_b), strict=True):
+        nodes: dict[str, torch.fx.Node] = {}
+        src = fake_value(conv.args[1])
+        for key, value in tensors.items():
+            value = value.to(dtype)
+            attr = f"{FOLDED_PREFIX}{index}_{key}"
             gm.register_parameter(attr, torch.nn.Parameter(value, requires_grad=False))
-        with gm.graph.inserting_before(conv):
-            w_node, b_node = (gm.graph.get_attr(a) for a in names)
-        for node, value in ((w_node, new_w), (b_node, new_b)):
-            src = fake_value(conv.args[1])
-            node.meta["val"] = static_fake(src.fake_mode, value) if hasattr(src, "fake_mode") else value
+            with gm.graph.inserting_before(conv):
+                nodes[key] = gm.graph.get_attr(attr)
+            nodes[key].meta["val"] = static_fake(src.fake_mode, value) if hasattr(src, "fake_mode") else value
         args = list(conv.args)
         while len(args) < 3:
             args.append(None)
-        args[1], args[2] = w_node, b_node
+        args[1], args[2] = nodes["weight"], nodes.get("bias")
         conv.args = tuple(args)
         for key in ("nn_module_stack", "stack_trace"):
             if key in bn.meta and key not in conv.meta:
                 conv.meta[key] = bn.meta[key]
-        bn.replace_all_uses_with(conv)
+        out = conv
+        # conv (planned low), then the BatchNorm's affine map as FP32 elementwise ops that read the low conv
+        # output by promotion (no cast), as BatchNorm itself computes under autocast
+        for op, key in ((aten.mul.Tensor, "scale"), (aten.add.Tensor, "shift")):
+            if key in nodes:
+                with gm.graph.inserting_after(out):
+                    out = gm.graph.call_function(op, (out, nodes[key]))
+                out.meta["val"] = bn.meta.get("val", conv.meta.get("val"))
+                out.meta.update({k: bn.meta[k] for k in ("nn_module_stack", "stack_trace") if k in bn.meta})
+        bn.replace_all_uses_with(out)
         gm.graph.erase_node(bn)
         return None

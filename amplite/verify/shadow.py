@@ -88,6 +88,8 @@ def _fp8_of(ref: torch.fx.Node, conv: torch.fx.Node) -> bool:
 
 aten = torch.ops.aten
 _CONVS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default}
+#: The folded scale/shift as the converted program names them (``p_`` once lifted to a placeholder).
+_FOLDED_ARG = re.compile(r"^(p_)?amplite_folded_\d+_(scale|shift)$")
 _BNS = {aten.batch_norm.default, aten._native_batch_norm_legit_no_training.default}
 
 
@@ -116,7 +118,22 @@ def _pair_folded_batchnorm(pairs: dict[torch.fx.Node, torch.fx.Node]) -> None:
         if n.op == "call_function" and n.target in _CONVS:
             out = _bn_output(r)
             if out is not None and out not in taken and next(iter(r.users)) not in taken:
-                pairs[n] = out
+                end = _affine_end(n)  # O1 keeps the conv and adds the BN's affine after it: pair that with BN
+                pairs[end if end is not None else n] = out
+
+
+def _affine_end(conv: torch.fx.Node) -> torch.fx.Node | None:
+    """The last of the ``mul``/``add`` by a folded scale/shift that ``fold_batchnorm`` put after ``conv``."""
+    end, node = None, conv
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if user.target not in (aten.mul.Tensor, aten.add.Tensor) or user.args[0] is not node:
+            break
+        arg = user.args[1]
+        if not (isinstance(arg, torch.fx.Node) and _FOLDED_ARG.match(arg.name)):
+            break
+        end = node = user
+    return end
 
 
 def _decision_op(n: torch.fx.Node) -> str | None:
