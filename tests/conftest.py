@@ -31,6 +31,31 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ
     torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for a module of tiny-model tests (two threads on a shared 2-core machine mostly wait
+    for each other: verification ran ~5x slower); restored afterwards. Use with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def write_tiny_llama(path: Path, vocab: int, max_shard_size: str) -> Path:
+    """A seeded 2-layer Llama (hidden 32, untied head) saved as a sharded safetensors checkpoint at ``path``."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(path, max_shard_size=max_shard_size, safe_serialization=True)
+    assert len(list(path.glob("*.safetensors"))) >= 3
+    return path
+
+
 @pytest.fixture(scope="session")
 def model_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[callable]:
     """``model_files(name)`` writes fixture ``name`` once per session in every format."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,13 +22,7 @@ VOCAB = 128
 INDEX = "model.safetensors.index.json"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """One intra-op thread (tiny models on a shared 2-core machine); restored after."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread (conftest)
 
 
 def _llama(path: Path, dtype: torch.dtype = torch.float32, tie: bool = False, seed: int = 0) -> Path:

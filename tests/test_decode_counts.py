@@ -7,8 +7,6 @@ a kernel launch, and at batch 1 the step is launch-bound.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -16,13 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from bench import decode_count as dc  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread (conftest)
 
 
 @pytest.fixture(scope="module")

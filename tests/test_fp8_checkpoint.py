@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,31 +20,19 @@ import amplite
 from amplite.checkpoint import checkpoint_to_files
 from amplite.checkpoint.check import check_checkpoint
 from amplite.errors import ConfigError
+from tests.conftest import write_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 128
 E4M3_MAX = 448.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """One intra-op thread (tiny models on a shared machine); restored after."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread (conftest)
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("llama") / "tiny-llama"
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=False)  # fmt: skip
-    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path, max_shard_size="20KB", safe_serialization=True)
-    assert len(list(path.glob("*.safetensors"))) >= 3
-    return path
+    return write_tiny_llama(tmp_path_factory.mktemp("llama") / "tiny-llama", VOCAB, "20KB")
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,9 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 import transformers  # dev extra: a missing install fails, it does not skip
 from safetensors.torch import load_file, save_file
 
@@ -21,31 +19,18 @@ from amplite.errors import AmpliteError, InternalError
 from amplite.llm.checkpoint import generation_check, verify_checkpoint
 from amplite.report.schema import validate_report
 from amplite.verify.criteria import parse_criterion
-from tests.conftest import Cli
+from tests.conftest import Cli, write_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 256
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """One intra-op thread (tiny models on a shared 2-core machine: two threads mostly wait); restored after."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread (conftest)
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("llama") / "tiny-llama"
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=False)  # fmt: skip
-    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path, max_shard_size="40KB", safe_serialization=True)
-    assert len(list(path.glob("*.safetensors"))) >= 3
-    return path
+    return write_tiny_llama(tmp_path_factory.mktemp("llama") / "tiny-llama", VOCAB, "40KB")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

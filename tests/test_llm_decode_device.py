@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -35,12 +34,7 @@ def _gpt2() -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(cfg).eval()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread (conftest)
 
 
 class Recorder(TorchFunctionMode):

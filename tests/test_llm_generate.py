@@ -7,7 +7,6 @@ import copy
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,14 +47,7 @@ def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """One intra-op thread while these tests run: on models this small, two threads on a shared 2-core machine
-    spend their time waiting for each other (verification ran ~5x slower); restored afterwards."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread (conftest)
 
 
 @pytest.fixture(scope="module")
