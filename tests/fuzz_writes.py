@@ -73,10 +73,9 @@ def check_media(data: dict[str, Any]) -> None:
     html.encode("utf-8")
     for line in github_annotations(data, workspace="/nonexistent"):
         assert "\n" not in line and not _CONTROL.search(line), f"annotation {line[:80]!r}"
-    buf = io.StringIO()
-    saved = output.out.file
-    output.out.file = buf
-    try:
+    # rich's own capture: the console's file is left as it was (setting and restoring .file would pin the
+    # stdout of the moment, and later CLI calls in this process would print there)
+    with output.out.capture() as captured:
         from types import SimpleNamespace
 
         reasons = (data.get("check") or {}).get("reasons") or []
@@ -84,9 +83,7 @@ def check_media(data: dict[str, Any]) -> None:
                               files={"json": Path(str((data.get("source") or {}).get("path")))})  # fmt: skip
         output.print_check(res)
         output.print_summary(data, [], Path("r.json"))
-    finally:
-        output.out.file = saved
-    assert not _CONTROL.search(buf.getvalue()), "a control character reached the terminal"
+    assert not _CONTROL.search(captured.get()), "a control character reached the terminal"
     tsv = io.StringIO()
     import contextlib
 
