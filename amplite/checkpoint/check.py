@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from amplite.checkpoint.convert import StreamedConversion, _on_meta, convert_checkpoint
-from amplite.checkpoint.fp8 import READ_BACK, Fp8Reader, tolerance_precision
+from amplite.checkpoint.fp8 import READ_BACK, Fp8Reader
 from amplite.checkpoint.source import is_checkpoint_dir, open_checkpoint
 from amplite.errors import ConfigError
 from amplite.options import ConvertOptions
@@ -94,7 +94,7 @@ def check_converted_dir(
 
 
 def _tolerance(tolerance: Any, conv: StreamedConversion) -> Any:
-    precision = tolerance_precision(conv.data["config"]["precision"])
+    precision = conv.data["config"]["precision"]
     return parse_tolerance(list(tolerance or ()), precision) if not hasattr(tolerance, "criteria") else tolerance
 
 

@@ -66,11 +66,6 @@ class Fp8Request:
     calibration: Any = None
 
 
-def tolerance_precision(precision: str) -> str:
-    """The precision whose default thresholds a conversion is judged by: FP8 outputs are bf16 (SQNR >= 25 dB)."""
-    return "bf16" if precision == FP8 else precision
-
-
 def refuse_quantized(ckpt: Checkpoint) -> None:
     """A source that is already quantized is refused: its stored values are not the model's weights.
 

@@ -18,7 +18,7 @@ import torch.fx
 from torch.export import ExportedProgram
 
 from amplite.checkpoint.blockwise import verify_blockwise
-from amplite.checkpoint.fp8 import Fp8Plan, Fp8Reader, linear_weight, tolerance_precision
+from amplite.checkpoint.fp8 import Fp8Plan, Fp8Reader, linear_weight
 from amplite.checkpoint.keys import KeyMap
 from amplite.checkpoint.loader import check_loadable, loader_dtypes
 from amplite.checkpoint.source import PREFIX, Checkpoint, load_tensor, open_checkpoint
@@ -285,7 +285,7 @@ class StreamedConversion:
 
             start = perf_counter()
             real = inputs if inputs is not None and not _on_meta(inputs) else real_inputs(self.example, vocab)
-            tol = tolerance or DEFAULT_TOLERANCES[tolerance_precision(precision)]
+            tol = tolerance or DEFAULT_TOLERANCES[precision]
             section = verify_through_loader(self.checkpoint, self.keys, Path(converted_dir), real, tol)
             self.report.attach(self.report.section(Timings).add(verify=perf_counter() - start))
             self.report.attach(Verification(section))
@@ -316,7 +316,7 @@ class StreamedConversion:
         section = verify_blockwise(
             self.pipeline.original, self.program, inputs,
             lambda n: self.tensor(n, dtype=traced.get(n, torch.float32)), load_converted,
-            tolerance or DEFAULT_TOLERANCES[tolerance_precision(precision)],
+            tolerance or DEFAULT_TOLERANCES[precision],
             max_memory=max_memory_gb * 2**30 if max_memory_gb is not None else None, progress=progress,
             converted_hook=hook,
         )  # fmt: skip

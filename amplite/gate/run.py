@@ -140,7 +140,7 @@ def _check_checkpoint(model: str | Path, example: Any, s: CheckSettings, out_dir
                  "data": "--data", "data_loader": "--data-loader", "random_batches": "--random-batches",
                  "grad": "--grad"}, "check it with --input/--inputs and --tolerance")  # fmt: skip
     # token_agreement / ppl_delta criteria: the written directory is also checked on generation
-    plain, fp8 = split_fp8(opts)  # an FP8 checkpoint's outputs are bf16: judged by bf16's defaults
+    plain, fp8 = split_fp8(opts)  # an FP8 checkpoint's generation criteria default to bf16's (its outputs are bf16)
     generation = generation_check(model, s.tolerance, "bf16" if fp8 is not None else plain.precision_name)
     # with --converted: an existing converted directory against its source, as from_pretrained loads it
     conv, reasons = check_checkpoint(model, example, tolerance=s.tolerance, check_more=generation, options=opts,
