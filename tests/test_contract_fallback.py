@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import zlib
 
 import pytest
 import torch
@@ -20,6 +21,9 @@ from amplite.ops import gemm_lowering
 contract_mod = importlib.import_module("amplite.ops.contract")
 CONTRACT = torch.ops.amplite.contract.default
 UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+#: Half the spacing of the dtype's subnormals: one rounding of a result below the smallest normal number is
+#: off by up to this much, whatever its size (fp16: results below 6.1e-5).
+SUBNORMAL_HALF_SPACING = {dt: 0.5 * torch.finfo(dt).smallest_normal * torch.finfo(dt).eps for dt in UNIT_ROUNDOFF}
 
 # (equation, a shape, b shape): matmul, batch modes, permuted/transposed outputs (the swapped GEMM),
 # modes summed alone in one input, outer products, dot products and head split/merge layouts.
@@ -65,7 +69,7 @@ def test_one_rounding_against_fp64(eq, sa, sb, dtype, bias) -> None:
     alpha = 0.3 and beta = -1.7 are not powers of two, so rounding the product before scaling, or adding
     the bias after a rounding, exceeds the bound.
     """
-    g = torch.Generator().manual_seed(hash((eq, bias)) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{eq}|{bias}".encode()))  # the same inputs in every process
     a = torch.randn(sa, generator=g).to(dtype)
     b = torch.randn(sb, generator=g).to(dtype)
     shape = contract_mod.output_shape(eq, sa, sb)
@@ -76,7 +80,7 @@ def test_one_rounding_against_fp64(eq, sa, sb, dtype, bias) -> None:
     assert out.dtype == dtype and list(out.shape) == shape and out.is_contiguous()
     ref, acc = _reference(eq, a, b, c, alpha, beta)
     err = (out.double() - ref).abs()
-    bound = UNIT_ROUNDOFF[dtype] * ref.abs() + 2 * acc + 1e-30
+    bound = UNIT_ROUNDOFF[dtype] * ref.abs() + 2 * acc + SUBNORMAL_HALF_SPACING[dtype]
     assert bool((err <= bound).all()), f"worst error {float((err / bound).max()):.2f}x one rounding"
 
 
@@ -91,7 +95,7 @@ def test_strided_views_are_read_as_given(dtype) -> None:
     out = CONTRACT("bqhd,bkhd->bhqk", q, k, c, 0.3, -1.7)
     ref, acc = _reference("bqhd,bkhd->bhqk", q, k, c, 0.3, -1.7)
     err = (out.double() - ref).abs()
-    assert bool((err <= UNIT_ROUNDOFF[dtype] * ref.abs() + 2 * acc + 1e-30).all())
+    assert bool((err <= UNIT_ROUNDOFF[dtype] * ref.abs() + 2 * acc + SUBNORMAL_HALF_SPACING[dtype]).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -222,4 +226,4 @@ def test_cuda_fallback_is_one_low_precision_gemm(monkeypatch, eq, sa, sb, dtype)
     assert not [call for call in ops.calls if call[2] in (torch.float32, torch.float64)]
     ref, acc = _reference(eq, a.cpu(), b.cpu(), c.cpu(), 0.3, -1.7)
     err = (out.cpu().double() - ref).abs()
-    assert bool((err <= 2 * (UNIT_ROUNDOFF[dtype] * ref.abs() + 2 * acc) + 1e-30).all())
+    assert bool((err <= 2 * (UNIT_ROUNDOFF[dtype] * ref.abs() + 2 * acc) + SUBNORMAL_HALF_SPACING[dtype]).all())
