@@ -111,16 +111,12 @@ def convert_spec(
     subject, reference, inputs = _subject(loaded, example_inputs, reference_outputs)
     timings["load"] = perf_counter() - start
     ref_out = reference_outputs if reference_outputs is not None else _reference_outputs(reference, inputs)
-    out = run_pipeline(
-        subject, inputs, spec.policy(), dynamic_batch=spec.dynamic_batch, dynamic_dims=spec.dims(),
-        fuse_contractions=spec.fuse, range_rules=spec.range_rules(),
-        calibration=calibration,  # read once: the budget search's trials reuse the list
-        fold_batchnorm=spec.fold_batchnorm,
-    )  # fmt: skip
+    # calibration is read once: the budget search's trials reuse the list
+    out = run_pipeline(subject, inputs, spec, calibration=calibration)
     timings.update(out.timings)
     metrics = _verify(out, ref_out, inputs, spec, tolerance, timings) if check.enabled else None
     report = _report(loaded, out, spec, tolerance, metrics, timings)
-    result = ConversionResult(out.converted, report, out.original, inputs, out, ref_out, tolerance)
+    result = ConversionResult(out.converted, report, out.original, inputs, out, ref_out, tolerance, spec)
     if check.fallback_search and result.passed is False:
 
         def again(program: ExportedProgram, inputs: Inputs, chosen: ConvertSpec, reference: Any) -> ConversionResult:

@@ -25,7 +25,7 @@ from amplite.errors import ConfigError
 from amplite.levels import Level, precision_name, split_precision
 from amplite.passes.range_guard import RangeRules
 from amplite.policy import Override
-from amplite.spec import ConvertSpec
+from amplite.spec import ConvertSpec, EntryPath
 from amplite.verify.compare import DEFAULT_TOLERANCES, Tolerance, parse_tolerance
 
 #: How a manifest value is checked (``amplite.batch.keys_table.check_value``).
@@ -244,15 +244,18 @@ class ConvertOptions:
             raise ConfigError(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to {what}", fix)
         return self
 
-    def spec(self) -> ConvertSpec:
-        """The resolved, validated conversion (``ConfigError`` for the first bad value)."""
-        return ConvertSpec.build(
-            precision=self.precision_name, level=self.level, keep_fp32=self.keep_fp32, force_low=self.force_low,
-            low_precision_io=self.low_precision_io, dynamic_batch=self.dynamic_batch, dynamic_dims=self.dynamic_dims,
-            fuse_contractions=self.fuse_contractions, range_rules=self.range_rules, data_max=self.data_max,
-            max_reduction_depth=self.max_reduction_depth, range_percentile=self.range_percentile,
-            fold_batchnorm=self.fold_batchnorm, gpu_profile=self.gpu_profile, calibrated=self.calibration is not None,
-        )  # fmt: skip
+    def spec(self, path: EntryPath = "module", **extra: Any) -> ConvertSpec:
+        """The resolved, validated conversion (``ConfigError`` for the first bad value).
+
+        Every option that is a keyword of :meth:`ConvertSpec.build` is handed over by name; on a path that uses
+        only some options (:attr:`Option.paths`: ``checkpoint``, ``training``) the others are left to the
+        path's defaults (:data:`amplite.spec.PATH_DEFAULTS`). ``extra``: more ``build`` keywords (a checkpoint's
+        ``module_prefix``).
+        """
+        described = self.described()
+        partial = path in _PATH_TEXT
+        given = {n: getattr(self, n) for n in _SPEC_KEYWORDS if not partial or path in described[n].paths}
+        return ConvertSpec.build(path=path, calibrated=self.calibration is not None, **given, **extra)
 
     def loading(self) -> Loading:
         """How to read the model file."""
@@ -310,6 +313,10 @@ class Loading:
     trust_pickle: bool = False
     model_factory: str | None = None
     import_modules: Sequence[str] = ()
+
+
+#: The options :meth:`ConvertSpec.build` takes by the same name (derived: the spec's own signature).
+_SPEC_KEYWORDS = tuple(n for n in ConvertOptions.names() if n in inspect.signature(ConvertSpec.build).parameters)
 
 
 def keyword_signature(func: Any, after: str) -> inspect.Signature:

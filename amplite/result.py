@@ -21,6 +21,7 @@ from amplite.converter.tracing import Inputs
 from amplite.report.document import Report
 from amplite.report.schema import report_json
 from amplite.report.sections import Outputs, Timings, VerificationAoti, VerificationOnnx
+from amplite.spec import ConvertSpec
 from amplite.verify.compare import Tolerance
 
 
@@ -33,6 +34,7 @@ class ConversionResult:
         report: The conversion report.
         original: The FP32 ExportedProgram it was made from.
         inputs: The example inputs used for tracing and verification.
+        spec: The conversion's settings (recorded whole in a saved ``.pt2``).
     """
 
     program: ExportedProgram
@@ -42,6 +44,7 @@ class ConversionResult:
     pipeline: PipelineOutput | None = field(default=None, repr=False)
     reference: Any = field(default=None, repr=False)  # FP32 outputs on ``inputs``
     tolerance: Tolerance | None = field(default=None, repr=False)  # set when verification ran
+    spec: ConvertSpec = field(default_factory=ConvertSpec)
 
     def module(self) -> nn.Module:
         """The converted model as a callable module."""
@@ -53,12 +56,10 @@ class ConversionResult:
         return self.report.passed
 
     def recorded_conversion(self) -> dict[str, Any]:
-        """What a saved .pt2 records of its conversion (``extra/amplite.json``): the report's ``config``, the
-        amplite version and the verification verdict. ``check --converted`` reads it back."""
-        from amplite.version import __version__
-
-        return {"amplite": __version__, "config": json.loads(report_json(self.report.data["config"])),
-                "passed": self.report.passed}  # fmt: skip
+        """What a saved .pt2 records of its conversion (``extra/amplite.json``): the spec (``check --converted``
+        reads it back as a spec), the amplite version, and for readers the report's ``config`` and verdict."""
+        config = json.loads(report_json(self.report.data["config"]))
+        return emit.conversion_record(self.spec, config, self.report.passed)
 
     def save(
         self,
@@ -121,12 +122,11 @@ class ConversionResult:
         from amplite.onnx.export import save_onnx  # onnx/onnxscript import in ~2 s: only when used
         from amplite.onnx.verify import verify_onnx
 
-        cfg = self.report.data["config"]
         info = save_onnx(
             self.program,
             path,
-            precision=cfg["precision"],
-            low_precision_io=cfg["low_precision_io"],
+            precision=self.spec.precision_name,  # fp8 has no ONNX form: refused there
+            low_precision_io=self.spec.low_precision_io,
             external_data=external_data,
             opset=opset,
             layernorm_stash=layernorm_stash,

@@ -4,25 +4,67 @@
 for each bad value); from then on the pipeline, the verification, the budget search and the report read
 typed fields: the low dtype as a ``torch.dtype``, the level as a :class:`~amplite.policy.Level`, the rules
 as :class:`~amplite.policy.Override` values carrying their source. The report's ``config`` section is
-:meth:`ConvertSpec.to_config`. Layer: above the converter (it parses dynamic dims, resolves fusion and
-builds :class:`~amplite.passes.range_guard.RangeRules`), below verify (the budget search takes a spec).
+:meth:`ConvertSpec.to_config`; :meth:`ConvertSpec.to_json` / :meth:`ConvertSpec.from_json` are the whole spec as
+JSON (stored in every result and every ``.pt2`` amplite writes, and read back as a spec).
+
+Every entry point builds one (``path``: ``module``, ``checkpoint``, ``llm``, ``training``); what an unset
+option means on each is data, :data:`PATH_DEFAULTS`. ``run_pipeline`` takes the spec whole.
+
+Layer: below the converter (the pipeline reads a spec), above the passes (it resolves fusion and builds
+:class:`~amplite.passes.range_guard.RangeRules`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 import torch
 
-from amplite.converter.tracing import parse_dynamic_dims
 from amplite.errors import ConfigError
 from amplite.levels import FP8, LEVEL_ENV, Level, precision_name, resolve_level, split_precision
 from amplite.ops.fusion_default import resolve as resolve_fuse
 from amplite.passes.range_guard import RangeRules
 from amplite.policy import Override, PrecisionPolicy, make_overrides
+
+_DIM_SPEC = re.compile(r"^(?P<name>[A-Za-z_][\w.]*):(?P<dims>-?\d+(?:,-?\d+)*)$")
+
+
+def parse_dynamic_dims(specs: Sequence[str] | Mapping[str, Sequence[int]] | None) -> dict[str, list[int]]:
+    """``["ids:1", "x:0,2"]`` (``--dynamic-dim NAME:DIM[,DIM]``) or a mapping -> ``{name: [dims]}``.
+
+    Raises:
+        ConfigError: A spec that does not parse.
+    """
+    if not specs:
+        return {}
+    if isinstance(specs, Mapping):
+        return {str(k): [int(d) for d in ([v] if isinstance(v, int) else v)] for k, v in specs.items()}
+    out: dict[str, list[int]] = {}
+    for spec in specs:
+        m = _DIM_SPEC.match(spec.strip())
+        if not m:
+            raise ConfigError(f"cannot parse --dynamic-dim {spec!r}", "write NAME:DIM[,DIM], e.g. ids:1 or x:0,2")
+        out.setdefault(m["name"], []).extend(int(d) for d in m["dims"].split(","))
+    return out
+
+
+#: The conversion paths (entry points) and what an option left unset (None) means on each: one table, read by
+#: :meth:`ConvertSpec.build`. ``fp8``'s default level is O2 on every path (``amplite.levels.resolve_level``).
+#: ``checkpoint``: a streamed directory (O2 stores low-precision weights; O1 would write the source unchanged; no
+#: BatchNorm to fold, no fusion of a meta-device trace); ``llm``: ``convert_llm``'s step program;
+#: ``training``: ``prepare_training`` / ``check --train-steps`` (BatchNorm stays unfolded: its running statistics
+#: are the user's buffers).
+PATH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "module": {"precision": "fp16", "level": Level.O1, "fuse_contractions": "auto", "fold_batchnorm": True},
+    "checkpoint": {"precision": "fp16", "level": Level.O2, "fuse_contractions": False, "fold_batchnorm": False},
+    "llm": {"precision": "bf16", "level": Level.O2, "fuse_contractions": "auto", "fold_batchnorm": True},
+    "training": {"precision": "bf16", "level": Level.O1, "fuse_contractions": False, "fold_batchnorm": False},
+}
+EntryPath = Literal["module", "checkpoint", "llm", "training"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +140,8 @@ class ConvertSpec:
         gpu_profile: GPU of the report's time estimate.
         fp8: ``--precision fp8``'s settings (``precision`` is then bf16, the dtype of everything not in
             FP8), or None.
+        path: The entry point that built the spec (a key of :data:`PATH_DEFAULTS`).
+        module_prefix: Prefix of the traced module paths that patterns do not see (a checkpoint's wrapper).
     """
 
     precision: torch.dtype = torch.float16
@@ -113,39 +157,53 @@ class ConvertSpec:
     fold_batchnorm: bool = True
     gpu_profile: str = "H100"
     fp8: Fp8Spec | None = None
+    path: EntryPath = "module"
+    module_prefix: str = ""
 
     @classmethod
     def build(
         cls,
         *,
-        precision: str | torch.dtype = "fp16",
+        path: EntryPath = "module",
+        precision: str | torch.dtype | None = None,
         level: str | Level | None = None,
         keep_fp32: Iterable[str | Override] = (),
         force_low: Iterable[str | Override] = (),
         low_precision_io: bool = False,
         dynamic_batch: bool = False,
         dynamic_dims: Sequence[str] | Mapping[str, Sequence[int]] = (),
-        fuse_contractions: bool | str = "auto",
+        fuse_contractions: bool | str | None = None,
         range_rules: bool | None = None,
         data_max: float = RangeRules.data_max,
         max_reduction_depth: int | None = RangeRules.max_reduction_depth,
         range_percentile: float | None = None,
-        fold_batchnorm: bool = True,
+        fold_batchnorm: bool | None = None,
         gpu_profile: str = "H100",
         calibrated: bool = False,
+        module_prefix: str = "",
+        level_name: str = "--level",
     ) -> ConvertSpec:
-        """The spec of ``amplite.convert``'s keyword arguments (same names and defaults; ``calibrated``:
-        calibration data was given, which makes FP8's activation scales static).
+        """The spec of ``amplite.convert``'s keyword arguments (same names; ``calibrated``: calibration data was
+        given, which makes FP8's activation scales static). ``precision``, ``level``, ``fuse_contractions`` and
+        ``fold_batchnorm`` left None take ``path``'s default (:data:`PATH_DEFAULTS`; ``level``: after
+        ``AMPLITE_LEVEL``). ``level_name``: how an error names the level (a CLI flag or an API argument).
 
         Raises:
             ConfigError: For the first value that is not valid, with the fix.
         """
+        if path not in PATH_DEFAULTS:
+            raise ConfigError(f"unknown conversion path {path!r}", f"use one of: {', '.join(PATH_DEFAULTS)}")
+        default = PATH_DEFAULTS[path]
+        precision = default["precision"] if precision is None else precision
         source = "argument" if level is not None else (LEVEL_ENV if os.environ.get(LEVEL_ENV) else "default")
         low, fp8 = split_precision(precision)
-        resolved = resolve_level(level, precision)  # FP8's default level: O2
+        resolved = resolve_level(level, precision, level_name)  # FP8's default level: O2
+        if source == "default" and not fp8:
+            resolved = default["level"]
         if fp8 and resolved is Level.O0:
             raise ConfigError("--precision fp8 at O0 converts nothing", "use --level O2 (fp8's default) or O1/O3")
-        fuse, fuse_reason = resolve_fuse(fuse_contractions, low)  # measured per (GPU, backend, dtype)
+        fuse_choice = default["fuse_contractions"] if fuse_contractions is None else fuse_contractions
+        fuse, fuse_reason = resolve_fuse(fuse_choice, low)  # measured per (GPU, backend, dtype)
         dims = parse_dynamic_dims(dynamic_dims)
         return cls(
             precision=low,
@@ -158,9 +216,11 @@ class ConvertSpec:
             fuse=fuse,
             fuse_reason=fuse_reason,
             ranges=RangeSpec(range_rules, data_max, max_reduction_depth, range_percentile),
-            fold_batchnorm=bool(fold_batchnorm),
+            fold_batchnorm=bool(default["fold_batchnorm"] if fold_batchnorm is None else fold_batchnorm),
             gpu_profile=gpu_profile,
             fp8=Fp8Spec.of(calibrated) if fp8 else None,
+            path=path,
+            module_prefix=module_prefix,
         )
 
     @property
@@ -171,7 +231,8 @@ class ConvertSpec:
     def policy(self) -> PrecisionPolicy:
         """The precision policy of this spec."""
         fp8 = self.fp8.activations if self.fp8 is not None else ""
-        return PrecisionPolicy(self.precision, self.level, self.overrides, self.low_precision_io, fp8=fp8)
+        return PrecisionPolicy(self.precision, self.level, self.overrides, self.low_precision_io, fp8=fp8,
+                               module_prefix=self.module_prefix)  # fmt: skip
 
     def range_rules(self) -> RangeRules | None:
         """The range rules to apply, or None when they are off (explicitly, or by level)."""
@@ -212,3 +273,120 @@ class ConvertSpec:
             **({"fp8": {**self.fp8.to_config(), "level": f"{self.level.value} ({self.level_source}; "
                         "fp8's default is O2)"}} if self.fp8 is not None else {}),
         }
+
+    def to_json(self) -> dict[str, Any]:
+        """The whole spec as a JSON object (every field; :meth:`from_json` reads it back equal)."""
+        return {f.name: _ENCODE.get(f.name, _plain)(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, data: Any) -> ConvertSpec:
+        """The spec :meth:`to_json` wrote (e.g. read back from a ``.pt2``), checked field by field.
+
+        Raises:
+            ConfigError: Not an object of exactly the spec's fields, or a value of the wrong type or range.
+        """
+        names = [f.name for f in fields(cls)]
+        if not isinstance(data, Mapping) or set(data) != set(names):
+            odd = sorted(set(data) ^ set(names)) if isinstance(data, Mapping) else [type(data).__name__]
+            raise ConfigError(f"not a ConvertSpec record (fields missing or unknown: {_short(odd)})",
+                              "write it with ConvertSpec.to_json")  # fmt: skip
+        values = {}
+        for name in names:
+            try:
+                values[name] = _DECODE[name](data[name])
+            except (TypeError, ValueError, KeyError, AttributeError, ConfigError) as exc:
+                raise ConfigError(f"ConvertSpec field {name!r} is not valid: {_short(data[name])}",
+                                  "write it with ConvertSpec.to_json") from exc  # fmt: skip
+        return cls(**values)
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut to 80 characters (a record read from a file may hold anything)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _plain(value: Any) -> Any:
+    return value
+
+
+def _typed(kind: type | tuple[type, ...]) -> Any:
+    """A decoder that accepts only ``kind`` (bool is not an int here)."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+            raise TypeError(value)
+        if not isinstance(value, kind):
+            raise TypeError(value)
+        return value
+
+    return check
+
+
+def _ranges(v: Mapping[str, Any]) -> RangeSpec:
+    if set(v) != {f.name for f in fields(RangeSpec)}:
+        raise KeyError(sorted(v))
+    depth, pct = v["max_reduction_depth"], v["percentile"]
+    return RangeSpec(_typed((bool, type(None)))(v["enabled"]), float(_typed((int, float))(v["data_max"])),
+                     None if depth is None else _typed(int)(depth),
+                     None if pct is None else float(_typed((int, float))(pct)))  # fmt: skip
+
+
+def _fp8(v: Mapping[str, Any] | None) -> Fp8Spec | None:
+    if v is None:
+        return None
+    if set(v) != {f.name for f in fields(Fp8Spec)} or v["activations"] not in ("static", "dynamic"):
+        raise ValueError(v)
+    return Fp8Spec(v["activations"], _typed(str)(v["reason"]), _typed(str)(v["weights"]))
+
+
+def _override(v: Mapping[str, Any]) -> Override:
+    if set(v) != {f.name for f in fields(Override)} or v["action"] not in ("keep_fp32", "force_low"):
+        raise ValueError(v)
+    return Override(v["action"], _typed(str)(v["pattern"]), v["source"], _typed(str)(v["why"]))
+
+
+def _dims(v: Mapping[str, Any]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((_typed(str)(k), tuple(_typed(int)(d) for d in _typed(list)(ds))) for k, ds in v.items())
+
+
+def _low_dtype(v: Any) -> torch.dtype:
+    low, fp8 = split_precision(_typed(str)(v))
+    if fp8:  # the low dtype is fp16 or bf16; FP8 is the ``fp8`` field
+        raise ValueError(v)
+    return low
+
+
+def _path(v: Any) -> str:
+    if v not in PATH_DEFAULTS:
+        raise ValueError(v)
+    return v
+
+
+#: How each field that is not plain JSON is written; the rest are written as they are.
+_ENCODE: dict[str, Any] = {
+    "precision": precision_name,
+    "level": lambda v: v.value,
+    "overrides": lambda v: [{f.name: getattr(r, f.name) for f in fields(r)} | {"source": r.source.value} for r in v],
+    "dynamic_dims": lambda v: {k: list(d) for k, d in v},
+    "ranges": lambda v: {f.name: getattr(v, f.name) for f in fields(v)},
+    "fp8": lambda v: None if v is None else {f.name: getattr(v, f.name) for f in fields(v)},
+}
+#: How each field is read back and checked (every field: a test compares the keys with the dataclass's).
+_DECODE: dict[str, Any] = {
+    "precision": _low_dtype,
+    "level": lambda v: Level(_typed(str)(v)),
+    "level_source": _typed(str),
+    "overrides": lambda v: tuple(_override(r) for r in _typed(list)(v)),
+    "low_precision_io": _typed(bool),
+    "dynamic_batch": _typed(bool),
+    "dynamic_dims": lambda v: _dims(_typed(dict)(v)),
+    "fuse": _typed(bool),
+    "fuse_reason": _typed(str),
+    "ranges": lambda v: _ranges(_typed(dict)(v)),
+    "fold_batchnorm": _typed(bool),
+    "gpu_profile": _typed(str),
+    "fp8": lambda v: _fp8(None if v is None else _typed(dict)(v)),
+    "path": _path,
+    "module_prefix": _typed(str),
+}

@@ -170,14 +170,13 @@ def _rewrite(program: Any, inputs: Inputs, precision: str, level: str, fuse: boo
     """
     try:
         from amplite.converter.pipeline import rewrite
-        from amplite.passes.range_guard import RangeRules
-        from amplite.policy import Level, PrecisionPolicy, make_overrides
+        from amplite.spec import ConvertSpec
     except ImportError:
         res = amplite.convert(program, inputs, precision=precision, level=level, verify=False,
                               fuse_contractions="on" if fuse else "off")  # fmt: skip
         return types.SimpleNamespace(module=res.program.module(), ranges=None)
-    policy = PrecisionPolicy(precision, Level(level), make_overrides([], []), False)
-    return rewrite(program, inputs, policy, fuse_contractions=fuse, range_rules=RangeRules(), ranges=ranges)
+    spec = ConvertSpec.build(precision=precision, level=level, fuse_contractions=fuse, range_rules=True)
+    return rewrite(program, inputs, spec, ranges=ranges)
 
 
 def variants(dry: bool) -> list[tuple[str, str]]:

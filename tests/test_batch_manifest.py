@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from amplite.batch import (
 )
 from amplite.batch.keys import select_shard, shard_of
 from amplite.batch.summary import failure_row, write_summary
+from amplite.verify.compare import DEFAULT_TOLERANCES
 
 
 def _manifest(tmp_path: Path, text: str) -> Path:
@@ -51,10 +53,13 @@ tolerance = { min_sqnr_db = 30 }
 """,
     )
     a, b = parse_manifest(p, defaults={"precision": "fp16", "seed": 3})
-    assert (a.name, a.precision, a.keep_fp32, a.timeout, a.seed) == ("m", "bf16", ("op:softmax*",), 30.0, 3)
+    assert (a.name, a.options.precision, a.options.keep_fp32, a.timeout, a.seed) == (
+        "m", "bf16", ("op:softmax*",), 30.0, 3)  # fmt: skip
     assert a.path == str((tmp_path / "m.pt2").resolve())
-    assert (b.name, b.precision, b.level, b.inputs) == ("second", "fp16", "O2", ("ids:2x16:int64[0,1000)",))
-    assert b.tolerance == {"min_sqnr_db": 30.0}
+    assert (b.name, b.options.precision, b.options.level, b.inputs) == ("second", "fp16", "O2",
+                                                                        ("ids:2x16:int64[0,1000)",))  # fmt: skip
+    # the manifest's threshold over fp16's default, the others fp16's
+    assert b.options.tolerance == replace(DEFAULT_TOLERANCES["fp16"], min_sqnr_db=30.0)
     assert (a.line, b.line) == (7, 10)  # the name line, else the path line
 
 
@@ -126,7 +131,7 @@ def test_directory_and_glob_sources(tmp_path: Path) -> None:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes(b"x")
     jobs = load_jobs(tmp_path / "zoo", defaults={"precision": "bf16"})
-    assert [(j.name, j.precision) for j in jobs] == [("a", "bf16"), ("b", "bf16")]
+    assert [(j.name, j.options.precision) for j in jobs] == [("a", "bf16"), ("b", "bf16")]
     jobs = load_jobs(str(tmp_path / "*" / "a.pt2"))  # same file name twice: named by relative path
     assert sorted(j.name for j in jobs) == ["other-a", "zoo-a"]
     with pytest.raises(ManifestError, match="no model files match"):
@@ -245,6 +250,6 @@ def test_cli_options_are_defaults_the_manifest_overrides(tmp_path: Path, monkeyp
         '[[model]]\nname = "a"\npath = "m.pt2"\n\n[[model]]\nname = "b"\npath = "m.pt2"\nprecision = "fp16"\n',
     )
     a, b = load_jobs(p, opts)
-    assert (a.precision, b.precision) == ("bf16", "fp16")
+    assert (a.options.precision, b.options.precision) == ("bf16", "fp16")
     assert a.inputs_file == str(tmp_path / "in.pt")  # relative to where the command ran, not the manifest
-    assert a.verify is False and a.keep_fp32 == ("op:mm*",)
+    assert a.options.verify is False and a.options.keep_fp32 == ("op:mm*",)

@@ -14,6 +14,8 @@ import amplite
 from amplite.converter.emit import read_conversion
 from amplite.errors import ConfigError, LoadError
 from amplite.gate import check
+from amplite.policy import Level
+from amplite.spec import ConvertSpec
 from fixtures.zoo import make
 
 
@@ -29,12 +31,13 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Modu
 def test_the_saved_file_records_its_conversion_and_still_loads_with_torch(saved) -> None:
     path, _, inputs = saved
     record = read_conversion(path)
-    assert record is not None and record["amplite"] == amplite.__version__
-    cfg = record["config"]
-    assert (cfg["precision"], cfg["level"], cfg["keep_fp32"]) == ("bf16", "O1", ["module:fc2.*"])
+    assert record is not None and record.amplite == amplite.__version__
+    spec = record.spec  # read back as the spec it was converted with, every field
+    assert (spec.precision, spec.level, spec.patterns("keep_fp32")) == (torch.bfloat16, Level.O1, ["module:fc2.*"])
+    assert spec == ConvertSpec.build(precision="bf16", level="O1", keep_fp32=["module:fc2.*"])
     extra = {"amplite.json": ""}
     program = torch.export.load(path, extra_files=extra)  # torch's own loader is unaffected
-    assert json.loads(extra["amplite.json"])["config"]["level"] == "O1"
+    assert json.loads(extra["amplite.json"])["spec"]["level"] == "O1"
     args, kwargs = inputs
     assert torch.isfinite(program.module()(*args, **kwargs)).all()
 
@@ -63,8 +66,25 @@ def _rewrite_record(src: Path, dst: Path, text: str) -> None:
             zout.writestr(info, text.encode() if info.filename.endswith("/extra/amplite.json") else data)
 
 
+def _spec_text(**changes: object) -> str:
+    return json.dumps({"amplite": "x", "spec": {**ConvertSpec.build().to_json(), **changes}})
+
+
 @pytest.mark.parametrize(
-    "text", ['{"config": {"level": "O9"}}', '{"config": {"keep_fp32": "op:*"}}', "[1, 2]", "{not json"]
+    "text",
+    [
+        '{"spec": {"level": "O9"}}',  # not every field
+        _spec_text(level="O9"),
+        _spec_text(precision="fp8"),  # the low dtype is fp16 or bf16; FP8 is its own field
+        _spec_text(overrides=[{"action": "keep_fp32", "pattern": ["op:*"], "source": "user", "why": ""}]),
+        _spec_text(overrides=[{"action": "keep_fp32", "pattern": "op:*", "source": "range", "why": ""}]),
+        _spec_text(ranges={"enabled": "yes", "data_max": 512.0, "max_reduction_depth": None, "percentile": None}),
+        _spec_text(dynamic_dims={"x": [True]}),
+        _spec_text(script="<script>alert(1)</script>"),  # an unknown field is refused, never carried along
+        '{"amplite": "x"}',
+        "[1, 2]",
+        "{not json",
+    ],
 )
 def test_a_record_amplite_did_not_write_is_refused(saved, tmp_path: Path, text: str) -> None:
     path, model, inputs = saved
@@ -74,12 +94,25 @@ def test_a_record_amplite_did_not_write_is_refused(saved, tmp_path: Path, text: 
         check(model, inputs, converted=bad, layerwise=False)
 
 
-def test_unknown_record_keys_never_reach_the_report(saved, tmp_path: Path) -> None:
-    path, _, _ = saved
+def test_only_the_spec_reaches_the_report(saved, tmp_path: Path) -> None:
+    path, model, inputs = saved
     bad = tmp_path / "extra.pt2"
-    _rewrite_record(path, bad, '{"amplite": "x", "config": {"level": "O2", "script": "<script>alert(1)</script>"}}')
+    text = json.dumps({"amplite": "x", "spec": ConvertSpec.build(level="O2").to_json(),
+                       "config": {"level": "O3", "script": "<script>alert(1)</script>"}})  # fmt: skip
+    _rewrite_record(path, bad, text)
     record = read_conversion(bad)
-    assert record == {"amplite": "x", "config": {"level": "O2"}}
+    assert record is not None and record.amplite == "x" and record.spec.level is Level.O2
+    cfg = check(model, inputs, converted=bad, layerwise=False).report.data["config"]
+    assert cfg["level"] == "O2" and "script" not in cfg
+
+
+def test_a_record_from_before_the_spec_is_inferred_from_the_graph(saved, tmp_path: Path) -> None:
+    path, model, inputs = saved
+    old = tmp_path / "old.pt2"
+    _rewrite_record(path, old, '{"amplite": "0.9", "config": {"level": "O1", "precision": "bf16"}}')
+    assert read_conversion(old) is None
+    cfg = check(model, inputs, converted=old, layerwise=False).report.data["config"]
+    assert cfg["level_source"] == "inferred from the converted file"
 
 
 def test_a_file_without_a_record_is_inferred_as_before(tmp_path: Path) -> None:

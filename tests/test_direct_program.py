@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 from amplite.converter.pipeline import lower_inputs, run_pipeline
 from amplite.converter.tracing import export_model
-from amplite.policy import PrecisionPolicy
+from amplite.spec import ConvertSpec
 from fixtures.zoo import TEST_FIXTURES, make
 
 #: Each fixture at O1 (static) and O2 (dynamic batch), the two precisions swapped from one fixture to the
@@ -98,6 +98,11 @@ def _signature(program: torch.export.ExportedProgram) -> tuple[list, list]:
     return ins, [(s.kind.name, s.target) for s in sig.output_specs]
 
 
+def _spec(precision: str, level: str, **kw: Any) -> ConvertSpec:
+    """The spec these tests convert with: no range rules, no fusion (the plan alone decides)."""
+    return ConvertSpec.build(precision=precision, level=level, range_rules=False, fuse_contractions=False, **kw)
+
+
 def _run(program: torch.export.ExportedProgram, inputs: Any) -> list[torch.Tensor] | str:
     args, kwargs = inputs
     try:
@@ -118,11 +123,12 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, str]
         dynamic = level == "O2"
         if (name, dynamic) not in exported:
             exported[(name, dynamic)] = export_model(model, inputs, dynamic_batch=dynamic)
-        policy = PrecisionPolicy(precision, level, low_precision_io=level == "O3")
         # the stateful model keeps BatchNorm's buffers; a program passed in is re-exported with the same dims
-        kw = {"fold_batchnorm": name != "stateful", "dynamic_batch": dynamic}
-        direct = run_pipeline(exported[(name, dynamic)], inputs, policy, **kw)
-        again = run_pipeline(exported[(name, dynamic)], inputs, policy, reexport=True, **kw)
+        spec = _spec(precision, level, low_precision_io=level == "O3", fold_batchnorm=name != "stateful",
+                     dynamic_batch=dynamic)  # fmt: skip
+        policy = spec.policy()
+        direct = run_pipeline(exported[(name, dynamic)], inputs, spec)
+        again = run_pipeline(exported[(name, dynamic)], inputs, spec, reexport=True)
         batch = int(pytree.tree_leaves(inputs)[0].shape[0])
         new = _fresh(inputs, batch + 3 if dynamic else None)
         if policy.low_precision_io:
@@ -184,7 +190,7 @@ def test_direct_programs_load_and_run_in_a_fresh_process(built: dict) -> None:
 
 def test_reexport_is_the_fallback_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     model, inputs = make("mlp")
-    policy = PrecisionPolicy("fp16", "O2")
+    policy = _spec("fp16", "O2")
     monkeypatch.setenv("AMPLITE_REEXPORT", "1")
     forced = run_pipeline(model, inputs, policy)
     assert forced.build["path"] == "reexport" and "forced" in forced.build["reason"]
@@ -220,8 +226,8 @@ def test_a_buffer_written_in_place_keeps_its_in_graph_mutation() -> None:
             return self.fc(x) + self.calls
 
     inputs = ((torch.randn(2, 8),), {})
-    direct = run_pipeline(Counter().eval(), inputs, PrecisionPolicy("fp16", "O2"))
-    again = run_pipeline(Counter().eval(), inputs, PrecisionPolicy("fp16", "O2"), reexport=True)
+    direct = run_pipeline(Counter().eval(), inputs, _spec("fp16", "O2"))
+    again = run_pipeline(Counter().eval(), inputs, _spec("fp16", "O2"), reexport=True)
     assert direct.build["path"] == "direct"
     assert _signature(direct.converted) == _signature(again.converted)
     # the same ops in the same dtypes; independent nodes (a sym_size beside an input cast) may come in either order

@@ -14,7 +14,7 @@ from typing import Any
 
 from amplite.batch import summary as summ
 from amplite.batch.keys import job_key, parse_shard, select_shard, shard_of
-from amplite.batch.manifest import Job, ManifestError, parse_manifest
+from amplite.batch.manifest import Job, ManifestError, manifest_values, parse_manifest
 from amplite.batch.progress import Progress
 from amplite.batch.runner import (
     DEFAULT_TIMEOUT,
@@ -69,20 +69,18 @@ def defaults_from_options(
         ConfigError: An option a batch cannot take (a tolerance object, calibration batches in memory).
     """
     from amplite.ops.fusion_default import resolve
-    from amplite.verify.data import is_loader_spec
 
     described = ConvertOptions.described()
-    given: dict[str, Any] = {}
-    for name, value in (conversion or ConvertOptions()).given().items():
-        if name == "calibration" and isinstance(value, (str, Path)):
-            key = "calib_loader" if is_loader_spec(value) else "calib"
-            given[key] = str(Path(value).resolve()) if key == "calib" else value
-        elif described[name].kind in ("none", "tolerance"):
+    options = conversion or ConvertOptions()
+    for name, value in options.given().items():
+        path_like = name == "calibration" and isinstance(value, (str, Path))
+        if described[name].kind in ("none", "tolerance") and not path_like:
             raise ConfigError(f"batch defaults cannot hold {name}={value!r}", "set it in the manifest instead")
-        elif name == "fuse_contractions":
-            given[name] = resolve(value)[0]
-        else:
-            given[name] = list(value) if isinstance(value, (list, tuple)) else value
+    given = manifest_values(options)
+    if "calib" in given:
+        given["calib"] = str(Path(given["calib"]).resolve())
+    if "fuse_contractions" in given:
+        given["fuse_contractions"] = resolve(given["fuse_contractions"])[0]
     if inputs:
         given["inputs"] = list(inputs)
     if inputs_file:

@@ -9,9 +9,13 @@ new conversion option with a manifest kind is a manifest key at once.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import fields
 from typing import Any
 
+from amplite.errors import ConfigError
+from amplite.levels import resolve_level
 from amplite.options import ConvertOptions, Kind
+from amplite.verify.compare import Tolerance
 
 #: The keys of a job that are not conversion options (how to find the model and its inputs, what to write,
 #: how to run the worker), with their descriptions and kinds.
@@ -40,7 +44,9 @@ JOB_KEYS: dict[str, str] = {
     **{k: o.manifest for k, o in ConvertOptions.described().items() if o.kind != "none"},
 }
 MODEL_ONLY = ("name", "path")
-_TOLERANCE_KEYS = ("min_sqnr_db", "min_cosine", "max_mismatch")
+#: A manifest tolerance table's keys: the thresholds of :class:`amplite.verify.compare.Tolerance` (criteria
+#: text excepted).
+TOLERANCE_KEYS = tuple(f.name for f in fields(Tolerance) if f.name != "criteria")
 
 
 def conversion_keys() -> tuple[str, ...]:
@@ -79,11 +85,10 @@ def check_value(key: str, value: Any) -> Any:
             raise ValueError(f"expected an integer, got {value!r}")
         return value
     if kind == "level":
-        text = str(value).strip().upper()
-        text = "O" + text if text in ("0", "1", "2", "3") else text
-        if text not in ("O0", "O1", "O2", "O3"):
-            raise ValueError(f"unknown level {value!r}")
-        return text
+        try:
+            return resolve_level(str(value)).value  # the one parser of level names
+        except ConfigError:
+            raise ValueError(f"unknown level {value!r}") from None
     if kind == "count":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"expected {JOB_KEYS[key]}, got {value!r}")
@@ -95,9 +100,9 @@ def check_value(key: str, value: Any) -> Any:
     if kind == "tolerance":
         if not isinstance(value, Mapping):
             raise ValueError(f"expected {JOB_KEYS[key]}, got {value!r}")
-        bad = [k for k in value if k not in _TOLERANCE_KEYS]
+        bad = [k for k in value if k not in TOLERANCE_KEYS]
         if bad:
-            raise SubKeyError(f"unknown tolerance key {bad[0]!r} (known: {', '.join(_TOLERANCE_KEYS)})", bad[0])
+            raise SubKeyError(f"unknown tolerance key {bad[0]!r} (known: {', '.join(TOLERANCE_KEYS)})", bad[0])
         for k, v in value.items():
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise SubKeyError(f"tolerance values must be numbers, got {k} = {v!r}", k)

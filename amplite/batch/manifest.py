@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from difflib import get_close_matches
 from pathlib import Path
 from typing import Any
@@ -17,12 +17,16 @@ from typing import Any
 from amplite.batch.keys_table import (
     JOB_KEYS,
     MODEL_ONLY,
+    TOLERANCE_KEYS,
     SubKeyError,
     check_value,
+    conversion_keys,
 )
 from amplite.errors import ConfigError
 from amplite.options import ConvertOptions
 from amplite.paths import not_a_file
+from amplite.policy import Level
+from amplite.verify.compare import Tolerance
 
 try:
     import tomllib
@@ -38,57 +42,44 @@ class ManifestError(ConfigError):
     """The manifest (or the batch's source or options) is invalid; the batch does not start."""
 
 
-_DEFAULT = ConvertOptions.default
-
-
 @dataclass(frozen=True)
 class Job:
-    """One model to convert and its settings: the manifest's keys (``keys_table.JOB_KEYS``), the conversion
-    options among them with ``amplite.ConvertOptions``' defaults (``fuse_contractions`` resolved to a bool,
-    ``level`` fixed when the manifest is read, ``calib``/``calib_loader`` for ``calibration``).
+    """One model to convert: a model file and its conversion options (one :class:`amplite.ConvertOptions`,
+    checked as a spec when the manifest is read, its precision and level fixed then: ``$AMPLITE_LEVEL``, as
+    ``amplite convert`` reads it, is part of the resume hash), plus how to find its inputs, what to write and how
+    to run the worker. Every other conversion option keeps ``amplite.convert``'s default.
 
     Attributes:
         name: Output sub-directory name, unique in the batch.
         path: Absolute path of the model file.
+        options: The conversion options (``calibration``: the manifest's ``calib`` or ``calib_loader``;
+            ``tolerance``: the manifest's table over the precision's default).
+        inputs: Input specs ``NAME:SHAPE:DTYPE[lo,hi)``, as keyword inputs.
+        inputs_file: An inputs file (absolute).
+        seed: Seed of the random inputs.
+        formats: Output formats.
+        timeout: Seconds for the worker (None: the batch's).
+        max_memory_gb: GiB of address space for the worker.
         line: Manifest line of the entry (0 when not from a manifest), for messages.
     """
 
     name: str
     path: str
+    options: ConvertOptions = field(default_factory=ConvertOptions)
     inputs: tuple[str, ...] = ()
     inputs_file: str | None = None
     seed: int = 0
-    precision: str = "fp16"
-    level: str = "O1"
-    keep_fp32: tuple[str, ...] = ()
-    force_low: tuple[str, ...] = ()
-    tolerance: Mapping[str, float] | None = None
     formats: tuple[str, ...] = ("pt2",)
-    model_factory: str | None = None
-    trust_pickle: bool = False
-    dynamic_batch: bool = False
-    low_precision_io: bool = False
-    fuse_contractions: bool = False
-    dynamic_dims: tuple[str, ...] = ()
-    range_rules: bool | None = None
-    data_max: float = _DEFAULT("data_max")
-    max_reduction_depth: int = _DEFAULT("max_reduction_depth")
-    fold_batchnorm: bool = True
-    calib: str | None = None
-    calib_loader: str | None = None
-    gpu_profile: str = _DEFAULT("gpu_profile")
-    import_modules: tuple[str, ...] = ()
-    range_percentile: float | None = None
-    verify: bool = True
     timeout: float | None = None
     max_memory_gb: float | None = None
     line: int = field(default=0, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able settings (what the worker process receives)."""
-        d = asdict(self)
-        d["tolerance"] = dict(self.tolerance) if self.tolerance else None
-        return d
+        """JSON-able settings in the manifest's keys (what the worker process receives; :meth:`from_dict`
+        reads them back equal): the job's own keys (None: not set, left out), and the conversion options given."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "options"}
+        own = {k: list(v) if isinstance(v, tuple) else v for k, v in own.items() if v is not None}
+        return {**own, **manifest_values(self.options)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, base: Path | None = None) -> Job:
@@ -100,6 +91,24 @@ class Job:
         data = dict(data)
         line = int(data.pop("line", 0) or 0)
         return make_job(data, base or Path.cwd(), lambda key: line, where="job")
+
+
+def manifest_values(options: ConvertOptions) -> dict[str, Any]:
+    """The options given (not at their defaults) as manifest values: ``calibration`` as ``calib`` (a directory)
+    or ``calib_loader`` (``module:function``), a tolerance as its table, a level as its name, lists as lists."""
+    from amplite.verify.data import is_loader_spec
+
+    out: dict[str, Any] = {}
+    for name, value in options.given().items():
+        if name == "calibration" and isinstance(value, (str, Path)):
+            out["calib_loader" if is_loader_spec(value) else "calib"] = str(value)
+        elif name == "tolerance" and isinstance(value, Tolerance) and not value.criteria:
+            out[name] = {k: getattr(value, k) for k in TOLERANCE_KEYS}
+        elif isinstance(value, Level):
+            out[name] = value.value
+        else:
+            out[name] = list(value) if isinstance(value, (list, tuple)) else value
+    return out
 
 
 def _line_index(text: str) -> Any:
@@ -190,29 +199,44 @@ def make_job(data: dict[str, Any], base: Path, line_of: Any, *, where: str) -> J
             where, line_of("name"), "name", f"{name!r} is not a valid directory name", JOB_KEYS["name"]
         )
     values["name"] = name
-    precision = values.get("precision", "fp16")
-    if precision not in ("fp16", "bf16", "fp8"):
-        raise _fail(
-            where, line_of("precision"), "precision", f"unknown precision {precision!r}", "use fp16, bf16 or fp8"
-        )
-    if "level" not in values:  # as `amplite convert` does: $AMPLITE_LEVEL, else O1; fixed now for the hash
-        from amplite.levels import resolve_level
-
-        values["level"] = resolve_level(None, precision).value  # fp8's default is O2
-    _check_policy(values, where, line_of)
-    return Job(**values, line=line_of("name") if "name" in data else line_of("path"))
+    options = _options(values, where, line_of)
+    _check_formats(values, where, line_of)
+    return Job(values.pop("name"), values.pop("path"), options, **values,
+               line=line_of("name") if "name" in data else line_of("path"))  # fmt: skip
 
 
-def _check_policy(values: dict[str, Any], where: str, line_of: Any) -> None:
-    """Validate override patterns and output formats with the converter's own checks."""
-    from amplite.converter import emit
-    from amplite.policy import make_overrides
+def _options(values: dict[str, Any], where: str, line_of: Any) -> ConvertOptions:
+    """Take the conversion keys out of ``values`` as one ``ConvertOptions``, checked as ``amplite.convert``
+    checks them (:meth:`ConvertOptions.spec`), with the precision and level fixed (for the resume hash)."""
+    from amplite.options import calibration_source
+    from amplite.verify.compare import DEFAULT_TOLERANCES
 
+    given = {k: values.pop(k) for k in conversion_keys() if k in values}
+    table = values.pop("tolerance", None)
+    calib, loader = values.pop("calib", None), values.pop("calib_loader", None)
+    for key, value in given.items():  # each value alone first: the error names its key and line
+        try:
+            ConvertOptions(**{key: value}).spec()
+        except ConfigError as exc:
+            raise _fail(where, line_of(key), key, exc.problem, exc.fix) from None
     try:
-        make_overrides(values.get("keep_fp32", ()), values.get("force_low", ()))
-    except ConfigError as exc:
-        key = "keep_fp32" if "keep_fp32" in values else "force_low"
-        raise _fail(where, line_of(key), key, exc.problem, exc.fix) from None
+        options = ConvertOptions(**given, calibration=calibration_source(calib, loader))
+        spec = options.spec()
+    except ConfigError as exc:  # values that contradict each other (fp8 at O0, calib and calib_loader)
+        both = calib is not None and loader is not None
+        key = "calib_loader" if both else "level" if "level" in given else "precision"
+        raise _fail(where, line_of(key), None, exc.problem, exc.fix) from None
+    tolerance = None
+    if table is not None:  # the manifest's thresholds over the precision's default
+        default = DEFAULT_TOLERANCES[spec.precision_name]
+        tolerance = Tolerance(**{**{k: getattr(default, k) for k in TOLERANCE_KEYS}, **table})
+    return replace(options, precision=spec.precision_name, level=spec.level, tolerance=tolerance)
+
+
+def _check_formats(values: dict[str, Any], where: str, line_of: Any) -> None:
+    """Validate output formats with the converter's own check."""
+    from amplite.converter import emit
+
     for fmt in values.get("formats", ("pt2",)):
         try:
             emit.format_for(f"model.{fmt}", fmt)
@@ -301,7 +325,7 @@ def parse_manifest(
     check_unique(jobs, where)
     confirmed = bool((defaults or {}).get("trust_pickle"))
     for job in jobs:
-        if job.trust_pickle and not confirmed:  # a manifest is a file like the models: it cannot opt in alone
+        if job.options.trust_pickle and not confirmed:  # a manifest is a file like the models: it cannot opt in alone
             raise ManifestError(
                 f"{where}: model {job.name!r} sets trust_pickle = true (line {job.line}); unpickling runs code "
                 "from its model file",

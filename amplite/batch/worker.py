@@ -41,18 +41,9 @@ def convert_job(job: dict[str, Any], out: Path) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         from amplite.api import convert
-        from amplite.batch.keys_table import conversion_keys
-        from amplite.options import ConvertOptions, calibration_source
-        from amplite.verify.compare import DEFAULT_TOLERANCES, Tolerance
+        from amplite.batch.manifest import Job
 
-        tol = None
-        if job.get("tolerance"):
-            tol = Tolerance(**{**vars(DEFAULT_TOLERANCES[job["precision"]]), **job["tolerance"]})
-        options = ConvertOptions.of(
-            tolerance=tol, calibration=calibration_source(job.get("calib"), job.get("calib_loader")),
-            **{k: tuple(job[k]) if isinstance(job[k], list) else job[k] for k in conversion_keys() if k in job},
-        )  # fmt: skip
-        result = convert(job["path"], _inputs(job), options=options)
+        result = convert(job["path"], _inputs(job), options=Job.from_dict(job).options)
         files = [result.save(out / f"model.{fmt}", format=fmt).name for fmt in job["formats"]]
         result.report.save(out / "report.json")
         row = _success_row(job, result)

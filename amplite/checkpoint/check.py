@@ -94,7 +94,7 @@ def check_converted_dir(
 
 
 def _tolerance(tolerance: Any, conv: StreamedConversion) -> Any:
-    precision = conv.data["config"]["precision"]
+    precision = conv.spec.precision_name
     return parse_tolerance(list(tolerance or ()), precision) if not hasattr(tolerance, "criteria") else tolerance
 
 

@@ -11,8 +11,8 @@ its planned dtype (``amplite.checkpoint.write``).
 from __future__ import annotations
 
 import math
-import os
 import resource
+from dataclasses import replace
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -36,12 +36,12 @@ from amplite.checkpoint.untraced import planned_dtypes
 from amplite.converter.graph_stats import graph_stats
 from amplite.converter.pipeline import PipelineOutput, run_pipeline
 from amplite.errors import ExportError
-from amplite.levels import LEVEL_ENV, resolve_level
 from amplite.options import ConvertOptions
 from amplite.passes.range_guard import RangeRules, weight_reason
-from amplite.policy import Level, PrecisionPolicy, make_overrides
+from amplite.policy import Level, make_overrides
 from amplite.report.document import build_report
 from amplite.report.sections import Source, WeightRules
+from amplite.spec import RangeSpec
 from amplite.verify.data import calibration_batches
 
 __all__ = ["Progress", "StreamedConversion", "_no_progress", "_on_meta", "convert_checkpoint", "random_inputs"]
@@ -94,35 +94,37 @@ def convert_checkpoint(
     Raises:
         ConfigError: An option that does not apply to a checkpoint directory, or a bad value.
     """
-    opts, fp8 = split_fp8(ConvertOptions.of(options, **changes))
-    opts = opts.only_for("checkpoint")  # before any work
-    batches = calibration_batches(fp8.calibration) if fp8 is not None and fp8.calibration is not None else None
-    precision, level, keep_fp32, force_low = opts.precision_name, opts.level, opts.keep_fp32, opts.force_low
-    low_precision_io, range_rules = opts.low_precision_io, opts.range_rules
+    full = ConvertOptions.of(options, **changes)
+    split_fp8(full)[0].only_for("checkpoint")  # before any work (fp8's calibration feeds its scales)
+    # fp8: the bf16 plan, with FP8 weights planned by amplite.checkpoint.fp8 (static scales from calibration)
+    spec = full.spec("checkpoint", module_prefix=PREFIX)
+    fp8 = spec.fp8 is not None
+    batches = calibration_batches(full.calibration) if fp8 and full.calibration is not None else None
+    lvl = spec.level
     timings: dict[str, float] = {}
     start = perf_counter()
     ckpt = open_checkpoint(path)
     refuse_quantized(ckpt)
-    lvl = checkpoint_level(level)
     model, buffers = build_meta_model(ckpt)
     keys = map_keys(ckpt, model.lm)
-    plan = plan_fp8(keys, model.lm) if fp8 is not None else None  # refuses what it cannot store, before export
+    plan = plan_fp8(keys, model.lm) if fp8 else None  # refuses what it cannot store, before export
     if example_inputs is None and batches:
         example_inputs = batches[0]  # calibration runs the traced program: trace with its shapes
     inputs = example_inputs if example_inputs is not None else example_inputs_for(ckpt.config)
     inputs = torch.utils._pytree.tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, inputs)
     timings["build"] = perf_counter() - start
     start = perf_counter()
-    use_rules = range_rules if range_rules is not None else lvl in (Level.O1, Level.O2)
-    flagged = weight_rules(ckpt, keys, progress, RangeRules()) if use_rules and precision == "fp16" else {}
+    rules = spec.range_rules()  # fp16 weight rules only: bf16 holds FP32's range
+    flagged = weight_rules(ckpt, keys, progress, rules) if rules is not None and spec.precision is torch.float16 else {}
     timings["weight_statistics"] = perf_counter() - start
     # fp16 weight rules; patterns see the user's module names (model.layers.0...), not the wrapper's lm.
     pins = make_overrides([f"module:{m.removeprefix(PREFIX)}" for m in flagged], source="checkpoint")
-    policy = PrecisionPolicy(precision, lvl, (*make_overrides(keep_fp32, force_low), *pins), low_precision_io,
-                             module_prefix=PREFIX)  # fmt: skip
+    # The activation range rules need a forward with real weights: the meta trace runs none. FP8 is planned
+    # on the shards by amplite.checkpoint.fp8, over the bf16 plan.
+    planned = replace(spec.with_overrides(pins), ranges=RangeSpec(enabled=False), fp8=None)
     untraced: str | None = None
     try:
-        out: PipelineOutput | None = run_pipeline(model, inputs, policy, fold_batchnorm=False)
+        out: PipelineOutput | None = run_pipeline(model, inputs, planned)
         timings.update(out.timings)
         _check_constants(out.converted, keys, buffers)
         dtypes = {name: t.dtype for name, t in [*out.converted.state_dict.items(), *out.converted.constants.items()]
@@ -131,7 +133,7 @@ def convert_checkpoint(
         if plan is not None:  # FP8's static scales and its checks run the traced program
             raise
         out, untraced = None, exc.problem
-        dtypes = planned_dtypes(keys, policy.low_dtype, lvl, flagged)
+        dtypes = planned_dtypes(keys, spec.precision, lvl, flagged)
     if plan is not None and batches is not None and out is not None:
         start = perf_counter()
         plan = calibrate(plan, out.original, lambda n: _fp32_tensor(ckpt, keys, buffers, n), batches)
@@ -140,7 +142,7 @@ def convert_checkpoint(
     if plan is not None:
         dtypes.update(dict.fromkeys(plan.linears, torch.float8_e4m3fn))
     after = sum(math.prod(i.shape) * dtypes[n].itemsize for n, i in ckpt.tensors.items())
-    applied = bool(flagged or use_rules)
+    applied = rules is not None
     warnings = storage_warnings(ckpt, keys, dtypes, lvl)
     if untraced is not None:
         warnings.append(f"no .pt2 and no block-wise check: {untraced}; the safetensors output is converted from the "
@@ -148,14 +150,14 @@ def convert_checkpoint(
     empty = torch.fx.Graph()
     report = build_report(
         source=Source.of(ckpt.path, "checkpoint", shards=len(ckpt.shards)),
-        config={"precision": "fp8" if plan is not None else precision, "level": lvl.value, "keep_fp32": list(keep_fp32),
-                "force_low": list(force_low), "low_precision_io": low_precision_io,
-                "range_rules": vars(RangeRules()) if applied else None,
+        config={"precision": spec.precision_name, "level": lvl.value, "keep_fp32": spec.patterns("keep_fp32"),
+                "force_low": spec.patterns("force_low"), "low_precision_io": spec.low_precision_io,
+                "range_rules": vars(rules) if rules is not None else None,
                 **({"range_rules_scope": "weights only (streamed statistics)"} if applied else {})},
         records=out.records if out is not None else [],
         plan=out.plan if out is not None else [],
-        stats_before=graph_stats(out.original.graph if out is not None else empty, policy.low_dtype),
-        stats_after=graph_stats(out.converted.graph if out is not None else empty, policy.low_dtype),
+        stats_before=graph_stats(out.original.graph if out is not None else empty, spec.precision),
+        stats_after=graph_stats(out.converted.graph if out is not None else empty, spec.precision),
         weights=(ckpt.total_bytes, after),
         metrics=None,
         tolerance=None,
@@ -163,8 +165,9 @@ def convert_checkpoint(
         warnings=warnings,
         extra=(WeightRules.of(flagged), *([fp8_section(plan, ckpt)] if plan is not None else [])),
     )  # fmt: skip
-    return StreamedConversion(ckpt, out, dtypes, buffers, keys, report, opts.verification().tolerance,  # type: ignore[arg-type]
-                              untraced=untraced, example=inputs, fp8=plan)  # fmt: skip
+    tolerance = split_fp8(full)[0].verification().tolerance
+    return StreamedConversion(ckpt, out, dtypes, buffers, keys, report, tolerance,  # type: ignore[arg-type]
+                              untraced=untraced, example=inputs, fp8=plan, spec=spec)  # fmt: skip
 
 
 def _fp32_tensor(ckpt: Checkpoint, keys: KeyMap, buffers: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -194,14 +197,6 @@ def _check_constants(program: ExportedProgram, keys: KeyMap, buffers: dict[str, 
                               f"({name}) whose values only exist at run time",
                               "convert the loaded model in memory for a program: amplite.convert(model, "
                               "example_inputs)")  # fmt: skip
-
-
-def checkpoint_level(level: str | Level | None) -> Level:
-    """The level for a checkpoint: as given (or ``AMPLITE_LEVEL``), else O2, which stores low-precision
-    weights (O1 keeps FP32 masters: its safetensors output would be the source unchanged)."""
-    if level is None and not os.environ.get(LEVEL_ENV):
-        return Level.O2
-    return resolve_level(level)
 
 
 def storage_dtypes(ckpt: Checkpoint, keys: KeyMap, planned: dict[str, torch.dtype]) -> dict[str, torch.dtype]:

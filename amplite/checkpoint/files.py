@@ -15,7 +15,6 @@ from amplite.checkpoint.convert import (
     StreamedConversion,
     _no_progress,
     _on_meta,
-    checkpoint_level,
     convert_checkpoint,
     peak_rss_bytes,
 )
@@ -63,13 +62,11 @@ def checkpoint_to_files(
         AmpliteError: A bad directory, option or destination (before anything is written).
     """
     opts = ConvertOptions.of(options, **changes)
-    plain, fp8 = split_fp8(opts)
+    plain = split_fp8(opts)[0]
     plain.only_for("checkpoint")  # before any work
     verify, tolerance = opts.verify, plain.verification().tolerance
     src = Path(source)
-    precision = "fp8" if fp8 is not None else plain.precision_name
-    level = checkpoint_level(opts.level).value
-    targets = plan_checkpoint_outputs(src, output, formats, precision, level)
+    targets = plan_checkpoint_outputs(src, output, formats, opts.spec("checkpoint"))
     check_outputs(targets)
     first = targets[0][1]
     name = first.stem if first.suffix == ".pt2" else first.name

@@ -16,6 +16,7 @@ from typing import Any
 from amplite.converter import emit
 from amplite.errors import ConfigError
 from amplite.paths import check_output
+from amplite.spec import ConvertSpec
 
 FORMATS = ("safetensors", "pt2")
 
@@ -24,10 +25,12 @@ def _no_progress(step: str, done: int, total: int) -> None:
     return None
 
 
-def plan_checkpoint_outputs(source: Path, output: str | Path | None, formats: str | None, precision: str,
-                            level: Any) -> list[tuple[str, Path]]:  # fmt: skip
-    """The outputs to write: ``-o X.pt2`` is a .pt2, any other ``-o`` a safetensors directory."""
-    base = Path(output) if output is not None else source.with_name(f"{source.name}.{precision}.{level}")
+def plan_checkpoint_outputs(source: Path, output: str | Path | None, formats: str | None,
+                            spec: ConvertSpec) -> list[tuple[str, Path]]:  # fmt: skip
+    """The outputs to write: ``-o X.pt2`` is a .pt2, any other ``-o`` a safetensors directory (default name:
+    the source's, with the spec's precision and level)."""
+    name = f"{source.name}.{spec.precision_name}.{spec.level.value}"
+    base = Path(output) if output is not None else source.with_name(name)
     if formats:
         chosen = [f.strip().lower() for f in formats.split(",") if f.strip()]
         if not chosen or any(f not in FORMATS for f in chosen) or len(set(chosen)) != len(chosen):
@@ -35,7 +38,7 @@ def plan_checkpoint_outputs(source: Path, output: str | Path | None, formats: st
                               f"give a comma list of {', '.join(FORMATS)}, each once")  # fmt: skip
     else:
         chosen = ["pt2" if base.suffix == ".pt2" else "safetensors"]
-    if precision == "fp8" and "pt2" in chosen:
+    if spec.fp8 is not None and "pt2" in chosen:
         raise ConfigError("--precision fp8 writes a safetensors directory in vLLM's layout, not a .pt2",
                           "drop --format pt2 / -o X.pt2 (write -o DIR), or convert to bf16 for a .pt2")  # fmt: skip
     stem = base.with_suffix("") if base.suffix == ".pt2" else base

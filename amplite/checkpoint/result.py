@@ -23,10 +23,12 @@ from amplite.checkpoint.keys import KeyMap
 from amplite.checkpoint.loader import check_loadable, loader_dtypes
 from amplite.checkpoint.source import PREFIX, Checkpoint, load_tensor, open_checkpoint
 from amplite.checkpoint.write import Pt2Weights, cast_tensor, write_pt2, write_safetensors_dir
+from amplite.converter import emit
 from amplite.converter.pipeline import PipelineOutput
 from amplite.errors import ConfigError
 from amplite.report.document import Report
 from amplite.report.sections import Outputs, Timings, Verification
+from amplite.spec import ConvertSpec
 from amplite.verify.compare import DEFAULT_TOLERANCES, Tolerance
 
 Progress = Callable[[str, int, int], None]  # (step, bytes done, bytes total)
@@ -66,6 +68,7 @@ class StreamedConversion:
             (``amplite.checkpoint.untraced``).
         example: The (meta) example inputs the model was traced with.
         fp8: For ``precision="fp8"``: which weights are stored FP8, the activation scheme and scales.
+        spec: The conversion's settings (``to_json`` is the written ``amplite-plan.json``'s ``spec``).
     """
 
     checkpoint: Checkpoint
@@ -78,6 +81,7 @@ class StreamedConversion:
     untraced: str | None = None
     example: Any = None
     fp8: Fp8Plan | None = None
+    spec: ConvertSpec = field(default_factory=lambda: ConvertSpec(path="checkpoint"))
 
     @property
     def data(self) -> Mapping[str, Any]:
@@ -140,7 +144,8 @@ class StreamedConversion:
             done[0] += n
             progress("writing safetensors", done[0], total)
 
-        plan = {"config": self.data.get("config"), "dtypes": {k: str(v) for k, v in self.dtypes.items()},
+        plan = {"config": self.data.get("config"), "spec": self.spec.to_json(),
+                "dtypes": {k: str(v) for k, v in self.dtypes.items()},
                 "plan": self.pipeline.plan if self.pipeline is not None else []}  # fmt: skip
         if self.fp8 is not None:
             plan = {**plan, "fp8": {"activation_scheme": self.fp8.scheme, "fp8_linears": sorted(self.fp8.linears),
@@ -164,7 +169,8 @@ class StreamedConversion:
             progress("writing .pt2", done[0], total)
 
         sources = {n: (lambda n=n: self.tensor(n)) for n in names}
-        return write_pt2(self.program, Path(dest), sources, step, self.aliases(names))
+        record = emit.conversion_record(self.spec, self.data.get("config"))  # check --converted reads the spec back
+        return write_pt2(self.program, Path(dest), sources, step, self.aliases(names), record)
 
     def save(
         self,
@@ -195,12 +201,11 @@ class StreamedConversion:
         """
         from amplite.checkpoint.outputs import _remove, _size, check_outputs, plan_checkpoint_outputs, write_outputs
 
-        level = str(self.data.get("config", {}).get("level", "O2"))
-        precision = str(self.data.get("config", {}).get("precision", "fp16"))
-        targets = plan_checkpoint_outputs(self.checkpoint.path, path, format, precision, level)
+        targets = plan_checkpoint_outputs(self.checkpoint.path, path, format, self.spec)
         check_outputs(targets)
         # token_agreement / ppl_delta criteria: the written directory is also checked on generation (as the CLI)
         make = _GENERATION_CHECK[0] if _GENERATION_CHECK else None
+        precision = self.spec.precision_name
         generation = make(self.checkpoint.path, self.tolerance, precision) if verify and make is not None else None
         targets = self.writable(targets)
         if any(f == "safetensors" for f, _ in targets):
@@ -279,7 +284,7 @@ class StreamedConversion:
             The ``verification`` section (also stored in :attr:`report`).
         """
         vocab = int(self.checkpoint.config.get("vocab_size", 2))
-        precision = self.data["config"]["precision"]
+        precision = self.spec.precision_name
         if self.untraced is not None:  # no program to walk: the written directory through from_pretrained
             from amplite.checkpoint.untraced import real_inputs, verify_through_loader
 

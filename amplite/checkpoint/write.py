@@ -31,6 +31,7 @@ from torch.export.passes import move_to_device_pass
 from torch.utils._pytree import tree_map_only
 
 from amplite.checkpoint.source import INDEX, Checkpoint, TensorInfo
+from amplite.converter import emit
 from amplite.errors import EmitError
 from amplite.paths import check_output
 
@@ -215,6 +216,7 @@ def write_pt2(
     tensors: dict[str, Callable[[], torch.Tensor]],
     progress: Progress,
     aliases: dict[str, str] | None = None,
+    conversion: dict[str, Any] | None = None,
 ) -> Path:
     """Save ``program`` (meta weights) as a ``.pt2`` whose weights are streamed from ``tensors``.
 
@@ -225,6 +227,7 @@ def write_pt2(
         progress: Called with the bytes of each tensor written.
         aliases: Weight -> an earlier weight with the same values (tied weights): its entry points to that
             weight's file, so the bytes are stored once.
+        conversion: The record of how it was made (``extra/amplite.json``: ``emit.conversion_record``).
     """
     check_output(dest, "-o")
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -234,7 +237,8 @@ def write_pt2(
     skeleton = os.path.join(skeleton_dir, dest.name)  # the archive's folder is named after it
     try:
         with cpu_stand_ins(program) as metas:
-            torch.export.save(program, skeleton)
+            extra = {emit.CONVERSION_ENTRY: json.dumps(conversion, allow_nan=False)} if conversion is not None else None
+            torch.export.save(program, skeleton, extra_files=extra)
         _stream_archive(Path(skeleton), Path(tmp), metas, tensors, progress, aliases or {})
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, dest)

@@ -10,6 +10,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch.export import ExportedProgram
 
 from amplite.errors import ConfigError, EmitError
 from amplite.paths import STDOUT, check_output
+from amplite.spec import ConvertSpec
 
 FORMATS = ("pt2", "onnx", "aoti")
 
@@ -120,13 +122,25 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
 
 
 #: The archive entry (``<root>/extra/amplite.json``) recording how a converted .pt2 was made: ``{"amplite":
-#: version, "config": the report's config}``. JSON only; read back by :func:`read_conversion`.
+#: version, "spec": ConvertSpec.to_json(), "config": the report's config, "passed": the verdict}``. JSON only;
+#: read back by :func:`read_conversion`.
 CONVERSION_ENTRY = "amplite.json"
 _MAX_CONVERSION_BYTES = 1 << 20
 
 
+def conversion_record(spec: ConvertSpec, config: Mapping[str, Any] | None = None,
+                      passed: bool | None = None) -> dict[str, Any]:  # fmt: skip
+    """What a .pt2 amplite writes records of its conversion: the spec whole (read back by
+    :func:`read_conversion`), and for people reading the archive the report's ``config`` and verdict."""
+    from amplite.version import __version__
+
+    return {"amplite": __version__, "spec": spec.to_json(), "config": dict(config or spec.to_config()),
+            "passed": passed}  # fmt: skip
+
+
 def save_program(program: ExportedProgram, path: str | Path, conversion: Mapping[str, Any] | None = None) -> Path:
-    """Write an ExportedProgram as a .pt2 archive, atomically; ``conversion`` (JSON-able) is recorded in it.
+    """Write an ExportedProgram as a .pt2 archive, atomically; ``conversion`` (JSON-able, see
+    :func:`conversion_record`) is recorded in it.
 
     Re-export records each node's provenance (``from_node``) from the graph amplite rewrote; it serves
     the in-memory analysis, but in the file it would grow the graph JSON by about a quarter, so it is
@@ -144,13 +158,28 @@ def save_program(program: ExportedProgram, path: str | Path, conversion: Mapping
             node.meta["from_node"] = value
 
 
-def read_conversion(path: str | Path) -> dict[str, Any] | None:
-    """What :func:`save_program` recorded in a .pt2 (None for a file amplite did not convert, or an older one).
+@dataclass(frozen=True)
+class Recorded:
+    """What a converted .pt2 records of its conversion.
 
-    Reads one JSON entry of at most 1 MiB with ``json.loads``; nothing in it is evaluated.
+    Attributes:
+        amplite: The version of amplite that wrote it.
+        spec: The conversion's spec, read back (:meth:`ConvertSpec.from_json`).
+    """
+
+    amplite: str
+    spec: ConvertSpec
+
+
+def read_conversion(path: str | Path) -> Recorded | None:
+    """What :func:`save_program` recorded in a .pt2 (None for a file amplite did not convert, or one an amplite
+    before the spec record wrote: its conversion is then inferred from the graph).
+
+    Reads one JSON entry of at most 1 MiB with ``json.loads``; nothing in it is evaluated, and the spec is
+    checked field by field (:meth:`ConvertSpec.from_json`): nothing else of it reaches a report.
 
     Raises:
-        LoadError: The entry is there but is not a JSON object with a ``config`` object.
+        LoadError: The entry is there but is not the record amplite writes.
     """
     import zipfile
 
@@ -164,33 +193,14 @@ def read_conversion(path: str | Path) -> dict[str, Any] | None:
             value = json.loads(zf.read(names[0]).decode("utf-8"))
     except (OSError, zipfile.BadZipFile, ValueError, UnicodeDecodeError, RecursionError):
         value = None
-    config = value.get("config") if isinstance(value, dict) else None
-    if not isinstance(config, dict) or any(not _RECORDED[k](v) for k, v in config.items() if k in _RECORDED):
-        raise LoadError(f"{str(path)!r}: its extra/{CONVERSION_ENTRY} is not the record amplite writes",
-                        "re-convert the model with amplite convert")  # fmt: skip
-    # only the keys amplite writes, of the types it writes, reach a report
-    return {"amplite": str(value.get("amplite", "")), "config": {k: v for k, v in config.items() if k in _RECORDED}}
-
-
-def _strings(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(x, str) for x in v)
-
-
-#: The recorded config keys read back, each with its check.
-_RECORDED: dict[str, Callable[[Any], bool]] = {
-    "precision": lambda v: v in ("fp16", "bf16", "fp8"),
-    "level": lambda v: v in ("O0", "O1", "O2", "O3"),
-    "level_source": lambda v: isinstance(v, str),
-    "keep_fp32": _strings,
-    "force_low": _strings,
-    "low_precision_io": lambda v: isinstance(v, bool),
-    "dynamic_batch": lambda v: isinstance(v, bool),
-    "dynamic_dims": lambda v: isinstance(v, dict) and all(isinstance(d, list) for d in v.values()),
-    "fuse_contractions": lambda v: isinstance(v, bool),
-    "fuse_contractions_reason": lambda v: isinstance(v, str),
-    "range_rules": lambda v: v is None or isinstance(v, dict),
-    "fold_batchnorm": lambda v: isinstance(v, bool),
-}
+    if isinstance(value, dict) and "spec" not in value and isinstance(value.get("config"), dict):
+        return None  # an amplite before the spec record: inferred from the graph, as for any other file
+    try:
+        spec = ConvertSpec.from_json(value.get("spec") if isinstance(value, dict) else value)
+    except ConfigError as exc:
+        raise LoadError(f"{str(path)!r}: its extra/{CONVERSION_ENTRY} is not the record amplite writes ({exc.problem})",
+                        "re-convert the model with amplite convert") from None  # fmt: skip
+    return Recorded(str(value.get("amplite", "")), spec)
 
 
 def write_text(path: str | Path, text: str) -> Path:

@@ -8,6 +8,9 @@ the passes' FakeTensor metadata kept), checked cheaply, and only when that canno
 check out is the rewritten module exported again (about one more ``torch.export``). Which path built
 the program, and why, is in the ``build_program`` record; ``AMPLITE_REEXPORT=1`` (or
 ``run_pipeline(..., reexport=True)``) forces re-export.
+
+The settings arrive as one :class:`~amplite.spec.ConvertSpec`; what is not a setting (the example inputs,
+calibration batches, ranges already calibrated) stays an argument.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from amplite.converter.calibration import ValueRange, collect_ranges
 from amplite.converter.direct import NotDirect, lift, prove
 from amplite.converter.dtype_check import CheckDtypes
 from amplite.converter.inputs import bind_to_program
-from amplite.converter.tracing import DynamicDims, Inputs, export_model, static_batch_inputs
+from amplite.converter.tracing import Inputs, export_model, static_batch_inputs
 from amplite.errors import ExportError, InternalError
 from amplite.passes.annotate_precision import AnnotatePrecision
 from amplite.passes.base import Pass, PassManager, PassRecord
@@ -45,6 +48,7 @@ from amplite.passes.meta import PRECISION_KEY
 from amplite.passes.range_guard import RangeGuard, RangeRules
 from amplite.passes.store_low_params import StoreLowPrecisionParams
 from amplite.policy import Level, PrecisionPolicy
+from amplite.spec import ConvertSpec
 
 _EXPORT_CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
 
@@ -177,12 +181,9 @@ class Rewrite:
 def rewrite(
     original: ExportedProgram,
     inputs: Inputs,
-    policy: PrecisionPolicy,
+    spec: ConvertSpec,
     *,
-    fuse_contractions: bool = False,
-    range_rules: RangeRules | None = None,
     calibration: Iterable[Inputs] | None = None,
-    fold_batchnorm: bool = True,
     ranges: Mapping[str, ValueRange] | None = None,
 ) -> Rewrite:
     """Run amplite's passes on a fresh ``original.module()`` (the program itself is not touched).
@@ -190,14 +191,13 @@ def rewrite(
     Args:
         original: The FP32 program.
         inputs: Example inputs ``(args, kwargs)`` (calibration batch by default).
-        policy: The precision policy.
-        fuse_contractions: Run the contraction-fusion pass last.
-        range_rules: Apply these range rules (None: no range rules).
+        spec: The conversion: its policy, range rules, fusion and BatchNorm folding.
         calibration: Batches for the range rules (default: the example inputs).
-        fold_batchnorm: Fold inference-mode BatchNorm into the preceding convolution first.
         ranges: Value ranges from an earlier ``rewrite`` of the same program with the same
             ``fold_batchnorm`` and batches: calibration is skipped (the budget search's trials).
     """
+    policy, range_rules = spec.policy(), spec.range_rules()
+    fuse_contractions, fold_batchnorm = spec.fuse, spec.fold_batchnorm
     timings: dict[str, float] = {}
     start = perf_counter()
     gm = original.module()
@@ -255,44 +255,32 @@ def quiet_shapes(program: ExportedProgram) -> contextlib.AbstractContextManager[
 def run_pipeline(
     model: torch.nn.Module | ExportedProgram,
     inputs: Inputs,
-    policy: PrecisionPolicy,
+    spec: ConvertSpec,
     *,
-    dynamic_batch: bool = False,
-    dynamic_dims: DynamicDims | None = None,
-    fuse_contractions: bool = False,
-    range_rules: RangeRules | None = None,
     calibration: Iterable[Inputs] | None = None,
-    fold_batchnorm: bool = True,
     reexport: bool | None = None,
 ) -> PipelineOutput:
-    """Export ``model`` (unless it already is a program), rewrite it under ``policy``, build the program.
+    """Export ``model`` (unless it already is a program), rewrite it as ``spec`` says, build the program.
 
     Args:
         model: The FP32 model or its ExportedProgram.
         inputs: Example inputs ``(args, kwargs)`` for tracing.
-        policy: The precision policy.
-        dynamic_batch: Make dim 0 of every input dynamic.
-        dynamic_dims: Also make these dims of these named inputs dynamic (``{"ids": [1]}``).
-        fuse_contractions: Run the contraction-fusion pass last.
-        range_rules: Apply these range rules (None: no range rules).
+        spec: The conversion (precision policy, dynamic dims, range rules, fusion, BatchNorm folding).
         calibration: Batches for the range rules (default: the example inputs).
-        fold_batchnorm: Fold inference-mode BatchNorm into the preceding convolution first.
         reexport: Build the converted program by exporting the rewritten module again instead of
             directly (None: only when the environment variable ``AMPLITE_REEXPORT`` is ``1``).
     """
     timings: dict[str, float] = {}
     start = perf_counter()
-    dynamic = {"dynamic_batch": dynamic_batch, "dynamic_dims": dynamic_dims}
+    policy, dynamic_batch, dynamic_dims = spec.policy(), spec.dynamic_batch, spec.dims()
+    dynamic: dict[str, Any] = {"dynamic_batch": dynamic_batch, "dynamic_dims": dynamic_dims}
     original = model if isinstance(model, ExportedProgram) else export_model(model, inputs, **dynamic)
     timings["export"] = perf_counter() - start
     if policy.level is Level.O0:
         return PipelineOutput(original, original, timings=timings | {"passes": 0.0, "rebuild": 0.0, "reexport": 0.0},
                               build={"path": "original", "reason": "O0 changes nothing"})  # fmt: skip
 
-    done = rewrite(
-        original, inputs, policy, fuse_contractions=fuse_contractions, range_rules=range_rules,
-        calibration=calibration, fold_batchnorm=fold_batchnorm,
-    )  # fmt: skip
+    done = rewrite(original, inputs, spec, calibration=calibration)
     timings.update(done.timings)
     if reexport is None:
         reexport = os.environ.get("AMPLITE_REEXPORT", "") == "1"

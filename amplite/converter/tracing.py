@@ -7,7 +7,6 @@ import copy
 import inspect
 import io
 import logging
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,28 +23,6 @@ log = logging.getLogger("amplite")
 
 
 DynamicDims = Mapping[str, Sequence[int]]
-
-_DIM_SPEC = re.compile(r"^(?P<name>[A-Za-z_][\w.]*):(?P<dims>-?\d+(?:,-?\d+)*)$")
-
-
-def parse_dynamic_dims(specs: Sequence[str] | Mapping[str, Sequence[int]] | None) -> dict[str, list[int]]:
-    """``["ids:1", "x:0,2"]`` (``--dynamic-dim NAME:DIM[,DIM]``) or a mapping -> ``{name: [dims]}``.
-
-    Raises:
-        ConfigError: A spec that does not parse.
-    """
-    if not specs:
-        return {}
-    if isinstance(specs, Mapping):
-        return {str(k): [int(d) for d in ([v] if isinstance(v, int) else v)] for k, v in specs.items()}
-    out: dict[str, list[int]] = {}
-    for spec in specs:
-        m = _DIM_SPEC.match(spec.strip())
-        if not m:
-            raise ConfigError(f"cannot parse --dynamic-dim {spec!r}", "write NAME:DIM[,DIM], e.g. ids:1 or x:0,2")
-        out.setdefault(m["name"], []).extend(int(d) for d in m["dims"].split(","))
-    return out
-
 
 def dynamic_shapes_for(
     model: torch.nn.Module, args: tuple, kwargs: dict, *, batch: bool = False, dims: DynamicDims | None = None

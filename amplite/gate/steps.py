@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from amplite.converter.emit import read_conversion
+from amplite.converter.emit import Recorded, read_conversion
 from amplite.errors import ConfigError, ExportError, InputSpecError
 from amplite.levels import split_precision
 from amplite.options import ConvertOptions
@@ -91,11 +91,11 @@ def converted_report(reference: Report, facts: Any) -> Report:
     return report.attach(Weights.of(ref["weights"]["bytes_before"], facts.weight_bytes))
 
 
-def _converted_precision(options: ConvertOptions, recorded: dict[str, Any] | None, program: ExportedProgram,
+def _converted_precision(options: ConvertOptions, recorded: Recorded | None, program: ExportedProgram,
                          path: Any) -> str:  # fmt: skip
     """The low precision of a converted file: what it records (a different ``--precision`` is an error), else
     the one given, else what its graph computes in."""
-    written = recorded["config"].get("precision") if recorded else None
+    written = recorded.spec.precision_name if recorded else None
     if written is not None and options.precision is not None and options.precision_name != written:
         raise ConfigError(f"--precision {options.precision_name} does not match {str(path)!r}, converted to {written}",
                           "drop --precision: check reads the converted file's own")  # fmt: skip

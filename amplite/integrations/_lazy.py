@@ -16,17 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from amplite.errors import ConfigError
-from amplite.training import MixedPrecisionOptimizer, TrainingNet, prepare_training
-
-PRECISIONS = ("bf16", "fp16")
-
-
-def check_precision(precision: str) -> str:
-    """``precision`` if amplite trains with it, else a one-line error."""
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision {precision!r} is not one amplite trains with", "pass 'bf16' or 'fp16'")
-    return precision
+from amplite.training import MixedPrecisionOptimizer, TrainingNet
+from amplite.training.prepare import prepare_spec, training_spec
 
 
 class LazyAmplite:
@@ -40,10 +31,7 @@ class LazyAmplite:
     """
 
     def __init__(self, precision: str, level: str | None, keep_fp32: tuple[str, ...], force_low: tuple[str, ...]):
-        self.precision = check_precision(precision)
-        self.level = level
-        self.keep_fp32 = tuple(keep_fp32)
-        self.force_low = tuple(force_low)
+        self.spec = training_spec(precision, level, tuple(keep_fp32), tuple(force_low))  # a bad value fails now
         self.net: TrainingNet | None = None
         self.opt: MixedPrecisionOptimizer | None = None
         self.optimizer: torch.optim.Optimizer | None = None  # the user's optimizer the pair was built for
@@ -60,10 +48,7 @@ class LazyAmplite:
         # the first call may come from a validation step (no_grad / inference mode): the low-precision copies
         # made now must be ordinary trainable tensors
         with torch.inference_mode(False), torch.enable_grad():
-            self.net, self.opt = prepare_training(
-                model, optimizer, (args, kwargs), precision=self.precision, level=self.level,
-                keep_fp32=self.keep_fp32, force_low=self.force_low,
-            )  # fmt: skip
+            self.net, self.opt = prepare_spec(model, optimizer, (args, kwargs), self.spec)
         self.optimizer = optimizer
         if self.pending_state is not None:
             self.load_amplite_state(self.pending_state)

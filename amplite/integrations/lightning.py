@@ -26,6 +26,7 @@ try:
     from lightning.pytorch.plugins.precision import Precision
 except ImportError as exc:  # an optional dependency: say which extra brings it
     raise ImportError("amplite.integrations.lightning needs Lightning: pip install 'amplite[lightning]'") from exc
+import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -57,7 +58,7 @@ class AmplitePrecision(Precision):
     ) -> None:
         self.amp = LazyAmplite(precision, level, keep_fp32, force_low)
         # Lightning reads ``precision`` (model summary, throughput): FP32 masters, low-precision compute.
-        self.precision = "bf16-mixed" if precision == "bf16" else "16-mixed"
+        self.precision = "bf16-mixed" if self.amp.spec.precision is torch.bfloat16 else "16-mixed"
         self.module_name = module
         self._undo: Callable[[], None] | None = None
 

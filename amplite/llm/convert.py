@@ -17,15 +17,17 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch import nn
 
-from amplite.api import convert
+from amplite.api import convert_spec
 from amplite.errors import ConfigError
-from amplite.levels import precision_dtype, resolve_level
 from amplite.llm.generate import Runner, prepare
 from amplite.llm.metrics import LLMMetrics, default_eval_ids, default_prompts, llm_criteria, measure
 from amplite.llm.result import LLMProgram, LLMResult
 from amplite.llm.step import LMStep, amplite_attention, cache_shape
+from amplite.options import ConvertOptions
+from amplite.options import Verification as Verification_
 from amplite.policy import Level
 from amplite.report.sections import Llm, Timings, Verification
+from amplite.spec import ConvertSpec
 from amplite.verify.criteria import Tolerance, parse_tolerance
 
 DYNAMIC_DIMS = {"input_ids": [0, 1], "attention_mask": [0, 1], "past_keys": [1, 3], "past_values": [1, 3]}
@@ -35,8 +37,8 @@ _ATTENTION_OPS = ("scaled_dot_product_attention",)
 def convert_llm(
     model: nn.Module,
     *,
-    precision: str = "bf16",
-    level: str | Level | None = "O2",
+    precision: str | None = None,
+    level: str | Level | None = None,
     cache_dtype: str = "auto",
     prompts: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
@@ -50,8 +52,8 @@ def convert_llm(
 
     Args:
         model: A ``transformers`` ``*ForCausalLM`` in eval mode (not modified).
-        precision: ``fp16`` or ``bf16``.
-        level: ``O0``-``O3`` (default O2: weights stored low).
+        precision: ``fp16`` or ``bf16`` (default bf16: :data:`amplite.spec.PATH_DEFAULTS`).
+        level: ``O0``-``O3`` (default: ``AMPLITE_LEVEL``, else O2: weights stored low).
         cache_dtype: ``auto`` (low when the plan runs attention low, else FP32), ``fp32`` or ``low``.
         prompts: ``[N, S]`` token ids for the agreement check (left-padded, with ``attention_mask``);
             default 4 seeded random prompts of lengths 8 and 5.
@@ -75,7 +77,12 @@ def convert_llm(
             raise ConfigError(
                 f"convert_llm sets {fixed} itself", f"drop {fixed}: the step program's shapes are fixed by design"
             )
-    low = precision_dtype(precision)  # an unknown name is a one-line error here, not a silent fp16
+    opts = ConvertOptions.of(None, precision=precision, level=level, dynamic_dims=DYNAMIC_DIMS, verify=verify,
+                             **options)  # fmt: skip
+    spec = opts.spec("llm")  # an unknown name is a one-line error here, not a silent fp16
+    if spec.fp8 is not None:
+        raise ConfigError("convert_llm converts to fp16 or bf16, not fp8", "pass precision='bf16' (FP8 weights "
+                          "for vLLM: amplite convert CHECKPOINT_DIR --precision fp8)")  # fmt: skip
     if model.training:
         raise ConfigError("the model is in train mode", "call model.eval() before converting it for generation")
     if cache_dtype not in ("auto", "fp32", "low"):
@@ -85,21 +92,21 @@ def convert_llm(
     tol = (
         tolerance
         if isinstance(tolerance, Tolerance) or tolerance is None
-        else parse_tolerance(list(tolerance), precision)
+        else parse_tolerance(list(tolerance), spec.precision_name)
     )
-    lvl = resolve_level(level)
-    wanted = torch.float32 if cache_dtype == "fp32" or lvl is Level.O0 else low
+    check = Verification_(verify, tol, opts.fallback_search, opts.max_trials)
+    wanted = torch.float32 if cache_dtype == "fp32" or spec.level is Level.O0 else spec.precision
     with amplite_attention(model):
-        result = _convert_step(model, wanted, precision, lvl, tol, verify, options)
+        result = _convert_step(model, wanted, spec, check)
         if cache_dtype == "auto" and wanted != torch.float32 and not _attention_low(result):
             wanted = torch.float32  # the plan keeps attention FP32: a low cache would round what it keeps exact
-            result = _convert_step(model, wanted, precision, lvl, tol, verify, options)
+            result = _convert_step(model, wanted, spec, check)
         program = LLMProgram(result.program, shape, wanted)
         out = LLMResult(program, result)
         report = out.report
         llm = Llm.of({"cache_dtype": str(wanted).removeprefix("torch."), "cache_shape": _shape_text(shape)})
         if verify:
-            metrics = verify_llm(program, model, precision=precision, tolerance=tol, prompts=prompts,
+            metrics = verify_llm(program, model, precision=spec.precision_name, tolerance=tol, prompts=prompts,
                                  attention_mask=attention_mask, steps=steps, eval_ids=eval_ids)  # fmt: skip
             out.metrics = metrics
             llm = llm.add(**metrics.to_dict())
@@ -143,15 +150,7 @@ def verify_llm(
     return metrics
 
 
-def _convert_step(
-    model: nn.Module,
-    cache: torch.dtype,
-    precision: str,
-    level: Level,
-    tol: Tolerance | None,
-    verify: bool,
-    options: dict[str, Any],
-) -> Any:
+def _convert_step(model: nn.Module, cache: torch.dtype, spec: ConvertSpec, check: Verification_) -> Any:
     """Export and convert :class:`LMStep` on a real example: a 4-token prefill's cache, then 3 new tokens."""
     step = LMStep(model, cache)
     vocab = int(model.get_output_embeddings().weight.shape[0])
@@ -165,8 +164,7 @@ def _convert_step(
     example = (new, torch.ones(2, 7, dtype=torch.long, device=device), keys, values)
     # Size-oblivious tracing: the program must serve batch 1, one-token decode steps and an empty cache.
     with fx_config.patch(backed_size_oblivious=True):
-        return convert(step, example, precision=precision, level=level, dynamic_dims=DYNAMIC_DIMS,
-                       verify=verify, tolerance=tol, **options)  # fmt: skip
+        return convert_spec(step, example, spec, check)
 
 
 def _attention_low(result: Any) -> bool:

@@ -87,9 +87,10 @@ class LLMProgram:
         """Greedy generation (:func:`amplite.llm.generate.greedy`): ``[B, S + n]`` token ids."""
         return greedy(self.runner(), input_ids, max_new_tokens, attention_mask, eos_token_id)
 
-    def save(self, path: str | Path) -> Path:
-        """Write the program as a ``.pt2`` (atomically)."""
-        return emit.save_program(self.program, path)
+    def save(self, path: str | Path, conversion: dict[str, Any] | None = None) -> Path:
+        """Write the program as a ``.pt2`` (atomically); ``conversion``: the record of how it was made
+        (:func:`amplite.converter.emit.conversion_record`)."""
+        return emit.save_program(self.program, path, conversion)
 
 
 @dataclass
@@ -131,8 +132,9 @@ class LLMResult:
         return self.llm.generate(input_ids, max_new_tokens, attention_mask, eos_token_id)
 
     def save(self, path: str | Path) -> Path:
-        """Write the step program as a ``.pt2``; :func:`load` reads it back."""
-        out = self.llm.save(path)
+        """Write the step program as a ``.pt2``, with its spec (``emit.read_conversion``); :func:`load` reads it
+        back."""
+        out = self.llm.save(path, self.conversion.recorded_conversion())
         entry = {"format": "pt2", "path": str(out), "bytes": out.stat().st_size}
         self.report.attach((self.report.section(Outputs) or Outputs.of([])).with_entries(entry))
         return out

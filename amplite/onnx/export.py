@@ -43,6 +43,7 @@ from torch.export import ExportedProgram
 
 from amplite.converter.emit import check_writable
 from amplite.errors import ConfigError, EmitError, ExportError
+from amplite.levels import precision_dtype
 from amplite.onnx.cleanup import cleanup_casts, count_casts, set_io_dtype
 from amplite.onnx.errors import export_failure
 from amplite.onnx.islands import first_opset_with, fp32_islands
@@ -62,7 +63,7 @@ MIN_OPSET_BF16 = 13
 MIN_OPSET_CONTRACT = 15
 #: Above this many bytes of initializers the model cannot be one protobuf (2 GiB hard limit).
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**27
-_LOW = {"fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
+_LOW = {torch.float16: ir.DataType.FLOAT16, torch.bfloat16: ir.DataType.BFLOAT16}
 
 
 @dataclass
@@ -199,14 +200,14 @@ def export_model(program: ExportedProgram, *, opset: int = DEFAULT_OPSET) -> ir.
 
 
 def prepare_model(
-    program: ExportedProgram, *, precision: str = "fp16", low_precision_io: bool = False, opset: int | None = None,
-    layernorm_stash: str = "off",
+    program: ExportedProgram, *, precision: str | torch.dtype = "fp16", low_precision_io: bool = False,
+    opset: int | None = None, layernorm_stash: str = "off",
 ) -> tuple[ir.Model, dict[str, Any]]:
     """Export, attach the ``amplite`` functions, clean up casts and optimise (without inlining).
 
     Args:
         program: The converted ExportedProgram.
-        precision: ``fp16`` or ``bf16``.
+        precision: ``fp16`` or ``bf16``, or the dtype.
         low_precision_io: Make FP32 graph inputs and outputs the low dtype.
         opset: Default-domain opset (None: 20 for fp16, 22 for bf16).
         layernorm_stash: ``"off"`` (default: FP32 LayerNorm islands stay, exact under the ONNX spec), or
@@ -217,17 +218,19 @@ def prepare_model(
     Returns:
         The model and a dict with ``cleanup`` counters (``layernorm_stash`` among them) and ``timings``.
     """
-    if precision not in _LOW:
-        raise ConfigError(f"precision {precision!r} is not fp16 or bf16", "pass --precision fp16 or bf16")
+    try:
+        low = precision_dtype(precision)
+    except ConfigError:
+        raise ConfigError(f"precision {precision!r} is not fp16 or bf16", "pass --precision fp16 or bf16") from None
     if LAYERNORM_ALIASES.get(layernorm_stash, layernorm_stash) not in LAYERNORM_MODES:
         raise ConfigError(f"LayerNorm stash mode {layernorm_stash!r} is not one of {', '.join(LAYERNORM_MODES)}",
                           "pass off (the default), stash or round")
-    if opset is not None and precision == "bf16" and opset < MIN_OPSET_BF16:
+    if opset is not None and low is torch.bfloat16 and opset < MIN_OPSET_BF16:
         raise ConfigError(f"opset {opset} has no bfloat16 Cast (added in opset {MIN_OPSET_BF16})",
                           "use --opset 18 or newer (default 20), or --precision fp16")
     timings: dict[str, float] = {}
     start = perf_counter()
-    target = opset or (DEFAULT_OPSET_BF16 if precision == "bf16" else DEFAULT_OPSET)
+    target = opset or (DEFAULT_OPSET_BF16 if low is torch.bfloat16 else DEFAULT_OPSET)
     model = export_model(program, opset=target)
     timings["export"] = perf_counter() - start
     start = perf_counter()
@@ -245,7 +248,7 @@ def prepare_model(
             if fn.name in used:
                 model.functions[fn.identifier()] = fn
     if low_precision_io:
-        set_io_dtype(model, _LOW[precision])
+        set_io_dtype(model, _LOW[low])
     first = cleanup_casts(model)
     onnxscript.optimizer.optimize_ir(model, inline=False)  # folding, CSE, dead code; functions kept
     stashed = stash_layernorms(model, layernorm_stash)
@@ -305,7 +308,7 @@ def save_onnx(
     program: ExportedProgram,
     path: str | Path,
     *,
-    precision: str = "fp16",
+    precision: str | torch.dtype = "fp16",
     low_precision_io: bool = False,
     external_data: bool | None = None,
     opset: int | None = None,
@@ -316,7 +319,7 @@ def save_onnx(
     Args:
         program: The converted ExportedProgram (``ConversionResult.program``).
         path: Destination ``.onnx`` file; external data goes to ``<path>.data`` beside it.
-        precision: ``fp16`` or ``bf16`` (the low dtype; for the opset check and low-precision I/O).
+        precision: ``fp16`` or ``bf16``, or the dtype (the low dtype; for the opset check and low-precision I/O).
         low_precision_io: Make FP32 graph inputs and outputs the low dtype (no-op if the program already
             has low-precision I/O).
         external_data: Force (True) or forbid (False) external data; None decides by size (> ~1.9 GiB).

@@ -35,6 +35,7 @@ from torch.fx.passes.split_module import split_module
 
 from amplite.errors import ConfigError
 from amplite.policy import Level
+from amplite.spec import ConvertSpec
 
 ORDER = ("fully_shard each layer and the root, build the optimizer over model.parameters(), then call "
          "amplite.prepare_training(model, optimizer, batch, precision='bf16', level='O1')")  # fmt: skip
@@ -49,7 +50,7 @@ def fsdp_units(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
 
 
-def check_fsdp(model: nn.Module, precision: str, level: Level) -> dict[str, nn.Module]:
+def check_fsdp(model: nn.Module, spec: ConvertSpec) -> dict[str, nn.Module]:
     """The FSDP units of ``model`` (empty when it is not sharded), after checking amplite can train them.
 
     Raises:
@@ -70,10 +71,10 @@ def check_fsdp(model: nn.Module, precision: str, level: Level) -> dict[str, nn.M
                 "plan needs the FP32 values (its FP32 islands) and casts the rest itself after the gather",
                 "fully_shard without mp_policy (or MixedPrecisionPolicy() without param_dtype)",
             )
-    if level not in (Level.O1, Level.O0) or precision != "bf16":
+    if spec.level not in (Level.O1, Level.O0) or spec.precision is not torch.bfloat16:
         raise ConfigError(
-            f"with fully_shard amplite trains bf16 at O1 (got {precision} {level.value}): the low-precision copies "
-            "are made per layer after each gather",
+            f"with fully_shard amplite trains bf16 at O1 (got {spec.precision_name} {spec.level.value}): the "
+            "low-precision copies are made per layer after each gather",
             f"pass precision='bf16', level='O1' ({ORDER})",
         )
     return units

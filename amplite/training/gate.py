@@ -33,11 +33,12 @@ from amplite.converter.inputs import normalize_inputs
 from amplite.converter.loading import load_any
 from amplite.describe import summarize_exception
 from amplite.errors import ConfigError, InputSpecError
-from amplite.levels import LEVEL_ENV, precision_dtype, resolve_level
 from amplite.options import ConvertOptions
+from amplite.policy import RuleSource
 from amplite.report.document import Report, build_report
 from amplite.report.sections import Timings, Training
-from amplite.training.prepare import prepare_training
+from amplite.spec import ConvertSpec
+from amplite.training.prepare import for_training, prepare_spec
 from amplite.verify.numbers import decode_float, encode_float
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -134,7 +135,7 @@ def train_check(
     if not lr > 0:
         raise ConfigError(f"--lr {lr} must be positive", "pass a learning rate such as 1e-3")
     opts = ConvertOptions.of(options, **changes).only_for("training")
-    precision, level, keep_fp32, force_low = opts.precision_name, opts.level, opts.keep_fp32, opts.force_low
+    spec = for_training(opts.spec("training"))  # validated before any work
     gap_limit = parse_gap(tolerance)
     loaded = load_any(model, trust_pickle=opts.trust_pickle, model_factory=opts.model_factory,
                       import_modules=opts.import_modules)  # fmt: skip
@@ -151,15 +152,13 @@ def train_check(
                 "no batches to train on", "pass --data DIR, --data-loader module:function or example inputs (--input)"
             )
         pairs = [split_target(user, example)]
-    lvl = resolve_level(level)
     start = perf_counter()
     ref, sub = copy.deepcopy(user).train(), copy.deepcopy(user).train()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
     sub_opt = torch.optim.AdamW(sub.parameters(), lr=lr)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        net, opt = prepare_training(sub, sub_opt, pairs[0][0], precision=precision, level=lvl,
-                                    keep_fp32=tuple(keep_fp32), force_low=tuple(force_low))  # fmt: skip
+        net, opt = prepare_spec(sub, sub_opt, pairs[0][0], spec)
     prepare_s = perf_counter() - start
 
     start = perf_counter()
@@ -240,8 +239,8 @@ def train_check(
         "loss": loss_name,
         "inputs": inputs_description,
         "batches": len(pairs),
-        "precision": precision,
-        "level": lvl.value,
+        "precision": spec.precision_name,
+        "level": spec.level.value,
         "masters": net.info["masters"],
         "low_copies": net.info["low_copies"],
         "tolerance": {"train_loss_gap": gap_limit},
@@ -262,23 +261,22 @@ def train_check(
         ),
         "seconds": {"prepare": round(prepare_s, 4), "train": round(train_s, 4)},
     }
-    report = _document(loaded, net, precision, lvl.value, level is not None, keep_fp32, force_low, caught)
+    report = _document(loaded, net, spec, caught)
     report.attach(Training.of(section)).attach(report.section(Timings).add(**section["seconds"]))
     return report, reasons
 
 
-def _document(loaded, net, precision, level, explicit, keep_fp32, force_low, caught) -> Report:
+def _document(loaded: Any, net: Any, spec: ConvertSpec, caught: list) -> Report:
     """The common report fields, from the train-mode program and the rewritten graph."""
-    import os
-
-    low = precision_dtype(precision)
+    low = spec.precision
     after = sum(t.nbytes for t in {id(t): t for t in [*net.parameters(), *net.buffers()]}.values())
+    user = [r for r in spec.overrides if r.source is RuleSource.USER]  # training's own pins are not the user's
     config = {
-        "precision": precision,
-        "level": level,
-        "level_source": "argument" if explicit else (LEVEL_ENV if os.environ.get(LEVEL_ENV) else "default"),
-        "keep_fp32": list(keep_fp32),
-        "force_low": list(force_low),
+        "precision": spec.precision_name,
+        "level": spec.level.value,
+        "level_source": spec.level_source,
+        "keep_fp32": [r.pattern for r in user if r.action == "keep_fp32"],
+        "force_low": [r.pattern for r in user if r.action == "force_low"],
         "low_precision_io": False,
         "dynamic_batch": True,
         "fuse_contractions": False,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,8 +19,8 @@ from torch import nn
 
 from amplite.converter.inputs import normalize_inputs
 from amplite.errors import ConfigError, InputSpecError
-from amplite.levels import resolve_level
-from amplite.policy import Level, Override, PrecisionPolicy, make_overrides
+from amplite.policy import Level, Override
+from amplite.spec import ConvertSpec, RangeSpec
 from amplite.training.distributed import check_fsdp, unit_graph, unsharded
 from amplite.training.lowcast import LowCopies
 from amplite.training.net import TrainingNet
@@ -75,29 +76,77 @@ def prepare_training(
         AmpliteError: An untraceable train-mode forward (naming the op and source line), an optimizer
             over parameters that are not the model's, or a bad option.
     """
+    spec = training_spec(precision, level, keep_fp32, force_low)
+    return prepare_spec(model, optimizer, example_inputs, spec, dynamic_batch=dynamic_batch,
+                        dynamic_dims=dynamic_dims, max_graphs=max_graphs, recast=recast)  # fmt: skip
+
+
+def training_spec(
+    precision: str | torch.dtype | None = "bf16",
+    level: str | Level | None = None,
+    keep_fp32: Sequence[str | Override] = (),
+    force_low: Sequence[str | Override] = (),
+) -> ConvertSpec:
+    """The spec of a training entry point's settings (``prepare_training``, the integrations), as
+    :func:`for_training` makes it.
+
+    Raises:
+        ConfigError: A bad value, or a precision amplite does not train with (fp8).
+    """
+    spec = ConvertSpec.build(path="training", precision=precision, level=level, keep_fp32=keep_fp32,
+                             force_low=force_low, level_name="the level= argument")  # fmt: skip
+    return for_training(spec)
+
+
+def for_training(spec: ConvertSpec) -> ConvertSpec:
+    """``spec`` as training runs it: BatchNorm pinned FP32 (:data:`BATCHNORM_FP32`) and, at bf16, the one range
+    rule training applies (a small-integer ``pow`` follows its input: bf16 has FP32's exponent range, so no
+    calibration is needed; no reduction-depth limit). fp16 would need calibrated ranges (a train-mode
+    forward): none.
+
+    Raises:
+        ConfigError: An FP8 spec (amplite trains with bf16 or fp16).
+    """
+    if spec.fp8 is not None:
+        raise ConfigError(f"precision {spec.precision_name!r} is not one amplite trains with", "pass 'bf16' or 'fp16'")
+    pins = () if BATCHNORM_FP32 in spec.overrides else (BATCHNORM_FP32,)
+    ranges = RangeSpec(enabled=spec.precision is torch.bfloat16, max_reduction_depth=None)
+    return replace(spec, overrides=(*pins, *spec.overrides), ranges=ranges)
+
+
+def prepare_spec(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    example_inputs: Any,
+    spec: ConvertSpec,
+    *,
+    dynamic_batch: bool = True,
+    dynamic_dims: Mapping[str, Sequence[int]] | None = None,
+    max_graphs: int = 8,
+    recast: str = "every_forward",
+) -> tuple[TrainingNet, MixedPrecisionOptimizer]:
+    """:func:`prepare_training` on a spec (made by :func:`training_spec` or :func:`for_training`)."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"prepare_training needs an nn.Module, got {type(model).__name__}", "pass the FP32 model")
-    if precision not in ("bf16", "fp16"):
-        raise ConfigError(f"precision {precision!r} is not one amplite trains with", "pass 'bf16' or 'fp16'")
+    spec = for_training(spec)
     if max_graphs < 1:
         raise ConfigError(f"max_graphs={max_graphs} must be at least 1", "pass a positive number of graphs")
     if recast not in RECASTS:
         raise ConfigError(f"recast={recast!r} is not a recast mode", f"pass one of: {', '.join(RECASTS)}")
-    lvl = resolve_level(level, source="the level= argument")
-    scaling = precision == "fp16" and lvl is not Level.O0
+    lvl = spec.level
+    scaling = spec.precision is torch.float16 and lvl is not Level.O0  # fp16's range needs loss scaling
     check_optimizer(model, optimizer, scaling=scaling)
-    policy = PrecisionPolicy(precision, lvl, (BATCHNORM_FP32, *make_overrides(keep_fp32, force_low)))
     inputs = normalize_inputs(example_inputs)
     if inputs is None:
         raise InputSpecError("no example inputs: the model needs a batch to be traced", "pass one batch of inputs")
-    copies = LowCopies(policy.low_dtype, every_forward=recast == "every_forward")
-    units = check_fsdp(model, precision, lvl)  # fully_shard-ed: traced unsharded, run per unit
-    tracer = functools.partial(_trace, model, policy, lvl, copies, units)
+    copies = LowCopies(spec.precision, every_forward=recast == "every_forward")
+    units = check_fsdp(model, spec)  # fully_shard-ed: traced unsharded, run per unit
+    tracer = functools.partial(_trace, model, spec, copies, units)
     first = tracer(inputs, initial_dynamic(inputs, model, dynamic_batch, dict(dynamic_dims or {})))
     if lvl is Level.O3:
         warn_o3()
     info = {
-        "precision": precision,
+        "precision": spec.precision_name,
         "level": lvl.value,
         "masters": "none (rounded to the low dtype after each step)" if lvl is Level.O3 else "fp32",
         "fsdp_units": len(units),
@@ -109,12 +158,12 @@ def prepare_training(
     return net, opt
 
 
-def _trace(model: nn.Module, policy: PrecisionPolicy, level: Level, copies: LowCopies, units: dict[str, nn.Module],
-           inputs: Any, dynamic: Any):  # fmt: skip
+def _trace(model: nn.Module, spec: ConvertSpec, copies: LowCopies, units: dict[str, nn.Module], inputs: Any,
+           dynamic: Any):  # fmt: skip
     if not units:
-        return trace_variant(model, inputs, policy, level, dynamic, copies)
+        return trace_variant(model, inputs, spec, dynamic, copies)
     with unsharded(model, units):
-        variant = trace_variant(model, inputs, policy, level, dynamic, copies)
+        variant = trace_variant(model, inputs, spec, dynamic, copies)
     if variant.info["checkpointed_regions"]:
         raise ConfigError("activation checkpointing inside fully_shard-ed layers is not supported by amplite yet",
                           "turn checkpointing off under fully_shard, or use DDP with checkpointing")  # fmt: skip
@@ -123,4 +172,6 @@ def _trace(model: nn.Module, policy: PrecisionPolicy, level: Level, copies: LowC
     return variant
 
 
-__all__ = ["MixedPrecisionOptimizer", "TrainingNet", "prepare_training"]
+__all__ = [
+    "MixedPrecisionOptimizer", "TrainingNet", "for_training", "prepare_spec", "prepare_training", "training_spec"
+]

@@ -33,8 +33,8 @@ from amplite.converter.inputs import bind_inputs
 from amplite.converter.pipeline import rewrite, strip_export_checks
 from amplite.describe import summarize_exception
 from amplite.errors import ConfigError, ExportError
-from amplite.passes.range_guard import RangeRules
-from amplite.policy import Level, PrecisionPolicy
+from amplite.policy import Level
+from amplite.spec import ConvertSpec
 from amplite.training.checkpointing import checkpoint_graph, mark_regions
 from amplite.training.cumulative import traceable_momentum
 from amplite.training.lowcast import LowCopies, read_user_tensors
@@ -251,18 +251,11 @@ def _export(model: nn.Module, inputs: Inputs, shapes: Any) -> torch.export.Expor
         ) from exc
 
 
-def _range_rules(policy: PrecisionPolicy) -> RangeRules | None:
-    """At bf16 the one range rule training applies: a small-integer ``pow`` (GELU-tanh's x³) follows its
-    input's dtype instead of an FP32 island (torch.autocast on CPU runs it low too; bf16 has FP32's
-    exponent range, so no calibration is needed). No reduction-depth limit: training keeps the decisions
-    it had. fp16 would need calibrated ranges (a train-mode forward): none."""
-    return RangeRules(max_reduction_depth=None) if policy.low_dtype == torch.bfloat16 else None
-
-
 def trace_variant(
-    model: nn.Module, inputs: Inputs, policy: PrecisionPolicy, level: Level, dynamic: DynamicSet, copies: LowCopies
+    model: nn.Module, inputs: Inputs, spec: ConvertSpec, dynamic: DynamicSet, copies: LowCopies
 ) -> Variant:
-    """Export ``model`` in train mode on ``inputs``, run amplite's passes, read the user's tensors.
+    """Export ``model`` in train mode on ``inputs``, run amplite's passes as ``spec`` says (made by
+    ``amplite.training.prepare.for_training``), read the user's tensors.
 
     Raises:
         AmpliteError: Inputs that do not fit ``forward``, an untraceable forward.
@@ -277,11 +270,11 @@ def trace_variant(
     user_inputs = {s.arg.name for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"}
     holders = [types.SimpleNamespace(meta={"val": n.meta.get("val")})
                for n in program.graph.nodes if n.op == "placeholder" and n.name in user_inputs]  # fmt: skip
-    if level is Level.O0:
+    if spec.level is Level.O0:
         gm, records, plan = program.module(), [], []
         strip_export_checks(gm)
     else:
-        done = rewrite(program, inputs, policy, fold_batchnorm=False, range_rules=_range_rules(policy))
+        done = rewrite(program, inputs, spec)
         gm, records, plan = done.module, done.records, done.plan
     low = read_user_tensors(gm, model, copies)
     eval_gm, counters = to_eval_graph(gm)
@@ -293,7 +286,7 @@ def trace_variant(
         "mode_switch": counters,
         "checkpointed_regions": regions,
         # facts of the FP32 program for reports; the program itself is not kept (its graph holds memory)
-        "graph_before": graph_stats(program.graph, policy.low_dtype),
+        "graph_before": graph_stats(program.graph, spec.precision),
         "weight_bytes_before": weight_bytes(program),
     }
     return Variant(

@@ -74,7 +74,6 @@ def fallback_search(
     bound = max_trials if max_trials is not None else 2 * math.ceil(math.log2(max(n, 2))) + 10
     steps = [Step(0, "plan", 0, False, _worst(result.report.outputs), 0.0)]
     cache: dict[frozenset[str], bool] = {}
-    rules = spec.range_rules()
     ranges = result.pipeline.ranges  # calibrated once, by the conversion that missed the tolerance
     fp8 = frozenset(p["node"] for p in result.report.data["plan"] if p["dtype"] == "float8_e4m3fn")
 
@@ -86,10 +85,7 @@ def fallback_search(
         if key in cache:
             return cache[key]
         t0 = perf_counter()
-        module = rewrite(
-            result.original, result.inputs, spec.with_overrides(_pins(names)).policy(),
-            fuse_contractions=spec.fuse, range_rules=rules, fold_batchnorm=spec.fold_batchnorm, ranges=ranges,
-        ).module  # fmt: skip
+        module = rewrite(result.original, result.inputs, spec.with_overrides(_pins(names)), ranges=ranges).module
         metrics = compare(result.reference, run_model(module, run_inputs), result.tolerance)
         ok = all(m.passed for m in metrics)
         cache[key] = ok

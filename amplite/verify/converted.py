@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
+from amplite.converter.emit import Recorded
 from amplite.converter.graph_stats import graph_stats, node_compute_dtype, weight_bytes
 from amplite.errors import LoadError
 from amplite.levels import split_precision
@@ -93,7 +94,7 @@ class ConvertedFacts:
 
 
 def converted_facts(conv: ExportedProgram, path: Any, precision: str,
-                    recorded: dict[str, Any] | None = None) -> ConvertedFacts:  # fmt: skip
+                    recorded: Recorded | None = None) -> ConvertedFacts:  # fmt: skip
     """What a converted file shows: its ``config`` is what the file records of its conversion (``recorded``,
     from ``emit.read_conversion``), else what the graph shows (precision, inferred level)."""
     low = split_precision(precision)[0]
@@ -118,7 +119,7 @@ def converted_facts(conv: ExportedProgram, path: Any, precision: str,
         )
     found = {"level": infer_level(conv, precision), "level_source": "inferred from the converted file"}
     if recorded is not None:
-        found = {**recorded["config"], "level_source": "recorded in the converted file"}
+        found = {**recorded.spec.to_config(), "level_source": "recorded in the converted file"}
     config = {**found, "precision": precision,
               "converted": str(path) if not isinstance(path, ExportedProgram) else "program"}  # fmt: skip
     return ConvertedFacts(config, plan, graph_stats(conv.graph, low), weight_bytes(conv))
