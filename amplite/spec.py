@@ -10,14 +10,13 @@ JSON (stored in every result and every ``.pt2`` amplite writes, and read back as
 Every entry point builds one (``path``: ``module``, ``checkpoint``, ``llm``, ``training``); what an unset
 option means on each is data, :data:`PATH_DEFAULTS`. ``run_pipeline`` takes the spec whole.
 
-Layer: below the converter (the pipeline reads a spec), above the passes (it resolves fusion and builds
-:class:`~amplite.passes.range_guard.RangeRules`).
+Layer: below the converter (the pipeline reads a spec), above its parts (:mod:`amplite.spec_parts`) and the
+passes (it resolves fusion and builds :class:`~amplite.passes.range_guard.RangeRules`).
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
@@ -29,28 +28,19 @@ from amplite.levels import FP8, LEVEL_ENV, Level, precision_name, resolve_level,
 from amplite.ops.fusion_default import resolve as resolve_fuse
 from amplite.passes.range_guard import RangeRules
 from amplite.policy import Override, PrecisionPolicy, make_overrides
+from amplite.spec_parts import (
+    Fp8Spec,
+    RangeSpec,
+    as_is,
+    as_json,
+    fp8_spec,
+    parse_dynamic_dims,
+    range_spec,
+    short,
+    typed,
+)
 
-_DIM_SPEC = re.compile(r"^(?P<name>[A-Za-z_][\w.]*):(?P<dims>-?\d+(?:,-?\d+)*)$")
-
-
-def parse_dynamic_dims(specs: Sequence[str] | Mapping[str, Sequence[int]] | None) -> dict[str, list[int]]:
-    """``["ids:1", "x:0,2"]`` (``--dynamic-dim NAME:DIM[,DIM]``) or a mapping -> ``{name: [dims]}``.
-
-    Raises:
-        ConfigError: A spec that does not parse.
-    """
-    if not specs:
-        return {}
-    if isinstance(specs, Mapping):
-        return {str(k): [int(d) for d in ([v] if isinstance(v, int) else v)] for k, v in specs.items()}
-    out: dict[str, list[int]] = {}
-    for spec in specs:
-        m = _DIM_SPEC.match(spec.strip())
-        if not m:
-            raise ConfigError(f"cannot parse --dynamic-dim {spec!r}", "write NAME:DIM[,DIM], e.g. ids:1 or x:0,2")
-        out.setdefault(m["name"], []).extend(int(d) for d in m["dims"].split(","))
-    return out
-
+__all__ = ["PATH_DEFAULTS", "ConvertSpec", "EntryPath", "Fp8Spec", "RangeSpec", "parse_dynamic_dims"]
 
 #: The conversion paths (entry points) and what an option left unset (None) means on each: one table, read by
 #: :meth:`ConvertSpec.build`. ``fp8``'s default level is O2 on every path (``amplite.levels.resolve_level``).
@@ -65,60 +55,6 @@ PATH_DEFAULTS: dict[str, dict[str, Any]] = {
     "training": {"precision": "bf16", "level": Level.O1, "fuse_contractions": False, "fold_batchnorm": False},
 }
 EntryPath = Literal["module", "checkpoint", "llm", "training"]
-
-
-@dataclass(frozen=True)
-class RangeSpec:
-    """The range rules' settings (``range_guard``).
-
-    Attributes:
-        enabled: On/off; None: on at O1/O2, off at O0/O3 (the speed baseline).
-        data_max: Largest |activation| kept in fp16.
-        max_reduction_depth: Longest reduction kept in low precision (None: no limit).
-        percentile: Judge the activation rule on this percentile of |x| (None: the maximum).
-    """
-
-    enabled: bool | None = None
-    data_max: float = RangeRules.data_max
-    max_reduction_depth: int | None = RangeRules.max_reduction_depth
-    percentile: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.percentile is not None and not 50.0 <= self.percentile < 100.0:
-            raise ConfigError(
-                f"range percentile {self.percentile:g} is out of range", "give a percentile in [50, 100), e.g. 99.99"
-            )
-        if not self.data_max > 0:
-            raise ConfigError(f"data_max {self.data_max!r} is not positive", "give the largest |activation|, e.g. 512")
-
-
-@dataclass(frozen=True)
-class Fp8Spec:
-    """``--precision fp8``: matrix products with a stored weight in ``float8_e4m3fn`` (docs/fp8.md).
-
-    Attributes:
-        activations: ``static`` (one FP32 scale per tensor, amax/448 of the calibration data) or ``dynamic``
-            (one scale per token, from its own amax, computed at run time).
-        reason: Why that scheme.
-        weights: Weight scale granularity: ``per-output-channel``.
-    """
-
-    activations: Literal["static", "dynamic"]
-    reason: str
-    weights: str = "per-output-channel"
-
-    @classmethod
-    def of(cls, calibrated: bool) -> Fp8Spec:
-        """Static scales when calibration data is given, else dynamic per token."""
-        if calibrated:
-            return cls("static", "calibration data given (calibration= / --calib / --calib-loader): "
-                       "per-tensor scales amax/448 of the calibrated activations")  # fmt: skip
-        return cls("dynamic", "no calibration data: per-token scales from each row's amax at run time")
-
-    def to_config(self) -> dict[str, str]:
-        """The report's ``config.fp8``."""
-        return {"format": "float8_e4m3fn", "activations": self.activations, "activation_reason": self.reason,
-                "weights": self.weights, "scale": "amax/448, FP32"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -276,7 +212,7 @@ class ConvertSpec:
 
     def to_json(self) -> dict[str, Any]:
         """The whole spec as a JSON object (every field; :meth:`from_json` reads it back equal)."""
-        return {f.name: _ENCODE.get(f.name, _plain)(getattr(self, f.name)) for f in fields(self)}
+        return {f.name: _ENCODE.get(f.name, as_is)(getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
     def from_json(cls, data: Any) -> ConvertSpec:
@@ -288,70 +224,30 @@ class ConvertSpec:
         names = [f.name for f in fields(cls)]
         if not isinstance(data, Mapping) or set(data) != set(names):
             odd = sorted(set(data) ^ set(names)) if isinstance(data, Mapping) else [type(data).__name__]
-            raise ConfigError(f"not a ConvertSpec record (fields missing or unknown: {_short(odd)})",
+            raise ConfigError(f"not a ConvertSpec record (fields missing or unknown: {short(odd)})",
                               "write it with ConvertSpec.to_json")  # fmt: skip
         values = {}
         for name in names:
             try:
                 values[name] = _DECODE[name](data[name])
             except (TypeError, ValueError, KeyError, AttributeError, ConfigError) as exc:
-                raise ConfigError(f"ConvertSpec field {name!r} is not valid: {_short(data[name])}",
+                raise ConfigError(f"ConvertSpec field {name!r} is not valid: {short(data[name])}",
                                   "write it with ConvertSpec.to_json") from exc  # fmt: skip
         return cls(**values)
-
-
-def _short(value: Any) -> str:
-    """``repr(value)``, cut to 80 characters (a record read from a file may hold anything)."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _plain(value: Any) -> Any:
-    return value
-
-
-def _typed(kind: type | tuple[type, ...]) -> Any:
-    """A decoder that accepts only ``kind`` (bool is not an int here)."""
-
-    def check(value: Any) -> Any:
-        if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-            raise TypeError(value)
-        if not isinstance(value, kind):
-            raise TypeError(value)
-        return value
-
-    return check
-
-
-def _ranges(v: Mapping[str, Any]) -> RangeSpec:
-    if set(v) != {f.name for f in fields(RangeSpec)}:
-        raise KeyError(sorted(v))
-    depth, pct = v["max_reduction_depth"], v["percentile"]
-    return RangeSpec(_typed((bool, type(None)))(v["enabled"]), float(_typed((int, float))(v["data_max"])),
-                     None if depth is None else _typed(int)(depth),
-                     None if pct is None else float(_typed((int, float))(pct)))  # fmt: skip
-
-
-def _fp8(v: Mapping[str, Any] | None) -> Fp8Spec | None:
-    if v is None:
-        return None
-    if set(v) != {f.name for f in fields(Fp8Spec)} or v["activations"] not in ("static", "dynamic"):
-        raise ValueError(v)
-    return Fp8Spec(v["activations"], _typed(str)(v["reason"]), _typed(str)(v["weights"]))
 
 
 def _override(v: Mapping[str, Any]) -> Override:
     if set(v) != {f.name for f in fields(Override)} or v["action"] not in ("keep_fp32", "force_low"):
         raise ValueError(v)
-    return Override(v["action"], _typed(str)(v["pattern"]), v["source"], _typed(str)(v["why"]))
+    return Override(v["action"], typed(str)(v["pattern"]), v["source"], typed(str)(v["why"]))
 
 
 def _dims(v: Mapping[str, Any]) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    return tuple((_typed(str)(k), tuple(_typed(int)(d) for d in _typed(list)(ds))) for k, ds in v.items())
+    return tuple((typed(str)(k), tuple(typed(int)(d) for d in typed(list)(ds))) for k, ds in v.items())
 
 
 def _low_dtype(v: Any) -> torch.dtype:
-    low, fp8 = split_precision(_typed(str)(v))
+    low, fp8 = split_precision(typed(str)(v))
     if fp8:  # the low dtype is fp16 or bf16; FP8 is the ``fp8`` field
         raise ValueError(v)
     return low
@@ -369,24 +265,24 @@ _ENCODE: dict[str, Any] = {
     "level": lambda v: v.value,
     "overrides": lambda v: [{f.name: getattr(r, f.name) for f in fields(r)} | {"source": r.source.value} for r in v],
     "dynamic_dims": lambda v: {k: list(d) for k, d in v},
-    "ranges": lambda v: {f.name: getattr(v, f.name) for f in fields(v)},
-    "fp8": lambda v: None if v is None else {f.name: getattr(v, f.name) for f in fields(v)},
+    "ranges": as_json,
+    "fp8": as_json,
 }
 #: How each field is read back and checked (every field: a test compares the keys with the dataclass's).
 _DECODE: dict[str, Any] = {
     "precision": _low_dtype,
-    "level": lambda v: Level(_typed(str)(v)),
-    "level_source": _typed(str),
-    "overrides": lambda v: tuple(_override(r) for r in _typed(list)(v)),
-    "low_precision_io": _typed(bool),
-    "dynamic_batch": _typed(bool),
-    "dynamic_dims": lambda v: _dims(_typed(dict)(v)),
-    "fuse": _typed(bool),
-    "fuse_reason": _typed(str),
-    "ranges": lambda v: _ranges(_typed(dict)(v)),
-    "fold_batchnorm": _typed(bool),
-    "gpu_profile": _typed(str),
-    "fp8": lambda v: _fp8(None if v is None else _typed(dict)(v)),
+    "level": lambda v: Level(typed(str)(v)),
+    "level_source": typed(str),
+    "overrides": lambda v: tuple(_override(typed(dict)(r)) for r in typed(list)(v)),
+    "low_precision_io": typed(bool),
+    "dynamic_batch": typed(bool),
+    "dynamic_dims": lambda v: _dims(typed(dict)(v)),
+    "fuse": typed(bool),
+    "fuse_reason": typed(str),
+    "ranges": range_spec,
+    "fold_batchnorm": typed(bool),
+    "gpu_profile": typed(str),
+    "fp8": fp8_spec,
     "path": _path,
-    "module_prefix": _typed(str),
+    "module_prefix": typed(str),
 }
