@@ -46,6 +46,13 @@ def test_save_writes_verifies_and_records_both_formats(ckpt: Path, tmp_path: Pat
         assert rel < 0.05, rel  # bf16 weights: close to FP32, and not an FP32 copy
     assert not torch.equal(got_pt2, want)
     json.dumps(result.report.data)  # the report stays serialisable
+    # both outputs record the spec whole: a checkpoint's (level O2 by default, the wrapper's module prefix)
+    from amplite.converter.emit import read_conversion
+
+    assert read_conversion(pt2).spec == result.spec  # type: ignore[union-attr]
+    assert (result.spec.path, result.spec.level, result.spec.precision) == ("checkpoint", amplite.Level.O2,
+                                                                             torch.bfloat16)  # fmt: skip
+    assert json.loads((out_dir / "amplite-plan.json").read_text())["spec"] == result.spec.to_json()
 
 
 def test_module_names_the_way_to_a_module_and_bad_formats_are_refused(ckpt: Path, tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 import amplite.llm as llm  # noqa: E402
 from amplite.errors import AmpliteError  # noqa: E402
+from amplite.llm.convert import DYNAMIC_DIMS  # noqa: E402
 from amplite.llm.generate import Runner, greedy  # noqa: E402
 from amplite.llm.step import LMStep, amplite_attention  # noqa: E402
 from amplite.verify.criteria import parse_criterion, parse_tolerance  # noqa: E402
@@ -112,6 +113,11 @@ def test_converted_llama_generates_32_tokens_with_a_low_precision_cache(
 
 def test_saved_step_program_generates_identically_in_a_fresh_process(fp16: llm.LLMResult, tmp_path: Path) -> None:
     path = fp16.save(tmp_path / "llama.pt2")
+    from amplite.converter.emit import read_conversion
+
+    recorded = read_conversion(path)  # the spec it was converted with, read back whole
+    assert recorded is not None and recorded.spec == fp16.conversion.spec
+    assert (recorded.spec.path, recorded.spec.precision, recorded.spec.dims()) == ("llm", torch.float16, DYNAMIC_DIMS)
     ids, mask = _prompts()
     torch.save({"ids": ids, "mask": mask}, tmp_path / "prompts.pt")
     expected = fp16.generate(ids, 32, attention_mask=mask)

@@ -258,3 +258,26 @@ def test_no_precision_or_level_string_is_compared_outside_the_parsers() -> None:
             if _COMPARISON.search(line.split("#", 1)[0]):
                 found.append(f"{rel}:{number}: {line.strip()}")
     assert not found, "compare typed values (torch.dtype, Level, spec.fp8) instead:\n" + "\n".join(found)
+
+
+# -- key lists kept by hand match what they mirror --------------------------------------------------------------
+
+
+def test_the_manifest_keys_are_the_job_fields_and_the_options() -> None:
+    from amplite.batch.keys import RUN_ONLY
+    from amplite.batch.keys_table import JOB_KEYS, TOLERANCE_KEYS, conversion_keys
+    from amplite.verify.compare import Tolerance
+
+    own = {f.name for f in fields(Job)} - {"options", "line"}
+    spellings = {"calib", "calib_loader", "tolerance"}  # calibration's two manifest spellings, the tolerance table
+    assert set(JOB_KEYS) == own | spellings | set(conversion_keys())
+    assert set(conversion_keys()) <= set(ConvertOptions.names())
+    assert set(RUN_ONLY) <= own | {"line"}
+    assert set(TOLERANCE_KEYS) == {f.name for f in fields(Tolerance)} - {"criteria"}
+
+
+def test_every_path_default_is_a_build_keyword_of_every_path() -> None:
+    import inspect
+
+    keywords = set(inspect.signature(ConvertSpec.build).parameters)
+    assert all(set(d) == set(PATH_DEFAULTS["module"]) <= keywords for d in PATH_DEFAULTS.values())
