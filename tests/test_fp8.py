@@ -331,7 +331,7 @@ def test_a_batch_manifest_takes_fp8_with_its_default_level(tmp_path: Path, monke
     p.write_text('[[model]]\npath = "m.pt2"\nprecision = "fp8"\n\n[[model]]\nname = "b"\npath = "m.pt2"\n'
                  'precision = "fp8"\nlevel = "O3"\n')  # fmt: skip
     a, b = parse_manifest(p)
-    assert (a.precision, a.level, b.level) == ("fp8", "O2", "O3")
+    assert (a.options.precision, a.options.level, b.options.level) == ("fp8", "O2", "O3")
 
 
 def test_without_a_scaled_mm_kernel_the_reference_path_computes_the_same(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -100,7 +100,7 @@ def test_fp16_true_means_amplite_fp16_with_loss_scaling(tmp_path):
     _train(fp32)
     assert _rel(ex.losses(trainer), ex.losses(fp32)) < 0.01
     amp = trainer.optimizer.optimizer.amp
-    assert amp.precision == "fp16" and amp.opt.loss_scale == 2.0**16
+    assert amp.spec.precision is torch.float16 and amp.opt.loss_scale == 2.0**16
     assert any(c.dtype == torch.float16 for c, _ in amp.opt.pairs)
     assert trainer.optimizer.state_dict()["amplite"]["scaler"]["scale"] == 2.0**16
 

@@ -14,7 +14,8 @@ from typing import Any
 
 from amplite.batch import summary as summ
 from amplite.batch.keys import job_key, parse_shard, select_shard, shard_of
-from amplite.batch.manifest import Job, ManifestError, manifest_values, parse_manifest
+from amplite.batch.keys_table import manifest_values
+from amplite.batch.manifest import Job, ManifestError, parse_manifest
 from amplite.batch.progress import Progress
 from amplite.batch.runner import (
     DEFAULT_TIMEOUT,

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from amplite.errors import ConfigError
 from amplite.levels import resolve_level
 from amplite.options import ConvertOptions, Kind
+from amplite.policy import Level
 from amplite.verify.compare import Tolerance
 
 #: The keys of a job that are not conversion options (how to find the model and its inputs, what to write,
@@ -108,3 +110,21 @@ def check_value(key: str, value: Any) -> Any:
                 raise SubKeyError(f"tolerance values must be numbers, got {k} = {v!r}", k)
         return {k: float(v) for k, v in value.items()}
     raise KeyError(key)
+
+
+def manifest_values(options: ConvertOptions) -> dict[str, Any]:
+    """The options given (not at their defaults) as manifest values: ``calibration`` as ``calib`` (a directory)
+    or ``calib_loader`` (``module:function``), a tolerance as its table, a level as its name, lists as lists."""
+    from amplite.verify.data import is_loader_spec
+
+    out: dict[str, Any] = {}
+    for name, value in options.given().items():
+        if name == "calibration" and isinstance(value, (str, Path)):
+            out["calib_loader" if is_loader_spec(value) else "calib"] = str(value)
+        elif name == "tolerance" and isinstance(value, Tolerance) and not value.criteria:
+            out[name] = {k: getattr(value, k) for k in TOLERANCE_KEYS}
+        elif isinstance(value, Level):
+            out[name] = value.value
+        else:
+            out[name] = list(value) if isinstance(value, (list, tuple)) else value
+    return out

@@ -21,11 +21,11 @@ from amplite.batch.keys_table import (
     SubKeyError,
     check_value,
     conversion_keys,
+    manifest_values,
 )
 from amplite.errors import ConfigError
 from amplite.options import ConvertOptions
 from amplite.paths import not_a_file
-from amplite.policy import Level
 from amplite.verify.compare import Tolerance
 
 try:
@@ -74,6 +74,12 @@ class Job:
     max_memory_gb: float | None = None
     line: int = field(default=0, compare=False)
 
+    @property
+    def calib_dir(self) -> Path | None:
+        """The directory of calibration batches (``calib``); None without one, or with a ``calib_loader``."""
+        calibration = self.options.calibration
+        return calibration if isinstance(calibration, Path) else None
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able settings in the manifest's keys (what the worker process receives; :meth:`from_dict`
         reads them back equal): the job's own keys (None: not set, left out), and the conversion options given."""
@@ -91,24 +97,6 @@ class Job:
         data = dict(data)
         line = int(data.pop("line", 0) or 0)
         return make_job(data, base or Path.cwd(), lambda key: line, where="job")
-
-
-def manifest_values(options: ConvertOptions) -> dict[str, Any]:
-    """The options given (not at their defaults) as manifest values: ``calibration`` as ``calib`` (a directory)
-    or ``calib_loader`` (``module:function``), a tolerance as its table, a level as its name, lists as lists."""
-    from amplite.verify.data import is_loader_spec
-
-    out: dict[str, Any] = {}
-    for name, value in options.given().items():
-        if name == "calibration" and isinstance(value, (str, Path)):
-            out["calib_loader" if is_loader_spec(value) else "calib"] = str(value)
-        elif name == "tolerance" and isinstance(value, Tolerance) and not value.criteria:
-            out[name] = {k: getattr(value, k) for k in TOLERANCE_KEYS}
-        elif isinstance(value, Level):
-            out[name] = value.value
-        else:
-            out[name] = list(value) if isinstance(value, (list, tuple)) else value
-    return out
 
 
 def _line_index(text: str) -> Any:

@@ -243,7 +243,7 @@ def guard_batch_outputs(jobs: Sequence[Job], out: Path) -> None:
         ManifestError: Naming the directory and the input, or the foreign directory.
     """
     reads = [(f"{label} of {j.name!r}", p) for j in jobs
-             for label, p in (("the model", j.path), ("the inputs file", j.inputs_file), ("the calib dir", j.calib))
+             for label, p in (("the model", j.path), ("the inputs file", j.inputs_file), ("the calib dir", j.calib_dir))
              if p]  # fmt: skip
     dirs = [(f"the output directory of {j.name!r} (--out)", out / j.name) for j in jobs]
     summaries = [("the batch summary (--out)", out / n) for n in ("summary.json", "summary.md")]
