@@ -120,7 +120,8 @@ class ConvertOptions:
     """
 
     precision: str | torch.dtype | None = _opt(
-        None, "fp16, bf16 or fp8 (default fp16; check --converted: the file's own).", "--precision", "-p",
+        None, "fp16, bf16 or fp8 (default fp16; --train-steps: bf16; check --converted: the file's own).",
+        "--precision", "-p",
         cli_type=str | None, kind="string", manifest="fp16, bf16 or fp8", paths=_BOTH,
     )
     level: str | Level | None = _opt(

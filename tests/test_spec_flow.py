@@ -278,6 +278,10 @@ def test_the_manifest_keys_are_the_job_fields_and_the_options() -> None:
 
 def test_every_path_default_is_a_build_keyword_of_every_path() -> None:
     import inspect
+    from typing import get_args
+
+    from amplite.spec import EntryPath
 
     keywords = set(inspect.signature(ConvertSpec.build).parameters)
     assert all(set(d) == set(PATH_DEFAULTS["module"]) <= keywords for d in PATH_DEFAULTS.values())
+    assert set(get_args(EntryPath)) == set(PATH_DEFAULTS)  # the type names exactly the table's paths

@@ -16,7 +16,8 @@ from amplite.options import ConvertOptions, calibration_source
 ModelArg = Annotated[Path, typer.Argument(help="Model file: .pt2, TorchScript, state dict or pickled module.")]
 Precision = Annotated[
     str | None,
-    typer.Option("--precision", "-p", help="fp16, bf16 or fp8 (default fp16; check --converted: the file's own)."),
+    typer.Option("--precision", "-p",
+                 help="fp16, bf16 or fp8 (default fp16; --train-steps: bf16; check --converted: the file's own)."),
 ]
 LevelOpt = Annotated[str | None, typer.Option("--level", "-l", help="O0-O3 (default: $AMPLITE_LEVEL, else O1).")]
 InputOpt = Annotated[

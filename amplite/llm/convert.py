@@ -24,7 +24,7 @@ from amplite.llm.metrics import LLMMetrics, default_eval_ids, default_prompts, l
 from amplite.llm.result import LLMProgram, LLMResult
 from amplite.llm.step import LMStep, amplite_attention, cache_shape
 from amplite.options import ConvertOptions
-from amplite.options import Verification as Verification_
+from amplite.options import Verification as VerifySettings
 from amplite.policy import Level
 from amplite.report.sections import Llm, Timings, Verification
 from amplite.spec import ConvertSpec
@@ -94,7 +94,7 @@ def convert_llm(
         if isinstance(tolerance, Tolerance) or tolerance is None
         else parse_tolerance(list(tolerance), spec.precision_name)
     )
-    check = Verification_(verify, tol, opts.fallback_search, opts.max_trials)
+    check = VerifySettings(verify, tol, opts.fallback_search, opts.max_trials)
     wanted = torch.float32 if cache_dtype == "fp32" or spec.level is Level.O0 else spec.precision
     with amplite_attention(model):
         result = _convert_step(model, wanted, spec, check)
@@ -150,7 +150,7 @@ def verify_llm(
     return metrics
 
 
-def _convert_step(model: nn.Module, cache: torch.dtype, spec: ConvertSpec, check: Verification_) -> Any:
+def _convert_step(model: nn.Module, cache: torch.dtype, spec: ConvertSpec, check: VerifySettings) -> Any:
     """Export and convert :class:`LMStep` on a real example: a 4-token prefill's cache, then 3 new tokens."""
     step = LMStep(model, cache)
     vocab = int(model.get_output_embeddings().weight.shape[0])
