@@ -272,7 +272,7 @@ def test_manifest_cannot_opt_in_to_unpickling_alone(base: Path, tmp_path: Path) 
     manifest.write_text(f'[[model]]\npath = "{base}"\ntrust_pickle = true\n')
     with pytest.raises(AmpliteError, match=r"trust_pickle = true.*--trust-pickle"):
         load_jobs(manifest)
-    assert load_jobs(manifest, {"trust_pickle": True})[0].trust_pickle
+    assert load_jobs(manifest, {"trust_pickle": True})[0].options.trust_pickle
 
 
 def test_trusted_benign_pickle_loads_and_untrusted_is_refused(base: Path, tmp_path: Path, cli) -> None:
