@@ -285,3 +285,9 @@ def test_every_path_default_is_a_build_keyword_of_every_path() -> None:
     keywords = set(inspect.signature(ConvertSpec.build).parameters)
     assert all(set(d) == set(PATH_DEFAULTS["module"]) <= keywords for d in PATH_DEFAULTS.values())
     assert set(get_args(EntryPath)) == set(PATH_DEFAULTS)  # the type names exactly the table's paths
+
+
+def test_the_options_convert_llm_fixes_are_options() -> None:
+    from amplite.llm.convert import FIXED_OPTIONS
+
+    assert set(FIXED_OPTIONS) <= set(ConvertOptions.names())

@@ -31,6 +31,8 @@ from amplite.spec import ConvertSpec
 from amplite.verify.criteria import Tolerance, parse_tolerance
 
 DYNAMIC_DIMS = {"input_ids": [0, 1], "attention_mask": [0, 1], "past_keys": [1, 3], "past_values": [1, 3]}
+#: The conversion options the step program fixes itself (``ConvertOptions`` fields; a test checks the names).
+FIXED_OPTIONS = ("dynamic_dims", "dynamic_batch", "low_precision_io", "calibration")
 _ATTENTION_OPS = ("scaled_dot_product_attention",)
 
 
@@ -72,7 +74,7 @@ def convert_llm(
     Raises:
         ConfigError: Not a causal LM, options that do not fit (``dynamic_dims`` are set here), bad prompts.
     """
-    for fixed in ("dynamic_dims", "dynamic_batch", "low_precision_io", "calibration"):
+    for fixed in FIXED_OPTIONS:
         if fixed in options:
             raise ConfigError(
                 f"convert_llm sets {fixed} itself", f"drop {fixed}: the step program's shapes are fixed by design"
