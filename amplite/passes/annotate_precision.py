@@ -115,22 +115,18 @@ class AnnotatePrecision(PassBase):
     def ensures(self, gm: torch.fx.GraphModule) -> None:
         """Every node has its planned dtype, and every compute node that touches a float tensor a decision
         (a known mode and the policy layer that gave it)."""
-        for node in gm.graph.nodes:
-            if node.op == "output":
-                continue
+        for node in [n for n in gm.graph.nodes if n.op != "output"]:
             if OUT_DTYPE_KEY not in node.meta:
                 raise self.broken(f"node {node.name} has no planned dtype")
             if node.op != "call_function" or cast_dtype(node) is not None or node.target is operator.getitem:
                 continue
-            plan = node.meta.get(PRECISION_KEY)
-            if plan is None:
-                touches = any(is_float_tensor(a) for a in _tensor_inputs(node)) or any(
-                    isinstance(v, torch.Tensor) and v.dtype.is_floating_point
-                    for v in pytree.tree_leaves(fake_value(node))
-                )
-                if touches:
-                    raise self.broken(f"node {node.name} ({_op(node)}) touches a float tensor but has no decision")
-            elif plan["mode"] not in _MODES or plan["rule"] not in _RULES:
+            plan, leaves = node.meta.get(PRECISION_KEY), pytree.tree_leaves(fake_value(node))
+            floats = any(is_float_tensor(a) for a in _tensor_inputs(node)) or any(
+                isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in leaves
+            )
+            if plan is None and floats:
+                raise self.broken(f"node {node.name} ({_op(node)}) touches a float tensor but has no decision")
+            if plan is not None and (plan["mode"] not in _MODES or plan["rule"] not in _RULES):
                 raise self.broken(f"node {node.name} has decision {plan['mode']!r} from {plan['rule']!r}")
 
     def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
