@@ -30,7 +30,7 @@ import torch
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 import amplite
-from amplite.converter import pipeline
+from amplite.converter import sequence
 from amplite.passes.fold_batchnorm import FoldBatchNorm
 from bench.autocast_count import accuracy, count_casts, run
 from tests import zoo_models
@@ -78,7 +78,7 @@ def main() -> None:
                     def make(mode: str = "full", split: str = split) -> FoldBatchNorm:
                         return FoldBatchNorm(split)  # whatever the level asks for
 
-                    with mock.patch.object(pipeline, "FoldBatchNorm", make):
+                    with mock.patch.object(sequence, "FoldBatchNorm", make):
                         mod = amplite.convert(model, inputs, precision=precision, level=level, verify=False,
                                               fold_batchnorm=fold).program.module()  # fmt: skip
                     o1.append(f"{sqnr(run(mod, inputs)):.2f} ({count_casts(mod, inputs)['casts']})")

@@ -32,7 +32,7 @@ def test_tight_tolerance_is_reached_with_a_few_nodes_in_bounded_trials(monkeypat
         return wrapper
 
     monkeypatch.setattr(pipeline, "export_model", counting(pipeline.export_model, "export"))
-    monkeypatch.setattr(pipeline, "collect_ranges", counting(calibration.collect_ranges, "calibrate"))
+    monkeypatch.setattr(calibration, "collect_ranges", counting(calibration.collect_ranges, "calibrate"))
     result = amplite.convert(model, inputs, level="O2", tolerance=tol, fallback_search=True)
     budget = result.report.data["budget"]
     # Trials rerun only the passes: one export for the first plan, none for the chosen plan (its program is

@@ -14,7 +14,7 @@ from torch import nn
 
 from amplite.converter.pipeline import strip_export_checks
 from amplite.passes.annotate_precision import AnnotatePrecision
-from amplite.passes.base import PassManager
+from amplite.passes.base import PassBase, PassManager
 from amplite.passes.cleanup_casts import CleanupCasts
 from amplite.passes.graph_utils import cast_dtype
 from amplite.passes.guard_constants import GuardConstants, SaturateFills
@@ -714,7 +714,7 @@ def test_store_low_leaves_non_fp32_tensors_alone() -> None:
     assert counters["tensors_stored_low"] == 2
 
 
-class _Detailed:
+class _Detailed(PassBase):
     name = "detailed"
 
     def __call__(self, gm: torch.fx.GraphModule) -> object:

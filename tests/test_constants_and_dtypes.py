@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 import amplite
-from amplite.converter import pipeline
+from amplite.converter import sequence
 from amplite.converter.dtype_check import CheckDtypes
 from amplite.errors import InternalError
-from amplite.passes.base import PassResult
+from amplite.passes.base import PassBase, PassResult
 from amplite.passes.graph_utils import make_cast
 
 CONFIGS = [("fp16", "O1"), ("bf16", "O1"), ("fp16", "O2"), ("bf16", "O2")]
@@ -110,7 +110,7 @@ def test_eval_dropout_chain_converts_at_o2(precision: str) -> None:
     assert div["dtype"] is None and div["reason"] == "no-float-operands"
 
 
-class _PlantWrongCast:
+class _PlantWrongCast(PassBase):
     """A broken pass: retargets the first fp16 cast to fp32 while the plan still says fp16."""
 
     name = "plant_wrong_cast"
@@ -129,8 +129,8 @@ class _PlantWrongCast:
 
 
 def _with_planted_bug(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = pipeline.build_passes
-    monkeypatch.setattr(pipeline, "build_passes", lambda *a, **k: [*real(*a, **k), _PlantWrongCast()])
+    real = sequence.build_passes
+    monkeypatch.setattr(sequence, "build_passes", lambda *a, **k: [*real(*a, **k), _PlantWrongCast()])
 
 
 def test_checker_reports_a_planted_wrong_cast(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -198,13 +198,13 @@ def test_converted_program_failing_at_run_time_is_an_internal_error(monkeypatch:
 
 
 def test_a_crashing_pass_is_an_internal_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    class Crash:
+    class Crash(PassBase):
         name = "crash"
 
         def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
             raise KeyError("boom")
 
-    real = pipeline.build_passes
-    monkeypatch.setattr(pipeline, "build_passes", lambda *a, **k: [Crash(), *real(*a, **k)])
+    real = sequence.build_passes
+    monkeypatch.setattr(sequence, "build_passes", lambda *a, **k: [Crash(), *real(*a, **k)])
     with pytest.raises(InternalError, match="amplite bug: pass crash failed: KeyError: 'boom'"):
         amplite.convert(LargeBias().eval(), torch.randn(4, 8))

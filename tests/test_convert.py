@@ -147,7 +147,10 @@ def test_report_schema_basics() -> None:
     assert data["versions"]["torch"] == torch.__version__
     names = [p["name"] for p in data["passes"]]
     assert names == [
+        "inline_regions",
+        "strip_export_checks",
         "fold_batchnorm",
+        "calibrate",
         "range_guard",
         "guard_constants",
         "annotate_precision",

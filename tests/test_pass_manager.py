@@ -11,7 +11,7 @@ from torch import nn
 
 import amplite.ops  # noqa: F401  (registers amplite::contract)
 from amplite.errors import ConfigError, InternalError
-from amplite.passes.base import PassManager, PassResult, call_function_nodes
+from amplite.passes.base import PassBase, PassManager, PassResult, call_function_nodes
 
 
 class _AddOne(nn.Module):
@@ -23,7 +23,7 @@ def _traced() -> torch.fx.GraphModule:
     return torch.fx.symbolic_trace(_AddOne())
 
 
-class _Rewrite:
+class _Rewrite(PassBase):
     """Turns relu into sigmoid in the graph (without recompiling), reporting ``modified``."""
 
     name = "rewrite"
@@ -38,14 +38,14 @@ class _Rewrite:
         return PassResult(gm, self.say_modified, Counter({"rewritten": 1}))
 
 
-class _Noop:
+class _Noop(PassBase):
     name = "noop"
 
     def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
         return PassResult(gm, False)
 
 
-class _Raise:
+class _Raise(PassBase):
     def __init__(self, exc: Exception, name: str = "crash") -> None:
         self.exc, self.name = exc, name
 
@@ -53,7 +53,7 @@ class _Raise:
         raise self.exc
 
 
-class _Break:
+class _Break(PassBase):
     """Leaves a node that reads an erased one: ``graph.lint()`` rejects it."""
 
     name = "break"
@@ -137,7 +137,7 @@ def test_call_function_nodes_is_an_ordered_snapshot() -> None:
     assert all(n.op == "call_function" for n in nodes)
 
 
-class _Detailed:
+class _Detailed(PassBase):
     """A pass whose result carries per-node details (as FusionResult does), or None for them."""
 
     name = "detailed"

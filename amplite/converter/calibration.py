@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import operator
 import weakref
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 import torch.fx
 from torch.fx._pytree import tree_flatten_spec
 
+from amplite.passes.base import PassBase, PassResult
 from amplite.passes.range_guard import ValueRange
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -250,3 +252,43 @@ class _Recorder(torch.fx.Interpreter):
         return out
 
 
+
+
+class Calibrate(PassBase):
+    """Calibration as a pass: record the value ranges of the (BatchNorm-folded, not yet planned) FP32 graph.
+
+    The ranges go into ``into``, the mapping the range rules and FP8's static scales were built with (the
+    passes after it read it when they run). The graph is not changed.
+
+    Args:
+        batches: ``(args, kwargs)`` batches in the program's calling convention.
+        percentile: Also record this percentile of |value| per node (``--range-percentile``).
+        into: The mapping to fill.
+    """
+
+    name = "calibrate"
+
+    def __init__(
+        self, batches: list[Inputs], percentile: float | None, into: dict[str, ValueRange]
+    ) -> None:
+        self.batches = batches
+        self.percentile = percentile
+        self.ranges = into
+
+    def requires(self, gm: torch.fx.GraphModule) -> None:
+        """Before the plan: the ranges describe the FP32 graph the plan is made on."""
+        self.require_unplanned(gm)
+
+    def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+        self.ranges.clear()
+        self.ranges.update(collect_ranges(gm, self.batches, self.percentile))
+        counters: Counter[str] = Counter(batches=len(self.batches), ranges=len(self.ranges))
+        return PassResult(gm, False, counters)
+
+    def ensures(self, gm: torch.fx.GraphModule) -> None:
+        """Every computed float tensor of the graph has a range (when there was a batch to run)."""
+        if not self.batches:
+            return
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and _is_float(node) and node.name not in self.ranges:
+                raise self.broken(f"node {node.name} computes a float tensor but has no calibrated range")

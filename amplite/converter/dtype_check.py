@@ -1,4 +1,4 @@
-"""Checker run after the passes: the rewritten graph computes in the dtypes the plan says it does.
+"""The precision sequence's postcondition: the rewritten graph computes in the dtypes the plan says it does.
 
 The passes keep every node's ``meta['val']`` (its planned value: dtype, shape) up to date as they rewrite.
 This checker runs the rewritten graph once under FakeTensor propagation (shapes and dtypes only, no
@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 
 from amplite import op_tables
 from amplite.errors import InternalError
-from amplite.passes.base import PassResult
+from amplite.passes.base import PassBase, PassResult
 from amplite.passes.graph_utils import dtypes_of, source_line
 
 #: FakeTensor propagation cannot go past these (values needed, or no fake kernel): the check stops there
@@ -121,8 +121,12 @@ def _fmt(dtypes: Any) -> str:
     return str(dtypes).replace("torch.", "")
 
 
-class CheckDtypes:
-    """Assert that every node's run-time output dtype equals its planned dtype (FakeTensor propagation)."""
+class CheckDtypes(PassBase):
+    """Assert that every node's run-time output dtype equals its planned dtype (FakeTensor propagation).
+
+    A check, not a rewrite: the precision sequence (:mod:`amplite.converter.sequence`) runs it as its
+    ``postcondition``, after its last pass; a mismatch is that sequence's ``PostconditionError``.
+    """
 
     name = "check_dtypes"
 

@@ -29,28 +29,22 @@ from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
 from amplite import op_tables
-from amplite.converter.calibration import ValueRange, collect_ranges
+from amplite.converter.calibration import Calibrate, ValueRange
 from amplite.converter.direct import NotDirect, lift, prove
 from amplite.converter.dtype_check import CheckDtypes
 from amplite.converter.inputs import bind_to_program
+from amplite.converter.sequence import build_passes, precision_sequence, strip_export_checks
 from amplite.converter.tracing import Inputs, export_model, static_batch_inputs
 from amplite.errors import ExportError, InternalError
-from amplite.passes.annotate_precision import AnnotatePrecision
-from amplite.passes.base import Pass, PassManager, PassRecord
-from amplite.passes.cleanup_casts import CleanupCasts
-from amplite.passes.fold_batchnorm import FOLDED_PREFIX, FoldBatchNorm
-from amplite.passes.fp8_matmul import Fp8Matmul
-from amplite.passes.graph_utils import module_path, retype, source_line
-from amplite.passes.guard_constants import GuardConstants, SaturateFills
-from amplite.passes.inline_regions import InlineRegions, has_regions
-from amplite.passes.insert_casts import InsertCasts
+from amplite.passes.base import PassRecord
+from amplite.passes.graph_utils import module_path, source_line
 from amplite.passes.meta import PRECISION_KEY
-from amplite.passes.range_guard import RangeGuard, RangeRules
-from amplite.passes.store_low_params import StoreLowPrecisionParams
 from amplite.policy import Level, PrecisionPolicy
 from amplite.spec import ConvertSpec
 
-_EXPORT_CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
+#: Kept importable from here (tests, training): the sequence module holds them.
+__all__ = ["PipelineOutput", "Rewrite", "build_passes", "collect_plan", "rewrite", "run_pipeline",
+           "strip_export_checks"]  # fmt: skip
 
 
 @dataclass
@@ -77,78 +71,6 @@ class PipelineOutput:
     build: dict[str, str] = field(default_factory=dict)
 
 
-def build_passes(
-    policy: PrecisionPolicy,
-    *,
-    fuse_contractions: bool = False,
-    ranges: Mapping[str, ValueRange] | None = None,
-    range_rules: RangeRules | None = None,
-    fp8_ranges: Mapping[str, ValueRange] | None = None,
-) -> list[Pass]:
-    """The pass list for a policy, in order (``range_guard`` first when ranges are given; ``fp8_ranges``: the
-    calibrated ranges static FP8 activation scales come from)."""
-    passes: list[Pass] = []
-    if ranges is not None and range_rules is not None:
-        passes.append(RangeGuard(ranges, range_rules, policy.low_dtype))
-    passes += [
-        GuardConstants(policy.low_dtype),  # correctness, not accuracy: runs with or without range rules
-        AnnotatePrecision(policy, fp8_ranges, fp8_clip_check=range_rules is not None),
-        SaturateFills(policy.low_dtype),
-        InsertCasts(low_precision_io=policy.low_precision_io),
-        CleanupCasts(),
-    ]
-    if policy.fp8:  # after the plan and its casts, before weights are stored low
-        passes.append(Fp8Matmul())
-    if policy.level in (Level.O2, Level.O3):
-        passes.append(StoreLowPrecisionParams())
-    else:  # O1: the user's weights stay FP32; constants amplite derived (folded BatchNorm) need not
-        passes.append(StoreLowPrecisionParams(prefix=FOLDED_PREFIX))
-    if fuse_contractions:
-        from amplite.passes.fuse_contractions import FuseContractions
-
-        passes.append(FuseContractions())
-    return passes
-
-
-def strip_export_checks(gm: torch.fx.GraphModule) -> None:
-    """Remove the input guards and dtype asserts export recorded, in the sub-graphs of higher-order ops too;
-    re-export recreates valid ones."""
-    for sub in gm.modules():
-        if isinstance(sub, torch.fx.GraphModule) and sub is not gm:
-            _strip_asserts(sub)
-    for node in list(gm.graph.nodes):
-        if (node.op == "call_module" and node.target == "_guards_fn") or (
-            node.op == "call_function" and node.target in _EXPORT_CHECKS
-        ):
-            gm.graph.erase_node(node)
-    if hasattr(gm, "_guards_fn"):
-        delattr(gm, "_guards_fn")
-    _rename_lifted_constants(gm)
-    gm.recompile()
-
-
-def _strip_asserts(gm: torch.fx.GraphModule) -> None:
-    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _EXPORT_CHECKS]:
-        gm.graph.erase_node(node)
-    gm.recompile()
-
-
-def _rename_lifted_constants(gm: torch.fx.GraphModule) -> None:
-    """Give tensor constants that export lifted (``lifted_tensor_N``) names of amplite's own.
-
-    Re-exporting a module that still holds attributes named ``lifted_tensor_N`` makes torch lift them
-    under the same names again, and the program's ``.module()`` then fails (``lifted_tensor_0 is not a
-    buffer``; seen with transformers' DynamicCache). Distinct names avoid the collision.
-    """
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and isinstance(node.target, str) and node.target.startswith("lifted_tensor_"):
-            new = "amplite_constant_" + node.target.removeprefix("lifted_tensor_")
-            if not hasattr(gm, new):
-                setattr(gm, new, getattr(gm, node.target))
-                delattr(gm, node.target)
-            node.target = new
-
-
 def lower_inputs(inputs: Inputs, dtype: torch.dtype) -> Inputs:
     """The example inputs with every FP32 tensor cast to ``dtype`` (for low-precision I/O)."""
 
@@ -168,7 +90,7 @@ class Rewrite:
         plan: The precision decision of every planned node.
         ranges: The calibrated value ranges the range rules used (None without range rules).
         timings: Seconds in ``calibration`` (when run), ``passes`` (calibration included) and
-            ``dtype_check`` (the checker that the rewritten graph's dtypes match the plan).
+            ``dtype_check`` (the sequence's postcondition: the rewritten graph's dtypes match the plan).
     """
 
     module: torch.fx.GraphModule
@@ -186,7 +108,8 @@ def rewrite(
     calibration: Iterable[Inputs] | None = None,
     ranges: Mapping[str, ValueRange] | None = None,
 ) -> Rewrite:
-    """Run amplite's passes on a fresh ``original.module()`` (the program itself is not touched).
+    """Run the precision sequence (:func:`amplite.converter.sequence.precision_sequence`) on a fresh
+    ``original.module()`` (the program itself is not touched).
 
     Args:
         original: The FP32 program.
@@ -196,46 +119,21 @@ def rewrite(
         ranges: Value ranges from an earlier ``rewrite`` of the same program with the same
             ``fold_batchnorm`` and batches: calibration is skipped (the budget search's trials).
     """
-    policy, range_rules = spec.policy(), spec.range_rules()
-    fuse_contractions, fold_batchnorm = spec.fuse, spec.fold_batchnorm
-    timings: dict[str, float] = {}
+    policy = spec.policy()
     start = perf_counter()
     gm = original.module()
     # calibration batches in the program's calling convention (named inputs onto positional parameters)
     batches = [inputs] if calibration is None else [bind_to_program(gm, b) for b in calibration]
-    records: list[PassRecord] = []
-    if has_regions(gm):  # grad-mode/autocast regions: their ops join the graph; control flow stays exact
-        gm, records = PassManager([InlineRegions()])(gm)
-    strip_export_checks(gm)
-    if policy.low_precision_io:
-        for node in gm.graph.nodes:
-            val = node.meta.get("val")
-            if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dtype == torch.float32:
-                node.meta["val"] = retype(val, policy.low_dtype)
-    if fold_batchnorm:  # before calibration: folding changes the conv outputs the ranges describe
-        # O1 adds the folded shift in FP32 after the low conv, as BatchNorm does under autocast; at O2 that
-        # add would run low anyway, so the shift goes into the conv's bias (docs/policy.md, BatchNorm folding)
-        gm, folded = PassManager([FoldBatchNorm("affine" if policy.level is Level.O1 else "full")])(gm)
-        records += folded
-    static_fp8 = policy.fp8 == "static"  # activation scales from calibrated ranges, whatever the low dtype
-    if range_rules is None and not static_fp8:
-        ranges = None
-    elif ranges is None and policy.low_dtype != torch.float16 and not static_fp8:
-        ranges = {}  # bf16 has FP32's range: only the depth rule applies, and it needs shapes, not values
-    elif ranges is None:
-        calib_start = perf_counter()
-        ranges = collect_ranges(gm, batches, range_rules.percentile if range_rules is not None else None)
-        timings["calibration"] = perf_counter() - calib_start
-    # bf16's range rules judge shapes only (as without FP8); FP8 reads the values for its scales
-    guard = ranges if policy.low_dtype == torch.float16 or ranges is None else {}
-    passes = build_passes(policy, fuse_contractions=fuse_contractions, ranges=guard, range_rules=range_rules,
-                          fp8_ranges=ranges if static_fp8 else None)  # fmt: skip
+    sequence = precision_sequence(policy, batches, fuse_contractions=spec.fuse, range_rules=spec.range_rules(),
+                                  fold_batchnorm=spec.fold_batchnorm, ranges=ranges)  # fmt: skip
     with quiet_shapes(original):  # a pass reading a symbolic size must not pin the program's dynamic dims
-        gm, rest = PassManager(passes)(gm)
-    timings["passes"] = perf_counter() - start
-    gm, check = PassManager([CheckDtypes()])(gm)  # raises InternalError when a pass broke the plan
-    timings["dtype_check"] = check[0].seconds
-    return Rewrite(gm, records + rest + check, collect_plan(gm), ranges, timings)
+        gm, records = sequence.manager(gm)  # raises InternalError when a pass broke its contract or the plan
+    seconds = {r.name: r.seconds for r in records}
+    check = seconds[CheckDtypes.name]  # the sequence's postcondition, timed apart as before
+    timings = {"passes": perf_counter() - start - check, "dtype_check": check}
+    if Calibrate.name in seconds:
+        timings["calibration"] = seconds[Calibrate.name]
+    return Rewrite(gm, records, collect_plan(gm), sequence.ranges, timings)
 
 
 def quiet_shapes(program: ExportedProgram) -> contextlib.AbstractContextManager[Any]:

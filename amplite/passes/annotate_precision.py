@@ -26,10 +26,11 @@ from torch.utils import _pytree as pytree
 
 from amplite import op_tables
 from amplite.errors import ConfigError
-from amplite.passes.base import PassResult
+from amplite.passes.base import PassBase, PassResult
 from amplite.passes.fp8_sites import fp8_fact
 from amplite.passes.graph_utils import cast_dtype, dtypes_of, fake_value, is_float_tensor, module_path
 from amplite.passes.meta import (
+    CAST_KEY,
     FP8_KEY,
     OUT_DTYPE_KEY,
     PRECISION_KEY,
@@ -46,6 +47,8 @@ _NORMS = frozenset(op_tables.FP32_OPS["norm"])
 _VIEWS = frozenset(op_tables.DATA_MOVEMENT_OPS)
 _NONE = Decision("follow", "")  # stands in for a node with no decision (not float, not call_function)
 _LOW_DEC = Decision("low", "")  # likewise, where a missing decision must not count as FP32
+_MODES = frozenset({"low", "fp32", "follow"})
+_RULES = frozenset(s.value for s in RuleSource)
 
 
 def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -84,7 +87,7 @@ def _refuse_unmatched(policy: PrecisionPolicy, sites: list[tuple[str, str, str]]
     )
 
 
-class AnnotatePrecision:
+class AnnotatePrecision(PassBase):
     """Write the precision plan of a policy into node metadata.
 
     Args:
@@ -102,6 +105,29 @@ class AnnotatePrecision:
         self.policy = policy
         self.fp8_ranges = fp8_ranges
         self.fp8_clip_check = fp8_clip_check
+
+    def requires(self, gm: torch.fx.GraphModule) -> None:
+        """No cast of amplite's yet: the plan is made on the graph as traced (with the facts flagged before)."""
+        for node in gm.graph.nodes:
+            if CAST_KEY in node.meta:
+                raise self.refuse_input(f"node {node.name} is a cast amplite inserted: plan before inserting casts")
+
+    def ensures(self, gm: torch.fx.GraphModule) -> None:
+        """Every node has its planned dtype, and every compute node that touches a float tensor a decision
+        (a known mode and the policy layer that gave it)."""
+        for node in [n for n in gm.graph.nodes if n.op != "output"]:
+            if OUT_DTYPE_KEY not in node.meta:
+                raise self.broken(f"node {node.name} has no planned dtype")
+            if node.op != "call_function" or cast_dtype(node) is not None or node.target is operator.getitem:
+                continue
+            plan, leaves = node.meta.get(PRECISION_KEY), pytree.tree_leaves(fake_value(node))
+            floats = any(is_float_tensor(a) for a in _tensor_inputs(node)) or any(
+                isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in leaves
+            )
+            if plan is None and floats:
+                raise self.broken(f"node {node.name} ({_op(node)}) touches a float tensor but has no decision")
+            if plan is not None and (plan["mode"] not in _MODES or plan["rule"] not in _RULES):
+                raise self.broken(f"node {node.name} has decision {plan['mode']!r} from {plan['rule']!r}")
 
     def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
         counters: Counter[str] = Counter()
@@ -221,6 +247,10 @@ class AnnotatePrecision:
         if compute is not None:
             counters[f"compute:{str(compute).removeprefix('torch.')}"] += 1
         return _predict_out(node, val, compute)
+
+
+def _op(node: torch.fx.Node) -> str:
+    return op_tables.op_name(node.target) or str(node.target)
 
 
 def _discrete_cone(facts: dict[torch.fx.Node, NodeFacts]) -> set[torch.fx.Node]:

@@ -21,7 +21,7 @@ import torch
 import torch.fx
 
 from amplite import op_tables
-from amplite.passes.base import PassResult
+from amplite.passes.base import PassBase, PassResult
 from amplite.passes.graph_utils import cast_dtype, is_exact_conversion, make_cast, numel, retype, value_dtype
 
 _DATA_MOVEMENT = frozenset(filter(None, (op_tables.resolve(e) for e in op_tables.DATA_MOVEMENT_OPS)))
@@ -33,10 +33,26 @@ def _is_float(dt: torch.dtype | None) -> bool:
     return dt is not None and dt.is_floating_point
 
 
-class CleanupCasts:
+class CleanupCasts(PassBase):
     """Remove identity casts, fold exact round trips, merge and move casts across data movement."""
 
     name = "cleanup_casts"
+
+    def ensures(self, gm: torch.fx.GraphModule) -> None:
+        """No identity cast, no value cast twice to one dtype, no cast of a cast whose first step was exact."""
+        seen: set[tuple[torch.fx.Node, torch.dtype]] = set()
+        for node, dt in self._casts(gm.graph):
+            src = node.args[0]
+            if value_dtype(src) == dt:
+                raise self.broken(f"cast {node.name} converts {src.name} to the dtype it already has")
+            if (src, dt) in seen:
+                raise self.broken(f"{src.name} is cast to {str(dt).removeprefix('torch.')} more than once")
+            seen.add((src, dt))
+            inner_dt = cast_dtype(src)
+            first = src.args[0] if inner_dt is not None else None
+            first_dt = value_dtype(first) if isinstance(first, torch.fx.Node) else None
+            if first_dt is not None and _is_float(first_dt) and is_exact_conversion(first_dt, inner_dt):  # type: ignore[arg-type]
+                raise self.broken(f"cast {node.name} reads cast {src.name}, an exact conversion it could skip")
 
     def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
         counters: Counter[str] = Counter()

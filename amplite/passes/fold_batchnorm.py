@@ -25,7 +25,7 @@ from collections import Counter
 import torch
 import torch.fx
 
-from amplite.passes.base import PassResult
+from amplite.passes.base import PassBase, PassResult
 from amplite.passes.graph_utils import fake_value, static_fake
 
 #: Name prefix of the tensors this pass creates (``store_low_params`` may store them low at O1 too).
@@ -48,7 +48,22 @@ def _constant(gm: torch.fx.GraphModule, node: object) -> torch.Tensor | None:
     return obj if isinstance(obj, torch.Tensor) else None
 
 
-class FoldBatchNorm:
+def _blocker(gm: torch.fx.GraphModule, bn: torch.fx.Node) -> str | None:
+    """Why ``bn`` cannot fold into the conv before it, or None when it can."""
+    conv, gamma, beta, mean, var, training = bn.args[:6]
+    if training:
+        return "training-mode"
+    if not isinstance(conv, torch.fx.Node) or conv.target not in _CONVS or len(conv.users) != 1:
+        return "input-not-a-single-use-conv"
+    has_bias = len(conv.args) > 2 and conv.args[2] is not None
+    operands = [conv.args[1], mean, var, *([conv.args[2]] if has_bias else [])]
+    operands += [a for a in (gamma, beta) if a is not None]
+    if any(_constant(gm, a) is None for a in operands):
+        return "non-constant-parameters"
+    return None
+
+
+class FoldBatchNorm(PassBase):
     """Fold inference-mode BatchNorm into the preceding convolution."""
 
     name = "fold_batchnorm"
@@ -57,6 +72,16 @@ class FoldBatchNorm:
         if mode not in _MODES:
             raise ValueError(f"fold mode {mode!r}: expected one of {sorted(_MODES)}")
         self.mode = mode
+
+    def requires(self, gm: torch.fx.GraphModule) -> None:
+        """Before the plan: the ops folding creates must be planned like every other."""
+        self.require_unplanned(gm)
+
+    def ensures(self, gm: torch.fx.GraphModule) -> None:
+        """No inference-mode BatchNorm that could fold into the conv before it is left."""
+        for bn in gm.graph.nodes:
+            if bn.op == "call_function" and bn.target is _BN and _blocker(gm, bn) is None:
+                raise self.broken(f"batch_norm {bn.name} still follows a foldable convolution")
 
     def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
         counters: Counter[str] = Counter()
@@ -78,21 +103,15 @@ class FoldBatchNorm:
         return PassResult(gm, counters["folded"] > 0, counters)
 
     def _fold(self, gm: torch.fx.GraphModule, bn: torch.fx.Node) -> str | None:
-        conv, gamma, beta, mean, var, training, _momentum, eps = bn.args[:8]
-        if training:
-            return "training-mode"
-        if not isinstance(conv, torch.fx.Node) or conv.target not in _CONVS or len(conv.users) != 1:
-            return "input-not-a-single-use-conv"
+        reason = _blocker(gm, bn)
+        if reason is not None:
+            return reason
+        conv, gamma, beta, mean, var, _training, _momentum, eps = bn.args[:8]
         w, b = _constant(gm, conv.args[1]), _constant(gm, conv.args[2]) if len(conv.args) > 2 else None
         stats = [_constant(gm, a) for a in (mean, var)]
-        has_bias = len(conv.args) > 2 and conv.args[2] is not None
-        if w is None or any(s is None for s in stats) or (has_bias and b is None):
-            return "non-constant-parameters"
         g = _constant(gm, gamma) if gamma is not None else None
         beta_t = _constant(gm, beta) if beta is not None else None
-        if (gamma is not None and g is None) or (beta is not None and beta_t is None):
-            return "non-constant-parameters"
-        mean_t, var_t = (s.detach().double() for s in stats)
+        mean_t, var_t = (s.detach().double() for s in stats)  # type: ignore[union-attr]
         scale = torch.rsqrt(var_t + float(eps))
         if g is not None:
             scale = scale * g.detach().double()

@@ -31,7 +31,7 @@ from torch import nn
 from amplite import op_tables
 from amplite.ops.fp8_linear import fp8_linear
 from amplite.ops.fp8_numerics import FP8_DTYPE, quantize_weight, scale_from_amax
-from amplite.passes.base import PassResult
+from amplite.passes.base import PassBase, PassResult
 from amplite.passes.fp8_sites import stored_weight
 from amplite.passes.graph_utils import cast_dtype, fake_value, static_fake
 from amplite.passes.meta import FP8_KEY, PRECISION_KEY, Fp8Site
@@ -56,10 +56,23 @@ def _free_name(module: nn.Module, name: str) -> str:
     return name
 
 
-class Fp8Matmul:
+class Fp8Matmul(PassBase):
     """Rewrite FP8-planned matrix products into ``amplite::fp8_linear`` with e4m3 weights."""
 
     name = "fp8_matmul"
+
+    def requires(self, gm: torch.fx.GraphModule) -> None:
+        """The plan is made (it marks the FP8 sites)."""
+        self.require_planned(gm)
+
+    def ensures(self, gm: torch.fx.GraphModule) -> None:
+        """No FP8 site is left unrewritten, and every ``fp8_linear`` is planned in ``float8_e4m3fn``."""
+        for n in gm.graph.nodes:
+            if FP8_KEY in n.meta:
+                raise self.broken(f"node {n.name} is an FP8 site that was not rewritten")
+            planned = (n.meta.get(PRECISION_KEY) or {}).get("dtype")
+            if n.op == "call_function" and n.target is fp8_linear._opoverload and planned != FP8_DTYPE:
+                raise self.broken(f"fp8_linear {n.name} is not planned in {FP8_DTYPE}")
 
     def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
         counters: Counter[str] = Counter()

@@ -34,7 +34,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.fx
 
-from amplite.passes.base import PassResult, call_function_nodes
+from amplite.ops.contract import parse_equation
+from amplite.passes.base import PassBase, PassResult, call_function_nodes
 from amplite.passes.contraction_chains import ASSERT_META, BIAS_ADDS, MOVEMENT, SCALES, Rejection, SymbolicExtents
 from amplite.passes.contraction_rules import (
     CONTRACT,
@@ -99,7 +100,7 @@ class FusionResult(PassResult):
             self.rejections.append(r)
 
 
-class FuseContractions:
+class FuseContractions(PassBase):
     """Fuse contractions with their surrounding data movement, scaling and bias (see module docstring).
 
     For each node a rule's pattern matches, the rule's ``match`` gives a typed match or the rejection that
@@ -120,6 +121,33 @@ class FuseContractions:
     ) -> None:
         self.dtypes = tuple(dtypes)
         self.fuse_plain = fuse_plain
+
+    def ensures(self, gm: torch.fx.GraphModule) -> None:
+        """Each ``amplite::contract`` has a valid binary equation whose subscripts match its operands' and
+        result's ranks (and sizes, where static), and one dtype for its operands and result."""
+        for n in gm.graph.nodes:
+            if n.op != "call_function" or n.target is not CONTRACT:
+                continue
+            equation, a, b, c = n.args[:4]
+            try:
+                subs = parse_equation(equation)
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise self.broken(f"contract {n.name} has an invalid equation: {exc}") from None
+            vals = [a.meta.get("val"), b.meta.get("val"), n.meta.get("val")]
+            if not all(isinstance(v, torch.Tensor) for v in vals):
+                continue
+            sizes: dict[str, object] = {}
+            for s, v in zip(subs, vals, strict=True):
+                if len(s) != v.dim():
+                    raise self.broken(f"contract {n.name}: {equation!r} gives {s!r} to a rank-{v.dim()} value")
+                for ch, extent in zip(s, v.shape, strict=True):
+                    seen = sizes.setdefault(ch, extent)
+                    if isinstance(seen, int) and isinstance(extent, int) and seen != extent:
+                        raise self.broken(f"contract {n.name}: mode {ch!r} of {equation!r} has sizes {seen}, {extent}")
+            bias = c.meta.get("val") if isinstance(c, torch.fx.Node) else None
+            dts = {v.dtype for v in vals} | ({bias.dtype} if isinstance(bias, torch.Tensor) else set())
+            if len(dts) != 1:
+                raise self.broken(f"contract {n.name} mixes dtypes {sorted(str(d) for d in dts)}")
 
     def __call__(self, gm: torch.fx.GraphModule) -> FusionResult:
         """Fuse every eligible contraction in ``gm`` in place."""

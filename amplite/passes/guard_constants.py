@@ -35,9 +35,10 @@ import torch
 import torch.fx
 
 from amplite import op_tables
-from amplite.passes.base import PassResult
+from amplite.passes.base import PassBase, PassResult
 from amplite.passes.graph_utils import cast_dtype, fake_value, is_float_tensor, source_line
 from amplite.passes.meta import PRECISION_KEY, RANGE_KEY, SATURATE_KEY
+from amplite.passes.range_guard import check_range_flags
 
 _EXTREME = 2.0**120  # |v| at least this: the model meant "the end of the dtype", not a magnitude
 _MAX_CONSTANT_NUMEL = 4096  # larger lifted tensors are data (tables, weights): the weight rules see them
@@ -90,7 +91,7 @@ def _largest_finite(t: torch.Tensor) -> float:
     return float(a.max()) if a.numel() else 0.0
 
 
-class GuardConstants:
+class GuardConstants(PassBase):
     """Flag ops with constants the low dtype cannot hold (FP32) or mark them for saturation.
 
     Args:
@@ -101,6 +102,17 @@ class GuardConstants:
 
     def __init__(self, low_dtype: torch.dtype) -> None:
         self.limit = _LIMITS.get(low_dtype)
+
+    def requires(self, gm: torch.fx.GraphModule) -> None:
+        """Before the plan: its flags and marks are facts the plan and ``saturate_fills`` read."""
+        self.require_unplanned(gm)
+
+    def ensures(self, gm: torch.fx.GraphModule) -> None:
+        """Only fills, clamps and creation ops are marked for saturation; every flag is a range reason."""
+        for node in gm.graph.nodes:
+            if SATURATE_KEY in node.meta and (op_tables.op_name(node.target) or "") not in _CLAMPS | _FILLS | _CREATION:
+                raise self.broken(f"node {node.name} is marked for saturation but is no fill, clamp or creation op")
+        check_range_flags(self, gm)
 
     def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
         counters: Counter[str] = Counter()
@@ -135,7 +147,7 @@ class GuardConstants:
             counters["kept_fp32:range:constant"] += 1
 
 
-class SaturateFills:
+class SaturateFills(PassBase):
     """Replace the marked constants by the low dtype's extreme finite value where the op computes low.
 
     Args:
@@ -147,6 +159,16 @@ class SaturateFills:
     def __init__(self, low_dtype: torch.dtype) -> None:
         self.low_dtype = low_dtype
         self.limit = _LIMITS.get(low_dtype, math.inf)
+
+    def requires(self, gm: torch.fx.GraphModule) -> None:
+        """After the plan: whether a constant saturates depends on the dtype its op computes in."""
+        self.require_planned(gm)
+
+    def ensures(self, gm: torch.fx.GraphModule) -> None:
+        """Every saturation mark was consumed (saturated, or its op computes in FP32)."""
+        for node in gm.graph.nodes:
+            if SATURATE_KEY in node.meta:
+                raise self.broken(f"node {node.name} still carries its saturation mark")
 
     def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
         counters: Counter[str] = Counter()

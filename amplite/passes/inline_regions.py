@@ -24,7 +24,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from amplite.passes.base import PassResult
+from amplite.passes.base import PassBase, PassResult
 
 _HOP = torch.ops.higher_order
 #: region op -> index of its sub-graph argument (the operands follow it)
@@ -41,10 +41,16 @@ def has_regions(gm: torch.fx.GraphModule) -> bool:
     return any(n.op == "call_function" and n.target in ops for n in gm.graph.nodes)
 
 
-class InlineRegions:
+class InlineRegions(PassBase):
     """Inline grad-mode and autocast regions; pin the operand dtypes of control-flow sub-graphs."""
 
     name = "inline_regions"
+
+    def ensures(self, gm: torch.fx.GraphModule) -> None:
+        """No grad-mode or autocast region is left: their ops are in the graph the other passes walk."""
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.target in _INLINE:
+                raise self.broken(f"region {n.name} ({getattr(n.target, '__name__', n.target)}) is still a sub-graph")
 
     def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
         counters: Counter[str] = Counter()

@@ -20,14 +20,18 @@ import torch.fx
 from torch.fx.node import map_arg
 
 from amplite import op_tables
-from amplite.passes.base import PassResult
-from amplite.passes.graph_utils import dtypes_of, fake_value, make_cast, retype
+from amplite.passes.base import PassBase, PassResult
+from amplite.passes.graph_utils import dtypes_of, fake_value, make_cast, retype, value_dtype
 from amplite.passes.meta import OUT_DTYPE_KEY, PRECISION_KEY
 
 _PROMOTING = frozenset(op_tables.PROMOTING_OPS)
 
 
-class InsertCasts:
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class InsertCasts(PassBase):
     """Insert the casts that the precision plan needs, and no more.
 
     Args:
@@ -39,6 +43,29 @@ class InsertCasts:
 
     def __init__(self, low_precision_io: bool = False) -> None:
         self.low_precision_io = low_precision_io
+
+    def requires(self, gm: torch.fx.GraphModule) -> None:
+        """The plan is made: every node has its planned dtype."""
+        self.require_planned(gm)
+
+    def ensures(self, gm: torch.fx.GraphModule) -> None:
+        """Every planned node reads its floating operands in its compute dtype, but for the documented
+        exceptions (FP64, zero-dim operands of ``follow`` nodes, in-kernel promotion of ``follow`` ops)."""
+        for node in gm.graph.nodes:
+            plan = node.meta.get(PRECISION_KEY)
+            if node.op != "call_function" or not plan or plan["dtype"] is None:
+                continue
+            compute, follow = plan["dtype"], plan["mode"] == "follow"
+            promotes = follow and compute == torch.float32 and op_tables.op_name(node.target) in _PROMOTING
+            for arg in node.all_input_nodes:
+                dt, val = value_dtype(arg), fake_value(arg)
+                if dt is None or not dt.is_floating_point or dt in (compute, torch.float64) or promotes:
+                    continue
+                if follow and isinstance(val, torch.Tensor) and val.dim() == 0:
+                    continue
+                raise self.broken(
+                    f"node {node.name} is planned in {_name(compute)} but reads {arg.name} in {_name(dt)}"
+                )
 
     def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
         graph = gm.graph

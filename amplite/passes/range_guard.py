@@ -44,7 +44,7 @@ import torch
 import torch.fx
 
 from amplite import op_tables
-from amplite.passes.base import PassResult
+from amplite.passes.base import PassBase, PassResult
 from amplite.passes.graph_utils import cast_dtype, fake_value
 from amplite.passes.meta import RANGE_KEY, RANGE_LOW_KEY
 
@@ -149,7 +149,20 @@ class RangeRules:
     percentile: float | None = None
 
 
-class RangeGuard:
+def check_range_flags(p: PassBase, gm: torch.fx.GraphModule) -> None:
+    """Postcondition of the passes that flag nodes: every ``RANGE_KEY`` is a non-empty reason (the plan keeps
+    such a node FP32 and shows the reason) and no node also carries ``RANGE_LOW_KEY``."""
+    for node in gm.graph.nodes:
+        flag = node.meta.get(RANGE_KEY)
+        if flag is None:
+            continue
+        if not isinstance(flag, str) or not flag:  # the plan reads a flag as a str that is set (truthy)
+            raise p.broken(f"node {node.name} is flagged with {flag!r}, not a reason the plan can show")
+        if RANGE_LOW_KEY in node.meta:
+            raise p.broken(f"node {node.name} is flagged both to keep FP32 and as safe in low precision")
+
+
+class RangeGuard(PassBase):
     """Flag nodes whose calibrated ranges make low precision unsafe.
 
     Args:
@@ -164,6 +177,14 @@ class RangeGuard:
         self.ranges = ranges
         self.rules = rules
         self.low_dtype = low_dtype
+
+    def requires(self, gm: torch.fx.GraphModule) -> None:
+        """Before the plan: its flags are facts the plan reads."""
+        self.require_unplanned(gm)
+
+    def ensures(self, gm: torch.fx.GraphModule) -> None:
+        """Each flag is a non-empty reason, and no node is both kept FP32 and cleared low."""
+        check_range_flags(self, gm)
 
     def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
         counters: Counter[str] = Counter()

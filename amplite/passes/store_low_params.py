@@ -19,7 +19,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from amplite.passes.base import PassResult
+from amplite.passes.base import PassBase, PassResult
 from amplite.passes.graph_utils import cast_dtype, retype
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -44,7 +44,7 @@ def _owner(gm: torch.fx.GraphModule, target: str) -> tuple[nn.Module, str]:
     return (gm.get_submodule(path) if path else gm), attr
 
 
-class StoreLowPrecisionParams:
+class StoreLowPrecisionParams(PassBase):
     """Replace FP32 weights that are only cast to a low dtype by low-precision copies.
 
     Args:
@@ -55,6 +55,28 @@ class StoreLowPrecisionParams:
 
     def __init__(self, prefix: str | None = None) -> None:
         self.prefix = prefix
+
+    def ensures(self, gm: torch.fx.GraphModule) -> None:
+        """Every tensor is stored in the dtype its node is planned to hold, and no FP32 tensor in scope is
+        only ever cast to one low dtype (it would be stored in that dtype)."""
+        wanted: dict[int, set[torch.dtype | None]] = defaultdict(set)
+        names: dict[int, str] = {}
+        for node in gm.graph.nodes:
+            if node.op != "get_attr":
+                continue
+            owner, attr = _owner(gm, node.target)
+            tensor = getattr(owner, attr, None)
+            val = node.meta.get("val")
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if isinstance(val, torch.Tensor) and val.dtype != tensor.dtype:
+                raise self.broken(f"{node.target} is stored in {tensor.dtype} but planned in {val.dtype}")
+            if tensor.dtype == torch.float32 and (self.prefix is None or str(node.target).startswith(self.prefix)):
+                names[id(tensor)] = str(node.target)
+                wanted[id(tensor)] |= {cast_dtype(u) for u in node.users} or {None}
+        for key, dtypes in wanted.items():
+            if len(dtypes) == 1 and next(iter(dtypes)) in _LOW:
+                raise self.broken(f"{names[key]} is only read as {next(iter(dtypes))} but stored in FP32")
 
     def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
         counters: Counter[str] = Counter()
