@@ -288,7 +288,7 @@ class StreamedConversion:
             tol = tolerance or DEFAULT_TOLERANCES[precision]
             section = verify_through_loader(self.checkpoint, self.keys, Path(converted_dir), real, tol)
             self.report.attach(self.report.section(Timings).add(verify=perf_counter() - start))
-            self.report.attach(Verification(section))
+            self.report.attach(Verification.from_json(section))
             return section
         if inputs is None or _on_meta(inputs):
             inputs = random_inputs(self.pipeline.original, vocab)
@@ -321,7 +321,7 @@ class StreamedConversion:
             converted_hook=hook,
         )  # fmt: skip
         self.report.attach(self.report.section(Timings).add(verify=perf_counter() - start))
-        self.report.attach(Verification(section))  # verify_blockwise builds the block-wise section
+        self.report.attach(Verification.from_json(section))  # verify_blockwise builds the block-wise section
         return section
 
 
