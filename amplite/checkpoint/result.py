@@ -26,7 +26,7 @@ from amplite.checkpoint.write import Pt2Weights, cast_tensor, write_pt2, write_s
 from amplite.converter.pipeline import PipelineOutput
 from amplite.errors import ConfigError
 from amplite.report.document import Report
-from amplite.report.sections import Outputs, Timings, Verification
+from amplite.report.sections import Outputs, Timings, Verification, WeightRules
 from amplite.verify.compare import DEFAULT_TOLERANCES, Tolerance
 
 Progress = Callable[[str, int, int], None]  # (step, bytes done, bytes total)
@@ -87,7 +87,7 @@ class StreamedConversion:
     @property
     def passed(self) -> bool | None:
         """Whether block-wise verification passed (None until :meth:`verify` ran)."""
-        return (self.data.get("verification") or {}).get("passed")
+        return self.report.passed
 
     @property
     def program(self) -> ExportedProgram:
@@ -228,7 +228,7 @@ class StreamedConversion:
     def check_loadable(self) -> None:
         """Refuse a safetensors output that ``from_pretrained`` would load broken, before anything is written
         (:func:`amplite.checkpoint.loader.check_loadable`)."""
-        check_loadable(self.checkpoint, self.keys, self.dtypes, self.data.get("weight_rules", []))
+        check_loadable(self.checkpoint, self.keys, self.dtypes, self.report.section(WeightRules) or WeightRules())
 
     def module(self) -> Any:
         """Not available: a streamed checkpoint's weights are never materialised in memory.

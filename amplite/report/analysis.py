@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from amplite.report.entries import CriterionCheck, NodeError
+from amplite.report.format import PLAIN, Style, fmt
 from amplite.report.typed import Entry, Num, Section
 
 __all__ = ["Decision", "Estimate", "Fp8Checkpoint", "GradientUnderflow", "Gradients", "LayerError", "Layerwise",
@@ -116,6 +117,20 @@ class Gradients(Section):
     underflow: GradientUnderflow | None = None
     passed: bool | None = None
     seconds: float | None = None
+
+    def summary(self, style: Style = PLAIN) -> str:
+        """The one sentence on the gradient check every renderer prints: what was compared, how well, the
+        underflow and the loss-scale advice."""
+        u = self.underflow or GradientUnderflow()
+        missing = len(self.missing_gradients or [])
+        advice = u.advice or f"loss scale {fmt(u.recommended_loss_scale)}"
+        return (
+            f"{style.strong('Gradients')} ({style.text(self.loss)}, {style.text(self.graph or 'as converted')}): "
+            f"{self.parameters} parameters compared, {style.strong(f'{missing} missing') if missing else '0 missing'}; "
+            f"min SQNR {style.num(self.min_sqnr_db)} dB, median {style.num(self.median_sqnr_db)} dB; "
+            f"{style.num(100 * (u.underflow_unscaled or 0.0), 3)} % underflow in {style.text(u.dtype)} unscaled; "
+            f"recommended: {style.text(advice)}."
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

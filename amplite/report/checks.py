@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from amplite.report.entries import OutputMetricsEntry, ToleranceEntry
+from amplite.report.format import PLAIN, Style
 from amplite.report.typed import Entry, Num, Section
 from amplite.verify.compare import OutputMetrics, Tolerance
 
@@ -38,6 +39,7 @@ class Verification(Section):
     passed: bool | None = None
     outputs: tuple[OutputMetricsEntry, ...] | None = None
     blocks: tuple[BlockError, ...] | None = None
+    peak_weight_bytes: int | None = None
 
     @classmethod
     def of(cls, metrics: Iterable[OutputMetrics], tolerance: Tolerance | None,  # type: ignore[override]
@@ -140,6 +142,22 @@ class Budget(Section):
     steps: tuple[BudgetStep, ...] | None = None
     seconds: float | None = None
     message: str | None = None
+
+    def summary(self, style: Style = PLAIN, names: int = 5) -> str:
+        """The one sentence on the search every renderer prints: verdict, nodes moved (the first ``names``),
+        trials and time, the prune phase, and the search's message."""
+        spec = self.tolerance.spec() if self.tolerance is not None else "sqnr_db>=None"
+        moved = [m.node for m in self.moved_to_fp32 or ()]
+        shown = ", ".join(style.code(n) for n in moved[:names]) + (", …" if len(moved) > names else "")
+        prune = self.prune
+        return (
+            f"{style.strong('Accuracy budget')} ({style.code(spec)}): "
+            f"{'met' if self.passed else style.strong('NOT met')} with {len(moved)} of {self.candidates} "
+            f"candidate nodes moved to FP32{f' ({shown})' if moved else ''}, {self.trials} trials "
+            f"(bound {self.trial_bound}), {style.num(self.seconds, 3)} s."
+            + (f" The prune phase took {prune.before} nodes down to {prune.after}." if prune and prune.trials else "")
+            + (f" {style.text(self.message)}" if self.message else "")
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

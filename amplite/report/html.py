@@ -17,7 +17,7 @@ from amplite.escape import html as escape
 from amplite.report.analysis import Estimate, Gradients, Layerwise, Ranges, Training
 from amplite.report.checks import Baseline, Budget, Check, Golden, Verification
 from amplite.report.document import Report, as_report
-from amplite.report.format import fmt
+from amplite.report.format import Style, fmt
 from amplite.report.format import html_table as _table
 from amplite.report.html_charts import figures
 from amplite.report.sections import Config, Fp32Nodes, Plan, Source
@@ -39,19 +39,15 @@ _TOP_HEAD = ["#", "node", "op", "module", "source", "dtype", "isolated SQNR", "a
              "introduces NaN/Inf", "FP32 max |x|"]  # fmt: skip
 
 
+#: HTML's marks for a section's summary line (amplite.report.format.Style).
+HTML = Style(text=lambda s: escape(str(s)), code=lambda s: f"<code>{escape(str(s))}</code>",
+             strong=lambda s: f"<strong>{s}</strong>")
+
+
 def _budget_section(budget: Budget, chart: str) -> str:
-    spec = budget.tolerance.spec("default (sqnr_db>={})") if budget.tolerance else "default (sqnr_db>=None)"
-    cls, word = ("pass", "met") if budget.passed else ("fail", "NOT met")
-    moved, prune = budget.moved_to_fp32 or (), budget.prune
-    parts = [
-        f"<h2>Accuracy budget</h2><p>Tolerance <code>{escape(spec)}</code>: <span class='{cls}'>{word}</span> "
-        f"with {len(moved)} of {budget.candidates} candidate nodes moved to FP32, in {budget.trials} trials "
-        f"(bound {budget.trial_bound}), {fmt(budget.seconds)} s"
-        + (f"; the prune phase took {prune.before} nodes down to {prune.after}" if prune and prune.trials else "")
-        + ".</p>",
-        f"<p class='fail'>{escape(budget.message)}</p>" if budget.message else "",
-        chart,
-    ]
+    moved = budget.moved_to_fp32 or ()
+    parts = [f"<h2>Accuracy budget</h2><p class='{'pass' if budget.passed else 'fail'}'>{budget.summary(HTML)}</p>",
+             chart]  # fmt: skip
     if moved:
         rows = [[i, m.node, m.op or "", m.module or "(root)", m.source or "", fmt(m.isolated_sqnr_db)]
                 for i, m in enumerate(moved, 1)]  # fmt: skip
@@ -146,14 +142,10 @@ def _baseline_section(base: Baseline) -> list[str]:
 
 
 def _gradients_section(grads: Gradients) -> list[str]:
-    u = grads.underflow
-    advice = (u.advice if u else None) or "loss scale " + str(fmt(u.recommended_loss_scale if u else None))
+    missing = ", ".join(grads.missing_gradients or [])
     return [
-        f"<h2>Gradients</h2><p>loss: {escape(str(grads.loss))}; min SQNR {fmt(grads.min_sqnr_db)} dB; "
-        f"underflow in {escape(str(u.dtype if u else None))} without scaling "
-        f"{fmt(u.underflow_unscaled if u else None, 3)}; recommended: {escape(advice)}; "
-        f"{grads.parameters} parameters compared; missing gradients: "
-        f"{escape(', '.join(grads.missing_gradients or []) or 'none')}.</p>",
+        f"<h2>Gradients</h2><p>{grads.summary(HTML)}</p>",
+        f"<p class='fail'>Missing gradients: {escape(missing)}.</p>" if missing else "",
         _table(["parameter", "dtype", "SQNR dB", "max abs", "new NaN/Inf"],
                [[w.parameter, w.dtype, fmt(w.sqnr_db), fmt(w.max_abs, 3), w.new_nonfinite] for w in grads.worst or ()]),
     ]  # fmt: skip

@@ -9,6 +9,7 @@ from typing import Any
 from amplite.report.analysis import Estimate, Gradients, Layerwise, Ranges, Training
 from amplite.report.checks import Baseline, Budget, Check, Golden, Verification
 from amplite.report.document import Report, as_report
+from amplite.report.format import Style
 from amplite.report.format import cell as _cell
 from amplite.report.format import code as _code
 from amplite.report.format import fmt as _fmt
@@ -32,34 +33,8 @@ def estimate_line(est: Estimate) -> str:
     )
 
 
-def budget_line(budget: Budget, names: int = 5) -> str:
-    """One line on the accuracy-budget search: verdict, nodes moved to FP32, trials and time."""
-    spec = budget.tolerance.spec() if budget.tolerance is not None else "sqnr_db>=None"
-    moved = [m.node for m in budget.moved_to_fp32 or ()]
-    shown = ", ".join(f"{_code(n)}" for n in moved[:names]) + (", …" if len(moved) > names else "")
-    text = (
-        f"**Accuracy budget** ({_code(spec)}): {'met' if budget.passed else '**NOT met**'} with "
-        f"{len(moved)} of {budget.candidates} candidate nodes moved to FP32{f' ({shown})' if moved else ''}, "
-        f"{budget.trials} trials (bound {budget.trial_bound}), {fmt(budget.seconds, 3)} s."
-    )
-    prune = budget.prune
-    if prune and prune.trials:
-        text += f" The prune phase took {prune.before} nodes down to {prune.after}."
-    return text + (f" {_cell(budget.message)}" if budget.message else "")
-
-
-def gradients_line(grads: Gradients) -> str:
-    """One line on the gradient check: loss, worst SQNR, underflow and the advice, parameters compared."""
-    u = grads.underflow
-    unscaled = u.underflow_unscaled if u is not None and u.underflow_unscaled is not None else 0.0
-    advice = (u.advice if u is not None else None) or "loss scale " + str(
-        _fmt(u.recommended_loss_scale if u is not None else None))
-    return (
-        f"**Gradients** ({_cell(grads.loss)}): min SQNR {fmt(grads.min_sqnr_db)} dB; "
-        f"{fmt(100 * unscaled, 3)} % underflow in {_cell(u.dtype if u is not None else None)} unscaled; "
-        f"recommended: {_cell(advice)}; "
-        f"{fmt(grads.parameters)} parameters compared, {len(grads.missing_gradients or [])} missing."
-    )
+#: Markdown's marks for a section's summary line (amplite.report.format.Style).
+MARKDOWN = Style(text=_cell, code=_code, strong=lambda s: f"**{s}**")
 
 
 def _outputs_table(ver: Verification) -> list[str]:
@@ -118,7 +93,7 @@ def render_markdown(report: Report | Mapping[str, Any], top_n: int = 5) -> str:
     if check.reasons:
         lines += ["**Why it failed:**", ""] + [f"- {_cell(r)}" for r in check.reasons[:10]] + [""]
     if (budget := rep.section(Budget)) is not None:
-        lines += [budget_line(budget), ""]
+        lines += [budget.summary(MARKDOWN), ""]
     if (est := rep.section(Estimate)) is not None:
         lines += [estimate_line(est), ""]
     lines += _top_table(rep.section(Layerwise), top_n)
@@ -139,7 +114,7 @@ def render_markdown(report: Report | Mapping[str, Any], top_n: int = 5) -> str:
         lines.append(f"**Baseline** (margin {fmt(base.margin_db)} dB): "
                      + ("no regression." if base.passed else f"{len(base.regressions or ())} regression(s)."))
     if (grads := rep.section(Gradients)) is not None:
-        lines.append(gradients_line(grads))
+        lines.append(grads.summary(MARKDOWN))
     if (training := rep.section(Training)) is not None:
         lines += training_markdown(training)
     if (gold := rep.section(Golden)) is not None:

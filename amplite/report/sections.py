@@ -16,7 +16,7 @@ To add a section: a typed subclass with its ``key`` (and ``of`` when it is built
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,8 +67,19 @@ class Config(Section):
     key = "config"
     precision: str | None = None
     level: str | None = None
-    converted: str | None = None
+    fp8: Mapping[str, Any] | None = None
+    level_source: str | None = None
+    keep_fp32: Sequence[str] | None = None
+    force_low: Sequence[str] | None = None
+    low_precision_io: bool | None = None
+    dynamic_batch: bool | None = None
+    dynamic_dims: Mapping[str, Any] | None = None
+    fuse_contractions: bool | None = None
+    fuse_contractions_reason: str | None = None
     range_rules: Mapping[str, Any] | None = None
+    range_rules_scope: str | None = None
+    contract_backend: str | None = None
+    converted: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,15 +208,24 @@ class Warnings(ListSection):
 
 @dataclass(frozen=True, kw_only=True)
 class OutputFile(Entry):
-    """One model file written (``outputs`` entry; the ONNX facts are typed where they are read)."""
+    """One model file written (``outputs`` entry: the file, and what the writer knows of it)."""
 
     format: str | None = None
+    device: str | None = None
+    decomposed_contractions: int | None = None
+    compile_seconds: float | None = None
     path: str | None = None
     bytes: int | None = None
-    device: str | None = None
+    data_path: str | None = None
     opset: int | None = None
     casts: int | None = None
-    data_path: str | None = None
+    casts_in_functions: int | None = None
+    contract_nodes: int | None = None
+    cleanup: Mapping[str, Any] | None = None
+    inputs: Sequence[Any] | None = None
+    outputs: Sequence[Any] | None = None
+    checker: str | None = None
+    timings: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
