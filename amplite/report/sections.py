@@ -76,6 +76,7 @@ class Config(Section):
     dynamic_dims: Mapping[str, Any] | None = None
     fuse_contractions: bool | None = None
     fuse_contractions_reason: str | None = None
+    fold_batchnorm: bool | None = None
     range_rules: Mapping[str, Any] | None = None
     range_rules_scope: str | None = None
     contract_backend: str | None = None
