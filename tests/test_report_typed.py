@@ -17,13 +17,13 @@ import pytest
 import amplite
 from amplite.errors import InternalError
 from amplite.gate import write_reports
-from amplite.report.analysis import Gradients, Training
+from amplite.report.analysis import Gradients, Llm, Training
 from amplite.report.checks import Baseline, Budget, Check, Verification
 from amplite.report.document import HEADER_KEYS, Report
 from amplite.report.entries import CriterionCheck, OutputMetricsEntry
 from amplite.report.junit import junit_xml
 from amplite.report.schema import load_schema, validate_report
-from amplite.report.sections import SECTIONS, Output, Plan
+from amplite.report.sections import SECTIONS, Output, Outputs, Plan, Source, Streaming, Timings, WeightRules
 from amplite.report.typed import ListSection, MapSection, Record
 from fixtures import zoo
 from tests.report_samples import SAMPLES
@@ -102,6 +102,48 @@ def test_sections_are_typed_and_frozen(module_report: Report) -> None:
     budget = Budget.from_json(SAMPLES["budget"])
     assert budget.steps[1].worst_sqnr_db == "nan" and budget.prune.before == 1 and budget.tolerance.criteria == [
         "sqnr_db>=40"]
+
+
+def test_typed_accessors_read_what_the_document_holds(module_report: Report) -> None:
+    data = module_report.data
+    counted = next(p for p in data["passes"] if any(p["counters"].values()))
+    key, value = next((k, v) for k, v in counted["counters"].items() if v)
+    assert module_report.counter(counted["name"], key) == value > 0
+    assert module_report.counter(counted["name"], "no such counter") == 0 and module_report.counter("nope", key) == 0
+    changed = {p["name"] for p in data["passes"] if p["modified"]}
+    unchanged = {p["name"] for p in data["passes"] if not p["modified"]}
+    assert changed and all(module_report.pass_modified(n) for n in changed)
+    assert not any(module_report.pass_modified(n) for n in unchanged | {"no such pass"})
+    assert [(p.node, p.mode, p.dtype) for p in module_report.planned] == [
+        (p["node"], p["mode"], p["dtype"]) for p in data["plan"]]
+    assert module_report.passed is data["verification"]["passed"] is True
+    assert [o.name for o in module_report.verified_outputs] == [o["name"] for o in data["verification"]["outputs"]]
+    assert Report({k: v for k, v in data.items() if k != "verification"}).verified_outputs == ()
+
+
+def test_the_builders_make_the_documented_values(module_report: Report) -> None:
+    assert Source.of("m.pt2", "pt2", mode=None, graph_fingerprint="ab").to_json() == {
+        "path": "m.pt2", "format": "pt2", "graph_fingerprint": "ab"}  # None facts are left out
+    assert Source.of(None, "module").to_json() == {"path": None, "format": "module"}
+    assert Check.of("m", []).to_json() == {"name": "m", "passed": True, "exit_code": 0, "reasons": []}
+    assert Check.of("m", ["x"]).to_json() == {"name": "m", "passed": False, "exit_code": 1, "reasons": ["x"]}
+    regression = SAMPLES["baseline"]["regressions"][0]
+    assert Baseline.of(1.0, [], None).to_json() == {"margin_db": 1.0, "regressions": [], "passed": True,
+                                                    "created": None}  # fmt: skip
+    assert Baseline.of(2.0, [regression], "t").passed is False
+    ver = module_report.section(Verification)
+    assert ver.folded(False).passed is False and ver.folded(True).passed is True
+    assert Verification.from_json({"outputs": []}).folded(True).passed is True
+    assert Verification.from_json({"passed": False}).folded(True).passed is False
+    one, two = {"format": "pt2", "path": "/a.pt2", "bytes": 1}, {"format": "onnx", "path": "/b.onnx", "bytes": 2}
+    assert Outputs.of([one, two]).with_entries({**one, "bytes": 3}).to_json() == [two, {**one, "bytes": 3}]
+    assert Streaming.of(1, 2, 3).to_json() == {"peak_rss_bytes": 1, "largest_shard_bytes": 2, "shards": 3}
+    assert WeightRules.of({"lm_head": "range:weight-overflow"}).to_json() == [
+        {"module": "lm_head", "reason": "range:weight-overflow"}]
+    assert Timings.of({"a": 0.123456}).add(b=1.00004, a=2).to_json() == {"a": 2.0, "b": 1.0}
+    llm = Llm.from_json(SAMPLES["llm"]).add(peak_rss_bytes=5, passed=True)
+    assert llm.peak_rss_bytes == 5 and llm.passed is True and llm.to_json() == {**SAMPLES["llm"], "passed": True,
+                                                                                 "peak_rss_bytes": 5}  # fmt: skip
 
 
 def test_a_planted_invalid_section_is_refused_on_write(module_report: Report, tmp_path: Path,

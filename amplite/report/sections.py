@@ -159,10 +159,6 @@ class Plan(ListSection):
     item = PlanEntry
     items: tuple[PlanEntry, ...] = ()
 
-    def dtypes(self, *dtypes: str) -> set[str]:
-        """The nodes planned in one of these dtypes."""
-        return {p.node for p in self.items if p.dtype in dtypes and p.node is not None}
-
 
 @dataclass(frozen=True, kw_only=True)
 class Fp32Nodes(ListSection):

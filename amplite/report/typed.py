@@ -75,11 +75,6 @@ class Record:
             order = [k for k in kinds if getattr(self, k) is not None] + list(self.rest)
         return {k: _write(getattr(self, k)) if k in kinds else thaw(self.rest[k]) for k in order}
 
-    def get(self, key: str, default: Any = None) -> Any:
-        """A key's JSON value, declared or not (for the few readers that take any key, such as JUnit's
-        properties); typed code reads the fields."""
-        return self.to_json().get(key, default)
-
     def __copy__(self) -> Record:
         return self  # immutable: a copy is the record itself
 
