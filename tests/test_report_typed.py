@@ -146,6 +146,44 @@ def test_the_builders_make_the_documented_values(module_report: Report) -> None:
                                                                                  "peak_rss_bytes": 5}  # fmt: skip
 
 
+def test_the_conversion_builders_write_the_documented_json() -> None:
+    from amplite.passes.base import PassRecord
+    from amplite.report.entries import GraphStats
+    from amplite.report.sections import Fp32Nodes, Graph, Passes, Warnings, Weights
+    from amplite.verify.compare import OutputMetrics, Tolerance
+
+    records = [PassRecord("a", True, {"n": 2}, 0.123456, {"why": "x"}), PassRecord("b", False, {}, 1.0)]
+    assert Passes.of(records).to_json() == [
+        {"name": "a", "modified": True, "counters": {"n": 2}, "seconds": 0.1235, "details": {"why": "x"}},
+        {"name": "b", "modified": False, "counters": {}, "seconds": 1.0}]  # no details: no key
+    assert Weights.of(300, 100).to_json() == {"bytes_before": 300, "bytes_after": 100, "ratio": 0.3333}
+    assert Weights.of(0, 0).ratio == 1.0 and type(Weights.of(3.0, 1.0).bytes_after) is int  # type: ignore[arg-type]
+    plan = [{"node": "a", "op": "add", "module": "m", "source": "s:1", "mode": "fp32", "dtype": None,
+             "reason": "r", "rule": "range"},
+            {"node": "b", "op": "mm", "module": "m", "source": "s:2", "mode": "low", "dtype": "float16",
+             "reason": "r", "rule": "op-table"},
+            {"node": "c", "op": "exp", "module": "m", "source": "s:3", "mode": "fp32", "dtype": None, "reason": "q"}]
+    assert Fp32Nodes.of(plan).to_json() == [
+        {"node": "a", "op": "add", "module": "m", "source": "s:1", "reason": "r", "rule": "range"},
+        {"node": "c", "op": "exp", "module": "m", "source": "s:3", "reason": "q"}]
+    stats = {"nodes_by_dtype": {"float32": 3}, "casts": 0, "low_precision_flop_share": 0.0}
+    assert Graph.of(GraphStats.from_json(stats), {**stats, "casts": 2}).to_json() == {
+        "before": stats, "after": {**stats, "casts": 2}}
+    assert Source.of(Path("/m.pt2"), "pt2").path == "/m.pt2"
+    assert Warnings.of([1, "w"]).to_json() == ["1", "w"]
+    assert Timings.of({"a": 0.123456, "b": 2}).to_json() == {"a": 0.1235, "b": 2.0}
+    tol = Tolerance(min_sqnr_db=40.0, min_cosine=0.99, criteria=("sqnr_db>=40",))
+    good = OutputMetrics("out", [2], "float16", sqnr_db=50.0)
+    bad = OutputMetrics("bad", [2], "float16", sqnr_db=10.0, passed=False)
+    ver = Verification.of([good], tol)
+    assert ver.to_json() == {"inputs": "example inputs", "tolerance": {"min_sqnr_db": 40.0, "min_cosine": 0.99,
+                             "max_mismatch": 0.01, "criteria": ["sqnr_db>=40"]}, "passed": True,
+                             "outputs": [good.to_dict()]}  # fmt: skip
+    other = Verification.of([good, bad], None, inputs="3 random batches", batches=3).to_json()
+    assert other["tolerance"] is None and other["passed"] is False and other["batches"] == 3
+    assert other["inputs"] == "3 random batches" and [o["name"] for o in other["outputs"]] == ["out", "bad"]
+
+
 def test_a_planted_invalid_section_is_refused_on_write(module_report: Report, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.delenv("AMPLITE_VALIDATE_REPORTS", raising=False)  # no flag: a user's run validates too
