@@ -99,6 +99,8 @@ def test_sections_are_typed_and_frozen(module_report: Report) -> None:
         out.sqnr_db = 0.0  # type: ignore[misc]
     with pytest.raises(TypeError, match="read-only"):
         out.shape.append(1)  # type: ignore[union-attr]
+    with pytest.raises(TypeError, match="read-only"):
+        module_report.section(Timings).values["save_pt2"] = 1.0  # type: ignore[index]
     budget = Budget.from_json(SAMPLES["budget"])
     assert budget.steps[1].worst_sqnr_db == "nan" and budget.prune.before == 1 and budget.tolerance.criteria == [
         "sqnr_db>=40"]

@@ -135,12 +135,7 @@ class ListSection(Section):
 class MapSection(Section):
     """A section whose JSON is a map of plain values (``values``: key -> value)."""
 
-    values: Mapping[str, Any] = field(default_factory=FrozenDict)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        object.__setattr__(self, "values", freeze(dict(self.values)) if isinstance(self.values, Mapping)
-                           else self.values)  # fmt: skip
+    values: Mapping[str, Any] = field(default_factory=FrozenDict)  # frozen by Record.__post_init__
 
     @classmethod
     def from_json(cls: type[R], value: Mapping[str, Any]) -> R:  # type: ignore[override]
