@@ -18,10 +18,6 @@ from amplite.converter.graph_stats import node_compute_dtype
 from amplite.passes.graph_utils import cast_dtype
 from fixtures.write_fixtures import write
 
-# Every report any test makes a command write is validated against the published schema as it is written
-# (amplite/report/schema.py): a report that does not match is an InternalError, so the whole suite checks it.
-os.environ.setdefault("AMPLITE_VALIDATE_REPORTS", "1")
-
 # Under pytest-xdist (`make test` runs two workers on CI's two cores) each worker computes with one intra-op
 # thread, and the fresh processes tests start inherit it: two threads per worker oversubscribe the cores
 # (the suite took 389 s with torch's default threads, 295 s with one, on an idle 2-core machine). An

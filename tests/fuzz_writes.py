@@ -78,17 +78,20 @@ def check_media(data: dict[str, Any]) -> None:
     with output.out.capture() as captured:
         from types import SimpleNamespace
 
+        from amplite.report.document import Report
+
+        report = Report(data)  # the terminal reads the typed sections, as for a report just made
         reasons = (data.get("check") or {}).get("reasons") or []
-        res = SimpleNamespace(report=SimpleNamespace(data=data), exit_code=1, reasons=reasons,
+        res = SimpleNamespace(report=report, exit_code=1, reasons=reasons,
                               files={"json": Path(str((data.get("source") or {}).get("path")))})  # fmt: skip
         output.print_check(res)
-        output.print_summary(data, [], Path("r.json"))
+        output.print_summary(report, [], Path("r.json"))
     assert not _CONTROL.search(captured.get()), "a control character reached the terminal"
     tsv = io.StringIO()
     import contextlib
 
     with contextlib.redirect_stdout(tsv):
-        output.print_plan(data, None)  # `out` is not a terminal here: the tab-separated form
+        output.print_plan(Report(data), None)  # `out` is not a terminal here: the tab-separated form
     rows = tsv.getvalue().splitlines()[:-1]
     bad = [r for r in rows if r.count("\t") != 4 or _CONTROL.search(r)]
     assert not bad, f"inspect row {bad[0][:80]!r}"

@@ -1,7 +1,7 @@
 """Every report.json a command writes validates against amplite/schemas/report.schema.json.
 
-The suite sets ``AMPLITE_VALIDATE_REPORTS=1`` (conftest), so each write below is validated when it happens;
-each test also re-validates what is on disk, after a JSON round trip, the way a consumer reads it.
+Every write is validated when it happens (amplite/report/schema.py, no flag); each test also re-validates
+what is on disk, after a JSON round trip, the way a consumer reads it.
 """
 
 from __future__ import annotations
@@ -17,16 +17,11 @@ import transformers
 import amplite
 from amplite.batch import convert_many
 from amplite.errors import InternalError
-from amplite.report.schema import report_json, validate_report, validation_enabled, write_report
+from amplite.report.schema import report_json, validate_report, write_report
 from amplite.save import convert_to_files
 from amplite.verify.numbers import decode_float, encode_float
 from fixtures import zoo
 from fixtures.write_fixtures import write
-
-
-@pytest.fixture(autouse=True)
-def _validate_writes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AMPLITE_VALIDATE_REPORTS", "1")
 
 
 def _on_disk(path: Path) -> dict:
@@ -45,10 +40,6 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("llama") / "tiny-llama"
     transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path, max_shard_size="20KB", safe_serialization=True)
     return path
-
-
-def test_the_suite_validates_every_write() -> None:
-    assert validation_enabled()
 
 
 def test_convert_of_a_module_writes_a_valid_report(tmp_path: Path) -> None:

@@ -98,9 +98,9 @@ def test_an_unknown_section_is_refused_naming_it(module_report: Report) -> None:
 
     report = module_report.copy()
     with pytest.raises(InternalError, match=r"Bogus \('bogus'\) is no report section.*sections\.py"):
-        report.attach(Bogus({"x": 1}))
+        report.attach(Bogus.from_json({"x": 1}))
     with pytest.raises(InternalError, match="FakeSource"):
-        report.attach(FakeSource({"path": "x", "format": "y"}))
+        report.attach(FakeSource.from_json({"path": "x", "format": "y"}))
     with pytest.raises(InternalError, match="no report section"):
         report.attach({"path": "x"})  # type: ignore[arg-type]
     with pytest.raises(InternalError, match="report key 'bogus' is no report section"):
@@ -163,7 +163,7 @@ def test_non_finite_sqnr_round_trips_in_the_one_encoding(module_report: Report, 
                                                                                       sqnr_db=math.nan)]  # fmt: skip
     report = module_report.copy().attach(Verification.of(metrics, tol))
     assert report.data["verification"]["outputs"][0]["sqnr_db"] == "inf"  # OutputMetrics.to_dict encodes it
-    path = report.save(tmp_path / "r.json")  # validated (AMPLITE_VALIDATE_REPORTS=1 under pytest)
+    path = report.save(tmp_path / "r.json")  # validated on every write
     text = path.read_text()
     assert '"sqnr_db": "inf"' in text and '"sqnr_db": "nan"' in text and "Infinity" not in text
     back = json.loads(text)

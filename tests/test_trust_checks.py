@@ -161,7 +161,7 @@ def test_grad_on_a_batchnorm_cnn_compares_every_parameter(cli, tmp_path: Path) -
     path = tmp_path / "cnn.pt2"
     torch.export.save(torch.export.export(model, *inputs), str(path))
     out = cli("check", path, "--grad", "--no-layerwise")
-    assert out.exit_code == 0 and "gradients" in out.stdout and "10 parameters compared" in out.stdout
+    assert out.exit_code == 0 and "Gradients (" in out.stdout and "10 parameters compared" in out.stdout
 
 
 def test_a_parameter_without_gradient_fails_the_check(tmp_path: Path) -> None:

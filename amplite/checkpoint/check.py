@@ -87,7 +87,7 @@ def check_converted_dir(
     if conv.fp8 is not None:  # describe the directory checked, not a fresh plan
         described = conv.report.section(Fp8Checkpoint)
         scheme = Fp8Reader(written).scheme
-        conv.report.attach(Fp8Checkpoint({**described.to_json(), "activation_scheme": scheme,
+        conv.report.attach(Fp8Checkpoint.from_json({**described.to_json(), "activation_scheme": scheme,
                                           "calibration": None, "verified_as": READ_BACK[scheme]}))  # fmt: skip
     more = check_more(conv.report, out) if check_more is not None else []
     return conv, _reasons(section) + more

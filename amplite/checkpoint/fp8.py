@@ -273,7 +273,7 @@ def fp8_section(plan: Fp8Plan, ckpt: Checkpoint) -> Fp8Checkpoint:
         bf16 += n * low
         written += sum(math.prod(s) * d.itemsize for _, d, s in plan.entries(info, torch.bfloat16)) \
             if info.name in plan.linears else n * low  # fmt: skip
-    return Fp8Checkpoint({"layout": "vLLM quant_method fp8 (safetensors)", "activation_scheme": plan.scheme,
+    return Fp8Checkpoint.from_json({"layout": "vLLM quant_method fp8 (safetensors)", "activation_scheme": plan.scheme,
                           "weight_scales": "per-tensor", "fp8_linears": len(plan.linears),
                           "ignored_layers": plan.ignored, "calibration": plan.calibration or None, "bytes": written,
                           "bf16_bytes": bf16, "size_vs_bf16": round(written / max(bf16, 1), 4),

@@ -7,7 +7,7 @@ loader would break is refused before it is written (:func:`check_loadable`).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ import torch
 from amplite.checkpoint.keys import KeyMap
 from amplite.checkpoint.source import PREFIX, Checkpoint
 from amplite.errors import ConfigError
+from amplite.report.sections import WeightRule
 
 
 def loader_dtypes(lm: Any, config: Mapping[str, Any]) -> Callable[[str], torch.dtype | None]:
@@ -43,7 +44,7 @@ def loader_dtypes(lm: Any, config: Mapping[str, Any]) -> Callable[[str], torch.d
 
 
 def check_loadable(ckpt: Checkpoint, keys: KeyMap, dtypes: dict[str, torch.dtype],
-                   weight_rules: list[dict[str, Any]]) -> None:  # fmt: skip
+                   weight_rules: Iterable[WeightRule]) -> None:  # fmt: skip
     """Refuse a safetensors output that ``from_pretrained`` would load broken (before anything is written).
 
     The output's ``config.json`` names one dtype and transformers casts every stored tensor to it (bar the
@@ -55,7 +56,7 @@ def check_loadable(ckpt: Checkpoint, keys: KeyMap, dtypes: dict[str, torch.dtype
     """
     from amplite.checkpoint.write import output_config
 
-    over = {r["module"].removeprefix(PREFIX): r["reason"] for r in weight_rules if "overflow" in r["reason"]}
+    over = {str(r.module).removeprefix(PREFIX): r.reason for r in weight_rules if "overflow" in (r.reason or "")}
     if not over:
         return
     entries = [(n, dtypes.get(n, i.dtype), tuple(i.shape)) for n, i in ckpt.tensors.items()]

@@ -27,7 +27,7 @@ from amplite.converter import emit
 from amplite.converter.pipeline import PipelineOutput
 from amplite.errors import ConfigError
 from amplite.report.document import Report
-from amplite.report.sections import Outputs, Timings, Verification
+from amplite.report.sections import Outputs, Timings, Verification, WeightRules
 from amplite.spec import ConvertSpec
 from amplite.verify.compare import DEFAULT_TOLERANCES, Tolerance
 
@@ -91,7 +91,7 @@ class StreamedConversion:
     @property
     def passed(self) -> bool | None:
         """Whether block-wise verification passed (None until :meth:`verify` ran)."""
-        return (self.data.get("verification") or {}).get("passed")
+        return self.report.passed
 
     @property
     def program(self) -> ExportedProgram:
@@ -233,7 +233,7 @@ class StreamedConversion:
     def check_loadable(self) -> None:
         """Refuse a safetensors output that ``from_pretrained`` would load broken, before anything is written
         (:func:`amplite.checkpoint.loader.check_loadable`)."""
-        check_loadable(self.checkpoint, self.keys, self.dtypes, self.data.get("weight_rules", []))
+        check_loadable(self.checkpoint, self.keys, self.dtypes, self.report.section(WeightRules) or WeightRules())
 
     def module(self) -> Any:
         """Not available: a streamed checkpoint's weights are never materialised in memory.
@@ -293,7 +293,7 @@ class StreamedConversion:
             tol = tolerance or DEFAULT_TOLERANCES[precision]
             section = verify_through_loader(self.checkpoint, self.keys, Path(converted_dir), real, tol)
             self.report.attach(self.report.section(Timings).add(verify=perf_counter() - start))
-            self.report.attach(Verification(section))
+            self.report.attach(Verification.from_json(section))
             return section
         if inputs is None or _on_meta(inputs):
             inputs = random_inputs(self.pipeline.original, vocab)
@@ -326,7 +326,7 @@ class StreamedConversion:
             converted_hook=hook,
         )  # fmt: skip
         self.report.attach(self.report.section(Timings).add(verify=perf_counter() - start))
-        self.report.attach(Verification(section))  # verify_blockwise builds the block-wise section
+        self.report.attach(Verification.from_json(section))  # verify_blockwise builds the block-wise section
         return section
 
 

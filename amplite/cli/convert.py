@@ -62,7 +62,7 @@ def convert(
                     tolerance=tolerance or None, verify=not no_verify, max_trials=max_trials,
                     verify_max_memory=verify_max_memory, progress=progress, inputs_file=inputs, options=conversion,
                 )  # fmt: skip
-            print_summary(saved.result.report.data, saved.written, saved.report_path)
+            print_summary(saved.result.report, saved.written, saved.report_path)
         return saved.exit_code
 
     _run(debug, body)
@@ -85,7 +85,7 @@ def inspect(
         from amplite.api import convert as convert_model
 
         result = convert_model(model, _inputs(input, inputs), verify=False, options=conversion)
-        print_plan(result.report.data, only)
+        print_plan(result.report, only)
         return 0
 
     _run(debug, body)

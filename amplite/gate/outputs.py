@@ -43,7 +43,7 @@ def finish(report: Report, reasons: list[str], metrics: list[OutputMetrics], nam
             out_dir: Path | None, junit: str | Path | None) -> CheckResult:  # fmt: skip
     """The verdict (``check`` section, exit code) and the files, the same for every kind of check."""
     check = Check.of(name, reasons)
-    res = CheckResult(check.value["exit_code"], report.attach(check), reasons, metrics)
+    res = CheckResult(check.exit_code, report.attach(check), reasons, metrics)
     res.files = write_outputs(report, out_dir, junit)
     return res
 

@@ -16,7 +16,7 @@ from amplite.gate.outputs import CheckResult, finish, model_name, prepare_output
 from amplite.gate.settings import CheckSettings, check_signature
 from amplite.options import ConvertOptions
 from amplite.paths import guard_outputs
-from amplite.report.sections import Golden, Timings, Verification
+from amplite.report.sections import Golden, Source, Timings, Verification
 from amplite.verify import data as data_mod
 from amplite.verify import golden as golden_mod
 from amplite.verify.compare import Tolerance, parse_tolerance
@@ -52,7 +52,8 @@ def make_golden(
     gm = ref.original.module()
     batches = data_mod.select_batches(ref.inputs, data, data_loader, random_batches, input_specs, max_batches)
     fitted = [(label, data_mod.fit_inputs(gm, b, label)) for label, b in batches]
-    src = {k: ref.report.data["source"][k] for k in ("path", "format")}
+    source = ref.report.section(Source) or Source()
+    src = {"path": source.path, "format": source.format}
     return golden_mod.save_golden(output, gm, fitted, source=src, update=update)
 
 

@@ -15,7 +15,18 @@ from amplite.errors import ConfigError, ExportError, InputSpecError
 from amplite.levels import split_precision
 from amplite.options import ConvertOptions
 from amplite.report.document import Report
-from amplite.report.sections import Baseline, Config, Fp32Nodes, Gradients, Graph, Layerwise, Plan, Ranges, Weights
+from amplite.report.sections import (
+    Baseline,
+    Config,
+    Fp32Nodes,
+    Gradients,
+    Graph,
+    Layerwise,
+    Plan,
+    Ranges,
+    Source,
+    Weights,
+)  # fmt: skip
 from amplite.verify import data as data_mod
 from amplite.verify import golden as golden_mod
 from amplite.verify.compare import DEFAULT_TOLERANCES, OutputMetrics, Tolerance, compare_batches
@@ -83,12 +94,12 @@ def converted_report(reference: Report, facts: Any) -> Report:
     """The report of a converted file: the reference's sections, with what the converted file shows
     (:class:`~amplite.verify.converted.ConvertedFacts`) in ``config``, ``plan``, ``fp32_nodes``, ``graph``
     and ``weights``."""
-    ref = reference.data
+    config, graph, weights = reference.section(Config), reference.section(Graph), reference.section(Weights)
     report = reference.copy()
-    report.attach(Config.of({**ref["config"], **facts.config}))
+    report.attach(Config.of({**(config.to_json() if config else {}), **facts.config}))
     report.attach(Plan.of(facts.plan)).attach(Fp32Nodes.of(facts.plan))
-    report.attach(Graph.of(ref["graph"]["before"], facts.graph_after))
-    return report.attach(Weights.of(ref["weights"]["bytes_before"], facts.weight_bytes))
+    report.attach(Graph.of(graph.before if graph and graph.before else {}, facts.graph_after))
+    return report.attach(Weights.of(weights.bytes_before if weights else 0, facts.weight_bytes))
 
 
 def _converted_precision(options: ConvertOptions, recorded: Recorded | None, program: ExportedProgram,
@@ -107,7 +118,8 @@ def _converted_precision(options: ConvertOptions, recorded: Recorded | None, pro
 def update_golden(golden: Any, pair: Pair, batches: list) -> Any:
     """(Re)write the golden directory from the FP32 model on ``batches``, and read it back."""
     fitted = [(label, data_mod.fit_inputs(pair.ref_gm, b, label)) for label, b in batches]
-    src = {k: pair.report.data["source"][k] for k in ("path", "format")}
+    source = pair.report.section(Source) or Source()
+    src = {"path": source.path, "format": source.format}
     golden_mod.save_golden(golden, pair.ref_gm, fitted, source=src, update=True)
     return golden_mod.load_golden(golden)
 
@@ -165,7 +177,7 @@ def gradients(report: Report, pair: Pair, first: Any, loss: Any, converted_now: 
     from amplite.verify.gradcheck import failure_reasons, gradient_check
 
     grad_gm = pair.conv_gm
-    if converted_now and any(p["name"] == "fold_batchnorm" and p["modified"] for p in report.data["passes"]):
+    if converted_now and report.pass_modified("fold_batchnorm"):
         from amplite.api import convert  # folded BatchNorm has no parameters to train: check it unfolded
 
         unfolded = convert(pair.ref_prog, pair.example, verify=False, options=options, fold_batchnorm=False)
@@ -173,8 +185,9 @@ def gradients(report: Report, pair: Pair, first: Any, loss: Any, converted_now: 
     found = gradient_check(pair.ref_gm, grad_gm, data_mod.fit_inputs(pair.ref_gm, first, "batch 0"),
                            data_mod.fit_inputs(grad_gm, first, "batch 0"), loss=loss, low_dtype=pair.low)  # fmt: skip
     found["graph"] = "unfolded BatchNorm" if grad_gm is not pair.conv_gm else "as converted"
-    report.attach(Gradients.of(found))
-    timings["gradients"] = found["seconds"]
+    section = Gradients.of(found)
+    report.attach(section)
+    timings["gradients"] = section.seconds or 0.0
     return failure_reasons(found)
 
 
@@ -193,7 +206,8 @@ def regressions(report: Report, base_line: dict[str, Any] | None, margin_db: flo
     if base_line is None:
         return []
     golden_mod.check_baseline_matches(report.data, base_line)
-    regressions = golden_mod.compare_baseline(report.data["verification"]["outputs"], base_line, margin_db)
+    outputs = [o.to_json() for o in report.verified_outputs]
+    regressions = golden_mod.compare_baseline(outputs, base_line, margin_db)
     report.attach(Baseline.of(margin_db, regressions, base_line.get("created")))
     return [f"{r['output']}: {r['metric']} regressed from {r['baseline']} to {r['current']} (limit {r['limit']})"
             for r in regressions]  # fmt: skip

@@ -171,9 +171,7 @@ def _convert_step(model: nn.Module, cache: torch.dtype, spec: ConvertSpec, check
 
 def _attention_low(result: Any) -> bool:
     """Whether the plan runs every attention op in low precision (no attention op: True)."""
-    modes = [
-        e.get("mode") for e in result.report.data.get("plan", []) if any(a in str(e.get("op")) for a in _ATTENTION_OPS)
-    ]
+    modes = [e.mode for e in result.report.planned if any(a in str(e.op) for a in _ATTENTION_OPS)]
     return all(m == "low" for m in modes)
 
 

@@ -1,8 +1,9 @@
 """The conversion report: a versioned JSON document (schema: amplite/schemas/report.schema.json).
 
-A :class:`Report` is its header (schema, version, creation time, versions) and its sections
+A :class:`Report` is its header (schema, version, creation time, versions) and its typed sections
 (:mod:`amplite.report.sections`), assembled once by :func:`build_report`; later stages add or replace a
-section with :meth:`Report.attach`. :attr:`Report.data`, the JSON document, is read-only.
+section with :meth:`Report.attach`. Readers take a section by its type (:meth:`Report.section`) and read its
+fields; :attr:`Report.data`, the JSON document the sections write, is read-only.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from amplite.errors import InternalError
 from amplite.passes.base import PassRecord
+from amplite.report.entries import OutputMetricsEntry, PlanEntry
 from amplite.report.frozen import FrozenDict, freeze, thaw
 from amplite.report.schema import report_json, write_report
 from amplite.report.sections import (
@@ -36,7 +38,7 @@ from amplite.report.sections import (
 from amplite.verify.compare import OutputMetrics, Tolerance
 from amplite.version import __version__
 
-__all__ = ["HEADER_KEYS", "SCHEMA", "SCHEMA_VERSION", "Report", "build_report", "document", "report_header"]
+__all__ = ["HEADER_KEYS", "SCHEMA", "SCHEMA_VERSION", "Report", "as_report", "build_report", "report_header"]
 
 SCHEMA = "amplite.report"
 SCHEMA_VERSION = 1
@@ -80,7 +82,11 @@ class Report:
             if key not in SECTIONS:
                 raise InternalError(f"report key {key!r} is no report section: declare it in "
                                     "amplite/report/sections.py (SECTIONS) and the schema")  # fmt: skip
-            self.attach(SECTIONS[key](value))
+            try:
+                section = SECTIONS[key].from_json(value)
+            except TypeError as exc:
+                raise InternalError(f"report key {key!r} does not hold a {SECTIONS[key].__name__}: {exc}") from exc
+            self.attach(section)
 
     @classmethod
     def assemble(cls, sections: Iterable[Section]) -> Report:
@@ -137,24 +143,40 @@ class Report:
     @property
     def passed(self) -> bool | None:
         """Verification verdict (None when verification was skipped)."""
-        return self.data.get("verification", {}).get("passed")
+        ver = self.section(Verification)
+        return ver.passed if ver is not None else None
+
+    @property
+    def verified_outputs(self) -> tuple[OutputMetricsEntry, ...]:
+        """Per-output metrics, typed (none when verification was skipped)."""
+        ver = self.section(Verification)
+        return tuple(ver.outputs or ()) if ver is not None else ()
+
+    @property
+    def planned(self) -> tuple[PlanEntry, ...]:
+        """The precision plan's entries, typed (for the layers below the report, which cannot import it)."""
+        plan = self.section(Plan)
+        return tuple(plan.items) if plan is not None else ()
+
+    def pass_modified(self, name: str) -> bool:
+        """Whether the pass ``name`` ran and changed the graph."""
+        passes = self.section(Passes)
+        return passes is not None and passes.modified(name)
 
     @property
     def outputs(self) -> list[dict[str, Any]]:
-        """Per-output metrics."""
+        """Per-output metrics as JSON (the public view; typed: :attr:`verified_outputs`)."""
         return self.data.get("verification", {}).get("outputs", [])
 
     @property
     def fp32_nodes(self) -> list[dict[str, Any]]:
-        """Nodes kept in FP32, with their reasons."""
+        """Nodes kept in FP32, with their reasons, as JSON."""
         return self.data.get("fp32_nodes", [])
 
     def counter(self, pass_name: str, key: str) -> int:
         """One counter of one pass (0 when absent)."""
-        for record in self.data.get("passes", []):
-            if record["name"] == pass_name:
-                return int(record["counters"].get(key, 0))
-        return 0
+        passes = self.section(Passes)
+        return passes.counter(pass_name, key) if passes is not None else 0
 
     def to_json(self) -> str:
         """The report as indented JSON (non-finite floats as ``"inf"``/``"-inf"``/``"nan"``)."""
@@ -165,9 +187,10 @@ class Report:
         return write_report(path, self.data)
 
 
-def document(report: Report | Mapping[str, Any]) -> Mapping[str, Any]:
-    """The JSON document of a report or of a document already read (the renderers' one accessor)."""
-    return report.data if isinstance(report, Report) else report
+def as_report(report: Report | Mapping[str, Any]) -> Report:
+    """A report, or a document already read (report.json) read into its typed sections: the renderers'
+    one accessor."""
+    return report if isinstance(report, Report) else Report(report)
 
 
 def build_report(
@@ -203,7 +226,7 @@ def build_report(
         extra: More sections of this conversion (``estimate``, ``build``, ``weight_rules``...).
     """
     sections: list[Section] = [
-        source if isinstance(source, Source) else Source(source),
+        source if isinstance(source, Source) else Source.from_json(source),
         Config.of(config),
         Passes.of(records),
         Graph.of(stats_before, stats_after),

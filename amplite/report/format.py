@@ -8,13 +8,15 @@ Numbers are read with :func:`amplite.verify.numbers.decode_float`, the one decod
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from amplite.escape import html as escape
 from amplite.escape import markdown, markdown_code
 from amplite.verify.numbers import NON_FINITE, decode_float, encode_float
 
-__all__ = ["CAP_DB", "cell", "code", "db", "fmt", "html_table"]
+__all__ = ["CAP_DB", "PLAIN", "Style", "cell", "code", "db", "fmt", "html_table"]
 
 CAP_DB = 160.0  # exact values (infinite SQNR) are drawn at this height
 
@@ -34,6 +36,30 @@ def fmt(v: Any, digits: int = 4) -> str:
     if not math.isfinite(f):
         return str(encode_float(f))
     return f"{f:.{digits}g}"
+
+
+@dataclass(frozen=True)
+class Style:
+    """How one renderer marks up a section's summary line (:meth:`Budget.summary`, :meth:`Gradients.summary`),
+    so that the line is worded once and each renderer (Markdown, HTML, the terminal) only escapes and marks it.
+
+    Attributes:
+        text: Free text from the report (escaped for the medium).
+        code: A name (node, module).
+        strong: Emphasis (a label, a failed verdict); receives text already escaped.
+    """
+
+    text: Callable[[Any], str] = str
+    code: Callable[[Any], str] = str
+    strong: Callable[[str], str] = str
+
+    def num(self, v: Any, digits: int = 4) -> str:
+        """A number (:func:`fmt`), escaped as text."""
+        return self.text(fmt(v, digits))
+
+
+#: Plain text (no markup, no escaping).
+PLAIN = Style()
 
 
 def cell(text: Any) -> str:

@@ -17,7 +17,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from amplite import escape
-from amplite.report.document import Report, document
+from amplite.report.analysis import Gradients, Layerwise, Training
+from amplite.report.checks import Baseline, Check, Regression, Verification
+from amplite.report.document import Report, as_report
+from amplite.report.entries import OutputMetricsEntry
+from amplite.report.sections import Config, Timings
 
 _SKIP = {"name", "checks", "notes", "extra", "shape"}
 
@@ -30,87 +34,86 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _output_case(suite: ET.Element, model: str, o: OutputMetricsEntry, seconds: float,
+                 regressions: list[Regression], top: list[str]) -> bool:
+    """One output's test case (every metric a property); whether it failed."""
+    case = ET.SubElement(suite, "testcase", classname=f"amplite.{model}", name=str(o.name), time=f"{seconds:.4f}")
+    cprops = ET.SubElement(case, "properties")
+    for key, value in o.to_json().items():  # every metric the output has, declared or not
+        if key not in _SKIP and value is not None:
+            ET.SubElement(cprops, "property", name=key, value=_fmt(value))
+    for c in o.checks or ():
+        ET.SubElement(cprops, "property", name=f"check:{c.criterion}", value=_fmt(c.value))
+    problems = [f"{c.criterion} (got {_fmt(c.value)})" for c in o.checks or () if not c.passed]
+    problems += [f"{r.metric} regressed from {r.baseline} to {r.current} (baseline)" for r in regressions]
+    notes = list(o.notes or [])
+    if not problems and o.passed is not False:
+        return False
+    fail = ET.SubElement(case, "failure", message="; ".join(problems or notes) or "failed", type="AccuracyFailure")
+    fail.text = "\n".join(problems + notes + top)
+    return True
+
+
+def _gradients_case(suite: ET.Element, model: str, grads: Gradients) -> bool:
+    """The gradient check's test case; whether it failed."""
+    case = ET.SubElement(suite, "testcase", classname=f"amplite.{model}", name="gradients",
+                         time=_fmt(grads.seconds if grads.seconds is not None else 0.0))  # fmt: skip
+    gprops = ET.SubElement(case, "properties")
+    for key in ("loss", "parameters", "min_sqnr_db", "median_sqnr_db"):
+        ET.SubElement(gprops, "property", name=key, value=_fmt(getattr(grads, key)))
+    for key, value in (grads.underflow.to_json() if grads.underflow is not None else {}).items():
+        ET.SubElement(gprops, "property", name=f"underflow:{key}", value=_fmt(value))
+    if grads.passed is not False:
+        return False
+    ET.SubElement(case, "failure", type="GradientFailure",
+                  message="NaN/Inf gradients in " + ", ".join((grads.nonfinite_parameters or [])[:5]))  # fmt: skip
+    return True
+
+
+def _training_case(suite: ET.Element, model: str, train: Training, reasons: list[str]) -> bool:
+    """check --train-steps: one test case for the loss-curve gate; whether it failed."""
+    case = ET.SubElement(suite, "testcase", classname=f"amplite.{model}", name="training",
+                         time=_fmt((train.seconds or {}).get("train", 0.0)))  # fmt: skip
+    tprops = ET.SubElement(case, "properties")
+    for key in ("steps", "precision", "level", "max_gap"):
+        ET.SubElement(tprops, "property", name=key, value=_fmt(getattr(train, key)))
+    ET.SubElement(tprops, "property", name="train_loss_gap<=", value=_fmt(train.gap_limit))
+    ET.SubElement(tprops, "property", name="skipped_steps", value=str(len(train.skipped_steps or [])))
+    if train.passed is not False:
+        return False
+    message = "; ".join(reasons) or "training loss gap beyond the limit"
+    ET.SubElement(case, "failure", type="TrainingFailure", message=message)
+    return True
+
+
 def junit_xml(report: Report | Mapping[str, Any]) -> str:
     """The JUnit XML document for a check report (a :class:`Report` or ``report.json`` as a dict)."""
-    report = document(report)
-    check = report.get("check", {})
-    model = check.get("name") or "model"
-    cfg = report.get("config", {})
-    outputs = report.get("verification", {}).get("outputs", [])
-    regressions: dict[str, list[dict[str, Any]]] = {}
-    for r in report.get("baseline", {}).get("regressions", []):
-        regressions.setdefault(r["output"], []).append(r)
-    seconds = float(report.get("timings", {}).get("verify", 0.0))
+    rep = as_report(report)
+    check, cfg = rep.section(Check) or Check(), rep.section(Config) or Config()
+    ver = rep.section(Verification) or Verification()
+    model = check.name or "model"
+    outputs = ver.outputs or ()
+    regressions: dict[str, list[Regression]] = {}
+    for r in (rep.section(Baseline) or Baseline()).regressions or ():
+        regressions.setdefault(str(r.output), []).append(r)
+    seconds = float((rep.section(Timings) or Timings()).values.get("verify", 0.0))
     root = ET.Element("testsuites", name="amplite check")
-    suite = ET.SubElement(root, "testsuite", name=f"amplite.check.{model}", timestamp=report.get("created", ""))
+    suite = ET.SubElement(root, "testsuite", name=f"amplite.check.{model}", timestamp=rep.data.get("created", ""))
     props = ET.SubElement(suite, "properties")
     for key in ("precision", "level", "converted"):
-        if key in cfg:
-            ET.SubElement(props, "property", name=key, value=str(cfg[key]))
-    ET.SubElement(props, "property", name="inputs", value=str(report.get("verification", {}).get("inputs", "")))
-    cases = failures = 0
-    for o in outputs:
-        case = ET.SubElement(
-            suite,
-            "testcase",
-            classname=f"amplite.{model}",
-            name=o["name"],
-            time=f"{seconds / max(1, len(outputs)):.4f}",
-        )
-        cprops = ET.SubElement(case, "properties")
-        for key, value in o.items():
-            if key not in _SKIP and value is not None:
-                ET.SubElement(cprops, "property", name=key, value=_fmt(value))
-        for c in o.get("checks", []):
-            ET.SubElement(cprops, "property", name=f"check:{c['criterion']}", value=_fmt(c["value"]))
-        problems = [c["criterion"] + f" (got {_fmt(c['value'])})" for c in o.get("checks", []) if not c["passed"]]
-        problems += [
-            f"{r['metric']} regressed from {r['baseline']} to {r['current']} (baseline)"
-            for r in regressions.get(o["name"], [])
-        ]
-        if problems or not o.get("passed", True):
-            failures += 1
-            fail = ET.SubElement(
-                case, "failure", message="; ".join(problems or o.get("notes", [])) or "failed", type="AccuracyFailure"
-            )
-            fail.text = "\n".join(problems + o.get("notes", []) + _top_lines(report))
-        cases += 1
-    grads = report.get("gradients")
-    if grads:
-        case = ET.SubElement(
-            suite, "testcase", classname=f"amplite.{model}", name="gradients", time=_fmt(grads.get("seconds", 0.0))
-        )
-        gprops = ET.SubElement(case, "properties")
-        for key in ("loss", "parameters", "min_sqnr_db", "median_sqnr_db"):
-            ET.SubElement(gprops, "property", name=key, value=_fmt(grads.get(key)))
-        for key, value in grads.get("underflow", {}).items():
-            ET.SubElement(gprops, "property", name=f"underflow:{key}", value=_fmt(value))
-        if not grads.get("passed", True):
-            failures += 1
-            ET.SubElement(
-                case,
-                "failure",
-                type="GradientFailure",
-                message="NaN/Inf gradients in " + ", ".join(grads["nonfinite_parameters"][:5]),
-            )
-        cases += 1
-    train = report.get("training")
-    if train:  # check --train-steps: one test case for the loss-curve gate
-        case = ET.SubElement(suite, "testcase", classname=f"amplite.{model}", name="training",
-                             time=_fmt(train.get("seconds", {}).get("train", 0.0)))  # fmt: skip
-        tprops = ET.SubElement(case, "properties")
-        for key in ("steps", "precision", "level", "max_gap"):
-            ET.SubElement(tprops, "property", name=key, value=_fmt(train.get(key)))
-        ET.SubElement(tprops, "property", name="train_loss_gap<=", value=_fmt(train["tolerance"]["train_loss_gap"]))
-        ET.SubElement(tprops, "property", name="skipped_steps", value=str(len(train.get("skipped_steps", []))))
-        if not train.get("passed", True):
-            failures += 1
-            message = "; ".join(check.get("reasons", [])) or "training loss gap beyond the limit"
-            ET.SubElement(case, "failure", type="TrainingFailure", message=message)
-        cases += 1
+        if getattr(cfg, key) is not None:
+            ET.SubElement(props, "property", name=key, value=str(getattr(cfg, key)))
+    ET.SubElement(props, "property", name="inputs", value=str(ver.inputs or ""))
+    top = _top_lines(rep)
+    failed = [_output_case(suite, model, o, seconds / max(1, len(outputs)), regressions.get(str(o.name), []), top)
+              for o in outputs]  # fmt: skip
+    if (grads := rep.section(Gradients)) is not None:
+        failed.append(_gradients_case(suite, model, grads))
+    if (train := rep.section(Training)) is not None:
+        failed.append(_training_case(suite, model, train, list(check.reasons or [])))
     for el in (root, suite):
-        el.set("tests", str(cases))
-        el.set("failures", str(failures))
+        el.set("tests", str(len(failed)))
+        el.set("failures", str(sum(failed)))
         el.set("errors", "0")
     suite.set("skipped", "0")
     suite.set("time", f"{seconds:.4f}")
@@ -122,13 +125,13 @@ def junit_xml(report: Report | Mapping[str, Any]) -> str:
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
 
-def _top_lines(report: dict[str, Any], n: int = 3) -> list[str]:
+def _top_lines(rep: Report, n: int = 3) -> list[str]:
+    lw = rep.section(Layerwise)
     lines = []
-    for e in report.get("layerwise", {}).get("top_introducers", [])[:n]:
-        what = (
-            "introduces NaN/Inf" if e["introduces_nonfinite"] else f"isolated SQNR {_fmt(e['isolated']['sqnr_db'])} dB"
-        )
-        lines.append(f"node {e['node']} ({e['op']}, module {e['module'] or '(root)'}, {e['source']}): {what}")
+    for e in list((lw.top_introducers or ()) if lw is not None else ())[:n]:
+        iso = e.isolated.sqnr_db if e.isolated is not None else None
+        what = "introduces NaN/Inf" if e.introduces_nonfinite else f"isolated SQNR {_fmt(iso)} dB"
+        lines.append(f"node {e.node} ({e.op}, module {e.module or '(root)'}, {e.source}): {what}")
     return lines
 
 
@@ -144,21 +147,22 @@ def _prop(text: str) -> str:
 
 def github_annotations(report: Report | Mapping[str, Any], workspace: str | None = None) -> list[str]:
     """``::error``/``::warning``/``::notice`` lines for a check report."""
-    report = document(report)
-    check = report.get("check", {})
-    model = check.get("name") or "model"
-    lines = [f"::error title={_prop(f'amplite check {model}')}::{_escape(r)}" for r in check.get("reasons", [])]
-    top = report.get("layerwise", {}).get("top_introducers", [])
-    if top and not check.get("passed", True):
+    rep = as_report(report)
+    check = rep.section(Check) or Check()
+    model = check.name or "model"
+    lines = [f"::error title={_prop(f'amplite check {model}')}::{_escape(r)}" for r in check.reasons or []]
+    lw = rep.section(Layerwise)
+    top = (lw.top_introducers or ()) if lw is not None else ()
+    if top and check.passed is False:
         e = top[0]
         where = ""
-        file, _, line = (e.get("source") or "").rpartition(":")
+        file, _, line = (e.source or "").rpartition(":")
         root = Path(workspace or os.environ.get("GITHUB_WORKSPACE", "") or ".").resolve()
         if file and line.isdigit() and Path(file).resolve().is_relative_to(root):
             where = f"file={_prop(str(Path(file).resolve().relative_to(root)))},line={line},"
-        msg = _top_lines(report, 1)[0]
+        msg = _top_lines(rep, 1)[0]
         lines.append(f"::warning {where}title={_prop('amplite: top error-introducing node')}::{_escape(msg)}")
-    if check.get("passed"):
+    if check.passed:
         lines.append(f"::notice title={_prop(f'amplite check {model}')}::all outputs within tolerance")
     return lines
 

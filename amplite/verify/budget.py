@@ -19,7 +19,7 @@ which bounds both phases together.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from time import perf_counter
 from typing import Any
@@ -72,10 +72,10 @@ def fallback_search(
     measured = dict(ranked)
     n = len(ranked)
     bound = max_trials if max_trials is not None else 2 * math.ceil(math.log2(max(n, 2))) + 10
-    steps = [Step(0, "plan", 0, False, _worst(result.report.outputs), 0.0)]
+    steps = [Step(0, "plan", 0, False, _worst(result.report.verified_outputs), 0.0)]
     cache: dict[frozenset[str], bool] = {}
     ranges = result.pipeline.ranges  # calibrated once, by the conversion that missed the tolerance
-    fp8 = frozenset(p["node"] for p in result.report.data["plan"] if p["dtype"] == "float8_e4m3fn")
+    fp8 = frozenset(p.node for p in result.report.planned if p.dtype == "float8_e4m3fn")
 
     def _pins(names: list[str]) -> list[Override]:
         return pins(names, fp8, measured)
@@ -89,7 +89,7 @@ def fallback_search(
         metrics = compare(result.reference, run_model(module, run_inputs), result.tolerance)
         ok = all(m.passed for m in metrics)
         cache[key] = ok
-        worst = _worst([m.to_dict() for m in metrics])
+        worst = _worst(metrics)
         steps.append(Step(len(steps), kind, len(names), ok, worst, round(perf_counter() - t0, 3)))
         return ok
 
@@ -187,7 +187,7 @@ def _prune(chosen: list[str], passes: Callable[[list[str]], bool], bound: int) -
 def _candidates(result: Any, run_inputs: Any, low: torch.dtype) -> list[tuple[str, float | str]]:
     """Low-precision nodes that introduce error, worst first, as (name, isolated SQNR)."""
     lw = analyze(result.original, result.program, result.inputs, run_inputs, low)
-    planned_low = {p["node"] for p in result.report.data["plan"] if p["mode"] != "fp32" and p["dtype"] != "float32"}
+    planned_low = {p.node for p in result.report.planned if p.mode != "fp32" and p.dtype != "float32"}
     ranked = []
     for e in lw.top(len(lw.nodes)):
         if e.node in planned_low and not e.exact:
@@ -195,15 +195,21 @@ def _candidates(result: Any, run_inputs: Any, low: torch.dtype) -> list[tuple[st
     return ranked
 
 
-def _worst(outputs: list[dict[str, Any]]) -> float | str:
-    """The worst output SQNR as report.json holds it: "nan" when an output became non-finite, "inf" exact."""
-    if any(o.get("out_nonfinite") for o in outputs):
+def _worst(outputs: Iterable[Any]) -> float | str:
+    """The worst output SQNR as report.json holds it: "nan" when an output became non-finite, "inf" exact.
+
+    Args:
+        outputs: The outputs' metrics, typed: the report's entries or :class:`OutputMetrics` (both have
+            ``out_nonfinite`` and ``sqnr_db``, a float or its report encoding).
+    """
+    outputs = list(outputs)
+    if any(o.out_nonfinite for o in outputs):
         return "nan"
-    finite = [v for o in outputs if (v := decode_float(o["sqnr_db"])) is not None and math.isfinite(v)]
+    finite = [v for o in outputs if (v := decode_float(o.sqnr_db)) is not None and math.isfinite(v)]
     return min(finite) if finite else "inf"
 
 
 def _describe(result: Any, name: str, sqnr: float | str) -> dict[str, Any]:
-    plan = next((p for p in result.report.data["plan"] if p["node"] == name), {})
-    return {"node": name, "op": plan.get("op"), "module": plan.get("module"), "source": plan.get("source"),
+    plan = next((p for p in result.report.planned if p.node == name), None)
+    return {"node": name, "op": plan and plan.op, "module": plan and plan.module, "source": plan and plan.source,
             "isolated_sqnr_db": sqnr}  # fmt: skip
