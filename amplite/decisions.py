@@ -18,8 +18,11 @@ from amplite.errors import ConfigError
 #: Reason of the fidelity rule for values that feed discrete decisions (topk, argmax, sort, ...).
 DISCRETE_DECISION = "discrete-decision"
 
-#: Reason of the structure rule for the adds of a residual stream at O2 (``op_tables.RESIDUAL_STREAM_OPS``).
+#: Reason of the structure rule for the adds of a residual stream at O1/O2 (``op_tables.RESIDUAL_STREAM_OPS``).
 RESIDUAL_STREAM = "residual-stream"
+
+#: Reason of the structure rule for a gate broadcast over a feature map at O1 (``op_tables.GATE_OPS``).
+BROADCAST_GATE = "broadcast-gate"
 
 Mode = Literal["low", "fp32", "follow"]
 

@@ -171,13 +171,25 @@ FP32_OPS: dict[str, tuple[str, ...]] = {
 #: ``x - x.amax()`` of a hand-written stable softmax), so that op gets FP32 operands without a cast.
 NORMALISER_OPS: tuple[str, ...] = ("amax.default", "amin.default", "max.dim", "min.dim")
 
-#: The adds of a residual stream (``x = x + block(norm(x))``): at O2 an add of these whose result a
+#: The adds of a residual stream (``x = x + block(norm(x))``): at O1 and O2 an add of these whose result a
 #: normalisation reads stays FP32 (``policy.RESIDUAL_STREAM``). In low precision the stream is rounded to its
 #: own magnitude at every block, and the small updates a block adds (small init, layer scale) are lost below
 #: that rounding: EVA-02-tiny bf16 O2 gave 36.9 dB against O1's 51.1 dB with the stream low, 47.6 dB with it
-#: FP32 (issue 47; the other adds cost nothing). The add promotes its low operand as it reads it
+#: FP32 (issue 47; the other adds cost nothing). At O1 the stream usually follows an FP32 input (an embedding
+#: add), but where a low projection restarts it (MViT's stage transitions, ``x = proj(norm(x)) + mlp(…)``)
+#: both operands are low and it stayed low until the next model's end: mvit_v2_s bf16 O1 38.2 dB against
+#: autocast's 40.3, 40.4 dB with the rule at O1. The add promotes its low operand as it reads it
 #: (``PROMOTING_OPS``), so the FP32 stream adds no cast.
 RESIDUAL_STREAM_OPS: tuple[str, ...] = ("add.Tensor",)
+
+#: Gates (squeeze-excitation's ``x * sigmoid(fc(pool(x)))``): at O1 a gate whose value a ``mul`` broadcasts
+#: over a larger tensor computes in FP32 (``policy.BROADCAST_GATE``). Rounded low, the gate carries one
+#: relative error per channel that every position of the channel shares, which the pooling and the
+#: classifier downstream do not average away (the same class of error as a BatchNorm shift rounded into a
+#: low bias, ``fold_batchnorm``). The gate is tiny (batch × channels), so FP32 costs one cast of its input.
+#: repvit_m1 bf16 O1 (timm, random init) 35.6 -> 37.2 dB against autocast's 36.5, and above O1 without the
+#: rule on each of 5 input draws (issue 47).
+GATE_OPS: tuple[str, ...] = ("sigmoid.default", "hardsigmoid.default")
 
 #: Ops that turn values into discrete decisions (indices, orders): a rounding that swaps two close values
 #: changes the decision itself (an MoE router picks another expert). The ``discrete-decision`` rule keeps
@@ -257,7 +269,7 @@ def _fp32_index() -> dict[str, str]:
 def all_entries() -> list[str]:
     """Every op named in the tables (for the existence test)."""
     entries = list(LOW_PRECISION_OPS) + list(NORMALISER_OPS) + list(DATA_MOVEMENT_OPS) + list(PROMOTING_OPS)
-    entries += list(DISCRETE_DECISION_OPS) + list(RESIDUAL_STREAM_OPS)
+    entries += list(DISCRETE_DECISION_OPS) + list(RESIDUAL_STREAM_OPS) + list(GATE_OPS)
     for ops in FP32_OPS.values():
         entries.extend(ops)
     return entries

@@ -167,7 +167,12 @@ class AnnotatePrecision(PassBase):
                 continue
             op = op_tables.op_name(node.target) or getattr(node.target, "__name__", str(node.target))
             facts[node] = NodeFacts(
-                op, module_path(node), node.name, range_flag=node.meta.get(RANGE_KEY, ""), feeds_norm=_feeds_norm(node)
+                op,
+                module_path(node),
+                node.name,
+                range_flag=node.meta.get(RANGE_KEY, ""),
+                feeds_norm=_feeds_norm(node),
+                broadcast_gate=op in op_tables.GATE_OPS and _broadcast_by_mul(node),
             )
         if self.policy.level is not Level.O0:
             _refuse_unmatched(self.policy, [(f.op, f.module, f.node) for f in facts.values()])
@@ -349,3 +354,16 @@ def _feeds_norm(node: torch.fx.Node) -> bool:
         if op in _VIEWS:
             frontier.extend(user.users)
     return False
+
+
+def _broadcast_by_mul(node: torch.fx.Node) -> bool:
+    """Whether a ``mul`` reads ``node``'s result and broadcasts it over a larger tensor (a gate)."""
+    val = fake_value(node)
+    if not isinstance(val, torch.Tensor):
+        return False
+    return any(
+        op_tables.op_name(user.target) == "mul.Tensor"
+        and isinstance(fake_value(user), torch.Tensor)
+        and fake_value(user).numel() > val.numel()
+        for user in node.users
+    )

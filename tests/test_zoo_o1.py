@@ -1,0 +1,99 @@
+"""Issue 47 item 4: O1 at least torch.autocast's accuracy on the structures where the zoo sweep found it short.
+
+- MViTv2 (mvit_v2_s): a stage transition restarts the residual stream from a low projection, after which every
+  add of the stream read two low operands and rounded the stream low at O1. The ``residual-stream`` rule now
+  keeps such adds FP32 at O1 too.
+- RepViT (repvit_m1): the squeeze-excitation gate, rounded low, is one relative error shared by every position
+  of a channel. The ``broadcast-gate`` rule computes it in FP32 at O1.
+
+SQNR is measured on batches of 4–8 and 100 logits: on 2 × 10 logits the same plan's SQNR moved by ±3 dB
+between input draws, more than the effects measured here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import amplite
+from tests.zoo_models import MViTLike, RepViTBlockNet
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+#: O1 may trail CPU torch.autocast by this much (the issue's goal: O1 ≥ autocast − 0.5 dB).
+AUTOCAST_MARGIN_DB = 0.5
+
+
+def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.double(), out.double()
+    return 20 * math.log10(float(ref.norm()) / float((ref - out).norm()))
+
+
+def _o1_and_autocast(model: torch.nn.Module, x: torch.Tensor, **kw) -> tuple[float, float, list[dict]]:
+    """O1's and CPU autocast's SQNR against FP32 (bf16, same inputs), and O1's plan."""
+    with torch.no_grad():
+        ref = model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = _sqnr(ref, model(x).float())
+    result = amplite.convert(model, ((x,), {}), precision="bf16", level="O1", verify=False, **kw)
+    with torch.no_grad():
+        o1 = _sqnr(ref, result.module()(x).float())
+    return o1, autocast, result.report.data["plan"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_o1_keeps_a_restarted_residual_stream_fp32_on_an_mvit_like_model(seed: int) -> None:
+    """Before the rule, seed 1 gave O1 0.84 dB below autocast (mvit_v2_s: 2.1 dB below); with it every seed is
+    within 0.1 dB of autocast or above it."""
+    torch.manual_seed(seed)
+    model = MViTLike().eval()
+    o1, autocast, plan = _o1_and_autocast(model, torch.randn(4, 3, 2, 32, 32))
+    assert o1 >= autocast - AUTOCAST_MARGIN_DB, (o1, autocast)
+    stream = {e["node"]: e for e in plan if e["reason"] == "residual-stream"}
+    assert stream and all(e["dtype"] == "float32" and e["rule"] == "structure" for e in stream.values())
+    # after the stage transition (block 1's projection, low) every block's two stream adds are kept FP32: the
+    # last block's second add is read by the final norm, so it counts too
+    late = [e for e in plan if e["op"] == "add.Tensor" and e["module"].startswith(("blocks.2", "blocks.3"))]
+    late_stream = [e for e in late if e["node"] in stream]
+    assert len(late_stream) == 4 and all(e["dtype"] == "float32" for e in late_stream), late
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_o1_computes_a_squeeze_excitation_gate_in_fp32_on_a_repvit_like_model(seed: int) -> None:
+    """O1 ≥ autocast on each seed (before the rule seed 3 was 0.28 dB below it, and O1 gained 0.67 dB on
+    average over 8 seeds with the gate FP32); the gate is FP32 by the ``broadcast-gate`` rule."""
+    torch.manual_seed(seed)
+    model = RepViTBlockNet().eval()
+    o1, autocast, plan = _o1_and_autocast(model, torch.randn(8, 3, 64, 64))
+    assert o1 >= autocast, (o1, autocast)
+    gates = [e for e in plan if e["op"] == "sigmoid.default"]
+    assert len(gates) == len(model.blocks)
+    assert all(e["dtype"] == "float32" and e["reason"] == "broadcast-gate" and e["rule"] == "structure"
+               for e in gates), gates  # fmt: skip
+
+
+class _SiLUByHand(torch.nn.Module):
+    """``x * sigmoid(x)``: the mul does not broadcast the sigmoid, so it is no gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h * torch.sigmoid(h))
+
+
+def test_only_a_sigmoid_a_mul_broadcasts_is_a_gate_and_a_pin_beats_the_rule() -> None:
+    torch.manual_seed(0)
+    plan = amplite.convert(_SiLUByHand().eval(), ((torch.randn(4, 16),), {}), precision="bf16", level="O1",
+                           verify=False).report.data["plan"]  # fmt: skip
+    (silu,) = [e for e in plan if e["op"] == "sigmoid.default"]
+    assert silu["reason"] == "follow-inputs" and silu["dtype"] == "bfloat16", silu
+    model, x = RepViTBlockNet(depth=1).eval(), torch.randn(2, 3, 32, 32)
+    for level, pins, dtype in [("O1", [], "float32"), ("O1", ["op:sigmoid"], "bfloat16"), ("O2", [], "bfloat16")]:
+        plan = amplite.convert(model, ((x,), {}), precision="bf16", level=level, verify=False,
+                               force_low=pins).report.data["plan"]  # fmt: skip
+        assert {e["dtype"] for e in plan if e["op"] == "sigmoid.default"} == {dtype}, (level, pins)
