@@ -1,9 +1,10 @@
 """``amplite.prepare_training``: a train-mode export, amplite's precision plan, the user's tensors.
 
 Steps: export the model in train mode (dropout live, BatchNorm on batch statistics, running statistics
-updated in place), run amplite's passes with BatchNorm unfolded and kept FP32 (its running statistics
-must stay the user's FP32 buffers), then make the graph read the user's own parameters and buffers, through
-a cached low-precision cast where it wants them low (:mod:`amplite.training.lowcast`). Batches another
+updated in place), run amplite's passes with BatchNorm unfolded, reading the low-precision activation and
+the user's FP32 weight, bias and running statistics (:mod:`amplite.training.batchnorm`), then make the
+graph read the user's own parameters and buffers, through a cached low-precision cast where it wants them
+low (:mod:`amplite.training.lowcast`). Batches another
 graph must serve (shapes, keyword sets) are traced on first sight (:mod:`amplite.training.variants`).
 """
 
@@ -19,17 +20,15 @@ from torch import nn
 from amplite.converter.inputs import normalize_inputs
 from amplite.errors import ConfigError, InputSpecError
 from amplite.levels import resolve_level
-from amplite.policy import Level, Override, PrecisionPolicy, make_overrides
+from amplite.policy import Level, PrecisionPolicy, make_overrides
+from amplite.training.batchnorm import BATCHNORM_LOW
 from amplite.training.distributed import check_fsdp, unit_graph, unsharded
 from amplite.training.lowcast import LowCopies
 from amplite.training.net import TrainingNet
 from amplite.training.optim import MixedPrecisionOptimizer, check_optimizer, warn_o3
 from amplite.training.variants import initial_dynamic, trace_variant
 
-#: Training keeps BatchNorm in FP32 at every level: its running statistics are the user's FP32 buffers,
-#: updated in place by the op, and a cast would send the update to a temporary copy.
 RECASTS = ("every_forward", "on_change")
-BATCHNORM_FP32 = Override("keep_fp32", "op:batch_norm*", source="training")
 
 
 def prepare_training(
@@ -86,7 +85,7 @@ def prepare_training(
     lvl = resolve_level(level, source="the level= argument")
     scaling = precision == "fp16" and lvl is not Level.O0
     check_optimizer(model, optimizer, scaling=scaling)
-    policy = PrecisionPolicy(precision, lvl, (BATCHNORM_FP32, *make_overrides(keep_fp32, force_low)))
+    policy = PrecisionPolicy(precision, lvl, (BATCHNORM_LOW, *make_overrides(keep_fp32, force_low)))
     inputs = normalize_inputs(example_inputs)
     if inputs is None:
         raise InputSpecError("no example inputs: the model needs a batch to be traced", "pass one batch of inputs")
