@@ -275,6 +275,7 @@ def run_one(model_name: str, variant: str, steps: int, warmup: int, threads: int
     warnings.filterwarnings("ignore")
     torch.set_num_threads(threads)
     import amplite  # noqa: F401  # in every variant's process, before the baseline (library code, not training memory)
+
     model, batches, loss_fn = build(model_name, warmup + steps)
     params = sum(p.numel() for p in model.parameters()) / 1e6
     _trim_and_reset_peak()
