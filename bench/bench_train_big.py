@@ -25,15 +25,20 @@ the low copies before every forward is the difference to ``amplite-O2``) and ``*
 (``gradient_checkpointing_enable()`` on the transformers model, e.g. ``autocast-ckpt``, ``amplite-O2-ckpt``;
 a variant whose setup refuses checkpointing records that error in its row).
 
-The header states what the machine can do, measured: ``torch.backends.cpu.get_cpu_capability()`` and a
-timed 1024x1024 GEMM in bf16 against FP32 (both single-process, before the runs).
+The header states what the machine can do, measured: ``torch.backends.cpu.get_cpu_capability()``, the
+bf16 instruction flags the kernel reports (``/proc/cpuinfo``) and a timed 1024x1024 GEMM in bf16 against FP32
+(single process, before the runs), and the load average at the start and the end.
 
 Each (model, variant) runs in a fresh process; the variants run interleaved, round by round, and every
 figure is the median over rounds. Step time: the median over the timed steps after the warm-up steps.
 Peak memory: the peak resident set during the timed steps (Linux ``VmHWM``, reset after the warm-up) minus
 the resident set after building the FP32 model and its batches (so: gradients, optimizer state, weight
-copies, activations). ``--write`` replaces the "Training (>= 20 M parameters)" part of bench/RESULTS.md's
-"Training" section and writes bench/results-train-big.json.
+copies, activations). Every variant's process imports amplite before that baseline (its code is not training
+memory; what ``torch.export`` loads while preparing is counted). ``--threads`` intra-op threads per process
+(default 1: on a shared machine two threads mostly wait for each other). ``--write`` replaces the
+"Training (>= 20 M parameters)" part of bench/RESULTS.md's "Training" section and writes
+bench/results-train-big.json; a run of ``gpt2-small`` alone writes its own part ("Training at 124 M
+parameters") and bench/results-train-small.json.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ VOCAB, SEQ, BATCH = 8192, 256, 4
 SMALL_VOCAB, SMALL_SEQ, SMALL_BATCH = 50257, 512, 1  # GPT-2 small (124 M)
 JSON_OUT = ROOT / "bench" / "results-train-big.json"
 MARK = "### Training at >= 20 M parameters (bench/bench_train_big.py)"
+MARK_SMALL = "### Training at 124 M parameters, GPT-2 small (bench/bench_train_big.py --models gpt2-small)"
 MARK_COMPILED = "### Training at >= 20 M parameters, compiled (bench/bench_train_big.py, compiled variants only)"
 
 
@@ -165,7 +171,7 @@ def build(name: str, n: int) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.
 # ------------------------------------------------------------------------------------- what the CPU can do
 def gemm_probe(n: int = 1024, reps: int = 5) -> dict[str, Any]:
     """``get_cpu_capability()`` and the median time of an ``n``x``n`` matmul in FP32 and in bf16."""
-    out: dict[str, Any] = {"capability": torch.backends.cpu.get_cpu_capability(), "n": n}
+    out: dict[str, Any] = {"capability": torch.backends.cpu.get_cpu_capability(), "n": n, "bf16_flags": _bf16_flags()}
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
     for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -182,6 +188,16 @@ def gemm_probe(n: int = 1024, reps: int = 5) -> dict[str, Any]:
     return out
 
 
+def _bf16_flags() -> list[str]:
+    """The bf16/AMX instruction flags the kernel reports for this CPU (empty when none or not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    return sorted(f for f in flags if "bf16" in f or f.startswith("amx"))
+
+
 def describe_probe(p: dict[str, Any]) -> str:
     """One sentence from the probe's numbers (nothing assumed about the CPU)."""
     verdict = (
@@ -192,9 +208,11 @@ def describe_probe(p: dict[str, Any]) -> str:
         else "bf16 matrix products are slower than FP32 here (no native bf16 kernels in use): bf16 rows measure "
         "the emulation, not mixed precision"
     )
-    return (f"torch reports CPU capability {p['capability']}; a {p['n']}x{p['n']} GEMM took {p['fp32_ms']:.2f} ms "
-            f"in FP32 ({p['fp32_gflops']:.0f} GFLOP/s) and {p['bf16_ms']:.2f} ms in bf16 ({p['bf16_gflops']:.0f} "
-            f"GFLOP/s), {p['bf16_speedup']:.2f}x: {verdict}")  # fmt: skip
+    flags = ", ".join(p.get("bf16_flags") or []) or "none"
+    return (f"torch reports CPU capability {p['capability']}, /proc/cpuinfo bf16/AMX flags: {flags}; "
+            f"a {p['n']}x{p['n']} GEMM took {p['fp32_ms']:.2f} ms in FP32 ({p['fp32_gflops']:.0f} GFLOP/s) "
+            f"and {p['bf16_ms']:.2f} ms in bf16 ({p['bf16_gflops']:.0f} GFLOP/s), {p['bf16_speedup']:.2f}x: "
+            f"{verdict}")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------- one run
@@ -252,9 +270,12 @@ def _recast_ms(step: Any, reps: int = 5) -> float:
     return 1000 * statistics.median(times)
 
 
-def run_one(model_name: str, variant: str, steps: int, warmup: int) -> dict[str, Any]:
+def run_one(model_name: str, variant: str, steps: int, warmup: int, threads: int = 1) -> dict[str, Any]:
     """Train ``warmup + steps`` steps of one variant; step time, peak memory, losses."""
     warnings.filterwarnings("ignore")
+    torch.set_num_threads(threads)
+    import amplite  # noqa: F401  # in every variant's process, before the baseline (library code, not training memory)
+
     model, batches, loss_fn = build(model_name, warmup + steps)
     params = sum(p.numel() for p in model.parameters()) / 1e6
     _trim_and_reset_peak()
@@ -280,7 +301,8 @@ def run_one(model_name: str, variant: str, steps: int, warmup: int) -> dict[str,
 
 def run_sub(model: str, variant: str, args: argparse.Namespace) -> dict[str, Any]:
     """One (model, variant) in a fresh process."""
-    cmd = [sys.executable, __file__, "--one", model, variant, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    cmd = [sys.executable, __file__, "--one", model, variant, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--threads", str(args.threads)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=args.timeout)
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -394,13 +416,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6, help="timed steps per process")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per process")
     ap.add_argument("--write", action="store_true", help="write bench/RESULTS.md (Training) and the JSON")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         try:
-            print(json.dumps(run_one(*args.one, args.steps, args.warmup)))
+            print(json.dumps(run_one(*args.one, args.steps, args.warmup, args.threads)))
         except Exception as exc:  # recorded in the table: why a variant (typically a compiled one) failed
             traceback.print_exc()
             print(json.dumps({"model": args.one[0], "variant": args.one[1], "error": f"{type(exc).__name__}: "
@@ -426,13 +449,15 @@ def main() -> None:
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "load_before": load_before,
             "load_after": [round(x, 2) for x in os.getloadavg()], "probe": probe, "probe_text": describe_probe(probe),
             "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-                       f"{torch.get_num_threads()} threads"}  # fmt: skip
+                       f"{args.threads} thread(s) per process"}  # fmt: skip
     only_compiled = all(v.startswith("compiled") for v in args.variants.split(","))
-    mark = MARK_COMPILED if only_compiled else MARK  # a compiled-only run gets its own part (and JSON)
+    small = args.models == "gpt2-small"
+    mark = MARK_COMPILED if only_compiled else MARK_SMALL if small else MARK  # those runs get their own part (and JSON)
     text = render(rows, meta, mark)
     print(text)
     if args.write:
-        out = JSON_OUT.with_name("results-train-big-compiled.json") if only_compiled else JSON_OUT
+        out = JSON_OUT.with_name("results-train-big-compiled.json") if only_compiled else JSON_OUT.with_name(
+            "results-train-small.json") if small else JSON_OUT  # fmt: skip
         out.write_text(json.dumps({"meta": meta, "rows": list(rows.values()), "rounds": rounds}, indent=1) + "\n")
         write_part(text, mark)
 

@@ -8,7 +8,11 @@ The model and batches are bench/bench_train_big.py's. Each variant runs in a fre
 steps, then ``--steps`` steps timed region by region with ``perf_counter`` (forward incl. the loss,
 backward, optimizer step, of which amplite's master→low refresh, zero_grad; medians), then two steps under
 ``torch.profiler`` (CPU) for the ops: the top ops by self CPU time and the casts (``aten::_to_copy`` /
-``aten::copy_`` calls per step and their self time). bf16 needs no loss scaling, so there is none to time.
+``aten::copy_`` calls per step and their self time) and, with ``profile_memory``, the allocator-level
+peak of the profiled steps: the running sum of every op's allocations minus frees, in time order, above what
+was allocated when they began (weights, gradients-free optimizer state), and the op at that peak. Unlike
+the resident set it does not move with the C allocator's caching. bf16 needs no loss scaling, so there is
+none to time.
 ``--write`` puts the tables into bench/RESULTS.md's "Training" section.
 """
 
@@ -101,9 +105,10 @@ def run_one(model_name: str, variant: str, steps: int, profiled: int, warmup: in
         last[0] = perf_counter()
         step(x, target, clock)
         times["refresh"].append(refresh_s[0])
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for x, target in batches[warmup + steps :]:
             step(x, target, lambda _: None)
+    peak, at = allocator_peak(prof)
     timed = range(warmup, warmup + steps)
     events = prof.key_averages()
     total_us = sum(e.self_cpu_time_total for e in events)
@@ -117,8 +122,22 @@ def run_one(model_name: str, variant: str, steps: int, profiled: int, warmup: in
         "casts": {e.key: (e.count // profiled, e.self_cpu_time_total / 1000 / profiled) for e in casts},
         "self_total_ms": total_us / 1000 / profiled,
         "saved_mib": sum(saved.values()) / 2**20,
+        "alloc_peak_mib": peak / 2**20,
+        "alloc_peak_at": at,
         "gemm_ms": sum(e.self_cpu_time_total for e in events if e.key in GEMMS) / 1000 / profiled,
     }
+
+
+def allocator_peak(prof: Any) -> tuple[int, str]:
+    """The highest running sum of allocated-minus-freed bytes over the profiled ops, in time order, and the
+    op where it was reached."""
+    cur = peak = 0
+    at = ""
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        cur += e.self_cpu_memory_usage
+        if cur > peak:
+            peak, at = cur, e.name
+    return peak, at
 
 
 def render(rows: list[dict[str, Any]], meta: str) -> str:
@@ -136,6 +155,9 @@ def render(rows: list[dict[str, Any]], meta: str) -> str:
     lines.append("| profiled self CPU per step | " + " | ".join(f"{r['self_total_ms']:.0f} ms" for r in rows) + " |")
     lines.append("| saved for backward (MiB, unique storages) | " + " | ".join(f"{r['saved_mib']:.1f}" for r in rows)
                  + " |")  # fmt: skip
+    lines.append("| allocator peak above the step's start (MiB, profiled) | "
+                 + " | ".join(f"{r['alloc_peak_mib']:.1f} at `{r['alloc_peak_at'].removeprefix('aten::')}`"
+                              for r in rows) + " |")  # fmt: skip
     lines.append("| of which matmuls/attention | " + " | ".join(f"{r['gemm_ms']:.0f} ms" for r in rows) + " |")
     lines.append("| everything else (casts, elementwise, norms, optimizer) | "
                  + " | ".join(f"{r['self_total_ms'] - r['gemm_ms']:.0f} ms" for r in rows) + " |")  # fmt: skip

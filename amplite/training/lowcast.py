@@ -59,12 +59,21 @@ class LowCopies(nn.Module):
         self.dtype = dtype
         self.every_forward = every_forward
         self.syncs = 0  # sync() calls that recast (for reports and tests)
-        # id(master) -> (master, low copy or None once released, the master's state the copy was made from)
+        # id(master) -> (master, low copy or None (before the first forward, after a release), the master's
+        # state the copy was made from)
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple[int, int, torch.Size]]] = {}
 
     @staticmethod
     def _stamp(t: torch.Tensor) -> tuple[int, int, torch.Size]:
         return (t._version, t.data_ptr(), t.shape)
+
+    def track(self, master: torch.Tensor) -> None:
+        """Register ``master`` as read in low precision without casting it yet: the first :meth:`sync` (the
+        net's next forward) or :meth:`low_of` casts it. Preparing holds no copy, as autocast holds none before
+        its first forward."""
+        entry = self._copies.get(id(master))
+        if entry is None or entry[0] is not master:
+            self._copies[id(master)] = (master, None, self._stamp(master))
 
     def low_of(self, master: torch.Tensor) -> torch.Tensor:
         """The current low-precision copy of ``master`` (cast now if it changed since the last cast)."""
@@ -183,7 +192,7 @@ def read_user_tensors(gm: torch.fx.GraphModule, model: nn.Module, copies: LowCop
                 del getattr(mod, store)[attr]
                 (mod._parameters if isinstance(mine, nn.Parameter) else mod._buffers)[attr] = mine
     for n in low_names:
-        copies.low_of(user[n])  # cast now: the copies exist from the start, as the FP32 masters do
+        copies.track(user[n])  # cast at the first forward (preparing holds no copy)
     if not low_names:
         return 0
     if not hasattr(gm, "amplite_low_copies"):

@@ -1,9 +1,10 @@
 """``amplite.prepare_training``: a train-mode export, amplite's precision plan, the user's tensors.
 
 Steps: export the model in train mode (dropout live, BatchNorm on batch statistics, running statistics
-updated in place), run amplite's passes with BatchNorm unfolded and kept FP32 (its running statistics
-must stay the user's FP32 buffers), then make the graph read the user's own parameters and buffers, through
-a cached low-precision cast where it wants them low (:mod:`amplite.training.lowcast`). Batches another
+updated in place), run amplite's passes with BatchNorm unfolded, reading the low-precision activation and
+the user's FP32 weight, bias and running statistics (:mod:`amplite.training.batchnorm`), then make the
+graph read the user's own parameters and buffers, through a cached low-precision cast where it wants them
+low (:mod:`amplite.training.lowcast`). Batches another
 graph must serve (shapes, keyword sets) are traced on first sight (:mod:`amplite.training.variants`).
 """
 
@@ -21,16 +22,14 @@ from amplite.converter.inputs import normalize_inputs
 from amplite.errors import ConfigError, InputSpecError
 from amplite.policy import Level, Override
 from amplite.spec import ConvertSpec, RangeSpec
+from amplite.training.batchnorm import BATCHNORM_LOW
 from amplite.training.distributed import check_fsdp, unit_graph, unsharded
 from amplite.training.lowcast import LowCopies
 from amplite.training.net import TrainingNet
 from amplite.training.optim import MixedPrecisionOptimizer, check_optimizer, warn_o3
 from amplite.training.variants import initial_dynamic, trace_variant
 
-#: Training keeps BatchNorm in FP32 at every level: its running statistics are the user's FP32 buffers,
-#: updated in place by the op, and a cast would send the update to a temporary copy.
 RECASTS = ("every_forward", "on_change")
-BATCHNORM_FP32 = Override("keep_fp32", "op:batch_norm*", source="training")
 
 
 def prepare_training(
@@ -99,8 +98,9 @@ def training_spec(
 
 
 def for_training(spec: ConvertSpec) -> ConvertSpec:
-    """``spec`` as training runs it: BatchNorm pinned FP32 (:data:`BATCHNORM_FP32`) and, at bf16, the one range
-    rule training applies (a small-integer ``pow`` follows its input: bf16 has FP32's exponent range, so no
+    """``spec`` as training runs it: BatchNorm planned low with FP32 statistics
+    (:data:`~amplite.training.batchnorm.BATCHNORM_LOW`) and, at bf16, the one range rule training applies
+    (a small-integer ``pow`` follows its input: bf16 has FP32's exponent range, so no
     calibration is needed; no reduction-depth limit). fp16 would need calibrated ranges (a train-mode
     forward): none.
 
@@ -109,7 +109,7 @@ def for_training(spec: ConvertSpec) -> ConvertSpec:
     """
     if spec.fp8 is not None:
         raise ConfigError(f"precision {spec.precision_name!r} is not one amplite trains with", "pass 'bf16' or 'fp16'")
-    pins = () if BATCHNORM_FP32 in spec.overrides else (BATCHNORM_FP32,)
+    pins = () if BATCHNORM_LOW in spec.overrides else (BATCHNORM_LOW,)
     ranges = RangeSpec(enabled=spec.precision is torch.bfloat16, max_reduction_depth=None)
     return replace(spec, overrides=(*pins, *spec.overrides), ranges=ranges)
 

@@ -35,6 +35,7 @@ from amplite.describe import summarize_exception
 from amplite.errors import ConfigError, ExportError
 from amplite.policy import Level
 from amplite.spec import ConvertSpec
+from amplite.training.batchnorm import fp32_statistics
 from amplite.training.checkpointing import checkpoint_graph, mark_regions
 from amplite.training.cumulative import traceable_momentum
 from amplite.training.lowcast import LowCopies, read_user_tensors
@@ -276,6 +277,7 @@ def trace_variant(
     else:
         done = rewrite(program, inputs, spec)
         gm, records, plan = done.module, done.records, done.plan
+    batchnorm = fp32_statistics(gm, model) if spec.level is not Level.O0 else {}
     low = read_user_tensors(gm, model, copies)
     eval_gm, counters = to_eval_graph(gm)
     runner, regions = checkpoint_graph(gm)  # checkpointed regions recompute in backward (eval needs none)
@@ -284,6 +286,7 @@ def trace_variant(
         "records": records,
         "plan": plan,
         "mode_switch": counters,
+        "batchnorm": dict(batchnorm),
         "checkpointed_regions": regions,
         # facts of the FP32 program for reports; the program itself is not kept (its graph holds memory)
         "graph_before": graph_stats(program.graph, spec.precision),
