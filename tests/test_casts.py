@@ -19,6 +19,7 @@ from amplite.passes.cleanup_casts import CleanupCasts
 from amplite.passes.graph_utils import cast_dtype
 from amplite.passes.guard_constants import GuardConstants, SaturateFills
 from amplite.passes.insert_casts import InsertCasts
+from amplite.passes.meta import OUT_DTYPE_KEY, PRECISION_KEY, RANGE_KEY, SATURATE_KEY
 from amplite.passes.store_low_params import StoreLowPrecisionParams
 from amplite.policy import Level, PrecisionPolicy
 from tests.exported import Fn, export_eval
@@ -74,7 +75,7 @@ def test_guard_constants_does_nothing_for_a_dtype_without_a_limit() -> None:
     gm = _gm(lambda g, x, r: _call(g, aten.add.Tensor, (x, 1e30)))
     result = GuardConstants(torch.float32)(gm)
     assert result.graph_module is gm and result.modified is False and result.counters == {}
-    assert all("amplite_range" not in n.meta for n in gm.graph.nodes)
+    assert all(RANGE_KEY not in n.meta for n in gm.graph.nodes)
 
 
 def test_guard_constants_flags_scalars_above_the_fp16_max_only() -> None:
@@ -90,7 +91,7 @@ def test_guard_constants_flags_scalars_above_the_fp16_max_only() -> None:
     result = GuardConstants(torch.float16)(gm)
     assert result.graph_module is gm and result.modified is False
     assert result.counters == {"kept_fp32:range:constant": 3}
-    reasons = {n.name: n.meta.get("amplite_range") for n in gm.graph.nodes if n.op == "call_function"}
+    reasons = {n.name: n.meta.get(RANGE_KEY) for n in gm.graph.nodes if n.op == "call_function"}
     assert reasons == {
         "add": "range:constant 1e+05>65504",
         "add_1": None,
@@ -115,11 +116,11 @@ def test_guard_constants_marks_extreme_fills_and_clamps_for_saturation() -> None
     gm = _gm(build)
     result = GuardConstants(torch.float16)(gm)
     assert result.counters == {"marked_for_saturation": 2, "kept_fp32:range:constant": 2}
-    assert _node(gm, "masked_fill").meta["amplite_saturate"] == [("args", 2)]
-    assert _node(gm, "clamp").meta["amplite_saturate"] == [("kwargs", "max")]
-    assert _node(gm, "masked_fill_1").meta["amplite_range"] == "range:constant -1e+09>65504"
-    assert _node(gm, "add").meta["amplite_range"] == "range:constant 1.33e+36>65504"
-    assert "amplite_range" not in _node(gm, "masked_fill").meta
+    assert _node(gm, "masked_fill").meta[SATURATE_KEY] == [("args", 2)]
+    assert _node(gm, "clamp").meta[SATURATE_KEY] == [("kwargs", "max")]
+    assert _node(gm, "masked_fill_1").meta[RANGE_KEY] == "range:constant -1e+09>65504"
+    assert _node(gm, "add").meta[RANGE_KEY] == "range:constant 1.33e+36>65504"
+    assert RANGE_KEY not in _node(gm, "masked_fill").meta
 
 
 def test_guard_constants_flags_the_float_readers_of_an_unrepresentable_creation_op() -> None:
@@ -131,7 +132,7 @@ def test_guard_constants_flags_the_float_readers_of_an_unrepresentable_creation_
         full = _call(g, aten.full.default, ([2], 1e5), val=torch.zeros(2))
         lt = _call(g, aten.lt.Tensor, (x, full), val=torch.zeros(2, dtype=torch.bool))  # float in, bool out
         kept = _call(g, aten.mul.Tensor, (x, full))
-        kept.meta["amplite_range"] = "range:activation earlier"
+        kept.meta[RANGE_KEY] = "range:activation earlier"
         ifull = _call(g, aten.full.default, ([2], 7e4), {"dtype": torch.int64}, val=ints)
         div = _call(g, aten.div.Tensor, (ifull, ifull), val=torch.zeros(2))  # int in, float out
         idx = _call(g, aten.neg.default, (ifull,), val=ints)  # int in, int out: no float math
@@ -140,10 +141,10 @@ def test_guard_constants_flags_the_float_readers_of_an_unrepresentable_creation_
     gm = _gm(build)
     result = GuardConstants(torch.float16)(gm)
     assert result.counters == {"kept_fp32:range:constant": 2}
-    assert _node(gm, "lt").meta["amplite_range"] == "range:constant full=1e+05>65504"
-    assert _node(gm, "div").meta["amplite_range"] == "range:constant full_1=7e+04>65504"
-    assert _node(gm, "mul").meta["amplite_range"] == "range:activation earlier"
-    assert "amplite_range" not in _node(gm, "neg").meta and "amplite_range" not in _node(gm, "full").meta
+    assert _node(gm, "lt").meta[RANGE_KEY] == "range:constant full=1e+05>65504"
+    assert _node(gm, "div").meta[RANGE_KEY] == "range:constant full_1=7e+04>65504"
+    assert _node(gm, "mul").meta[RANGE_KEY] == "range:activation earlier"
+    assert RANGE_KEY not in _node(gm, "neg").meta and RANGE_KEY not in _node(gm, "full").meta
 
 
 def test_guard_constants_checks_small_float_constant_tensors() -> None:
@@ -180,7 +181,7 @@ def test_guard_constants_checks_small_float_constant_tensors() -> None:
     gm = _gm(build, **consts)
     gm.register_buffer("x_alias", consts["x_alias"])  # GraphModule copies only the get_attr targets
     result = GuardConstants(torch.float16)(gm)
-    flagged = {n.name: n.meta["amplite_range"] for n in gm.graph.nodes if "amplite_range" in n.meta}
+    flagged = {n.name: n.meta[RANGE_KEY] for n in gm.graph.nodes if RANGE_KEY in n.meta}
     assert flagged == {
         "add": "range:constant sub.c |c|=1e+05>65504",
         "add_1": "range:constant edge |c|=1e+05>65504",
@@ -199,7 +200,7 @@ def _marked(low: torch.dtype) -> torch.fx.GraphModule:
         f2 = _call(g, aten.masked_fill.Scalar, (f1, m), {"value": 3.0e38})
         c = _call(g, aten.clamp.default, (f2, -1e5))
         for n in (f1, f2, c):
-            n.meta["amplite_precision"] = {"dtype": low}
+            n.meta[PRECISION_KEY] = {"dtype": low}
         return c
 
     gm = _gm(build)
@@ -224,7 +225,7 @@ def test_saturate_fills_replaces_marked_values_in_low_ops_and_reports_each() -> 
             {"node": "clamp", "op": "clamp.default", "from": -1e5, "to": -F16_MAX, "source": ""},
         ]
     }
-    assert all("amplite_saturate" not in n.meta for n in gm.graph.nodes)
+    assert all(SATURATE_KEY not in n.meta for n in gm.graph.nodes)
 
 
 def test_saturate_fills_leaves_fp32_ops_alone_and_reports_nothing() -> None:
@@ -232,7 +233,7 @@ def test_saturate_fills_leaves_fp32_ops_alone_and_reports_nothing() -> None:
     gm = _marked(torch.float32)
     c = _node(gm, "clamp")
     user = gm.graph.call_function(aten.relu.default, (c,))
-    user.meta["amplite_precision"] = {"dtype": torch.float16}  # a low reader does not matter for a non-creation op
+    user.meta[PRECISION_KEY] = {"dtype": torch.float16}  # a low reader does not matter for a non-creation op
     result = SaturateFills(torch.float16)(gm)
     assert result.modified is False and result.counters == {} and result.details == {}
     assert _node(gm, "masked_fill").args[2] == -3.0e38 and c.args[1] == -1e5
@@ -252,12 +253,12 @@ def _creation(reader: str) -> tuple[torch.fx.GraphModule, torch.fx.Node]:
     def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> torch.fx.Node:
         full = _call(g, aten.full.default, ([2, 3], -3.0e38))
         first = _call(g, aten.add.Tensor, (x, full))
-        first.meta["amplite_precision"] = {"dtype": torch.float32}
+        first.meta[PRECISION_KEY] = {"dtype": torch.float32}
         if reader == "cast":
             second = _call(g, torch.ops.prims.convert_element_type.default, (full, torch.float16))
         else:
             second = _call(g, aten.mul.Tensor, (x, full))
-            second.meta["amplite_precision"] = {"dtype": torch.float16 if reader == "plan" else torch.float32}
+            second.meta[PRECISION_KEY] = {"dtype": torch.float16 if reader == "plan" else torch.float32}
         return (first, second)
 
     gm = _gm(build)
@@ -270,7 +271,7 @@ def test_saturate_fills_saturates_a_creation_op_read_in_the_low_dtype() -> None:
     FP32 reader — and kept when every reader is FP32."""
     for reader, expected in (("plan", -F16_MAX), ("cast", -F16_MAX), ("fp32", -3.0e38)):
         gm, full = _creation(reader)
-        assert full.meta["amplite_saturate"] == [("args", 1)]
+        assert full.meta[SATURATE_KEY] == [("args", 1)]
         result = SaturateFills(torch.float16)(gm)
         assert full.args[1] == expected, reader
         assert result.counters == ({"fills_saturated": 1} if expected == -F16_MAX else {}), reader
@@ -469,9 +470,9 @@ def _insert(build: Build, **kw: Any) -> tuple[torch.fx.GraphModule, Any, list[st
 
 
 def _planned(node: torch.fx.Node, dtype: torch.dtype, mode: str = "compute") -> torch.fx.Node:
-    node.meta["amplite_precision"] = {"mode": mode, "dtype": dtype, "reason": "test"}
+    node.meta[PRECISION_KEY] = {"mode": mode, "dtype": dtype, "reason": "test"}
     if mode == "compute":
-        node.meta["amplite_out_dtype"] = dtype
+        node.meta[OUT_DTYPE_KEY] = dtype
     return node
 
 
@@ -511,7 +512,7 @@ def test_insert_casts_follow_ops_promote_in_kernel_and_skip_scalars_and_fp64() -
 
     def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
         h = _planned(_call(g, aten.relu.default, (x,), val=h16), torch.float16)
-        h.meta.pop("amplite_out_dtype")
+        h.meta.pop(OUT_DTYPE_KEY)
         h.meta["val"] = h16  # already fp16 (as after an earlier rewrite)
         add = _planned(_call(g, aten.add.Tensor, (h, x)), torch.float32, mode="follow")
         s = _call(g, aten.select.int, (h, 0, 0), val=torch.zeros((), dtype=torch.float16))
@@ -772,8 +773,8 @@ def test_user_cast_output_dtype_is_the_cast_dtype() -> None:
     AnnotatePrecision(PrecisionPolicy("bf16", Level.O1))(gm)
     cast = next(n for n in gm.graph.nodes if cast_dtype(n) is not None)
     add = next(n for n in gm.graph.nodes if n.target is aten.add.Tensor)
-    assert cast.meta["amplite_out_dtype"] == torch.float16
-    assert add.meta["amplite_precision"]["dtype"] == torch.float16, add.meta["amplite_precision"]
+    assert cast.meta[OUT_DTYPE_KEY] == torch.float16
+    assert add.meta[PRECISION_KEY]["dtype"] == torch.float16, add.meta[PRECISION_KEY]
 
 
 @pytest.mark.parametrize("partner_first", [True, False])

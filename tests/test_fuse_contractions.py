@@ -16,6 +16,7 @@ import amplite.ops  # noqa: F401  (registers amplite::contract)
 from amplite.passes import einsum_equation as eqn
 from amplite.passes.einsum_equation import ModeTable, NotFusable, Operand
 from amplite.passes.fuse_contractions import FuseContractions, FusionResult
+from amplite.passes.meta import CAST_KEY, CONTRACT_KEY
 from tests.exported import Fn, export_eval
 
 aten = torch.ops.aten
@@ -434,7 +435,7 @@ def test_cast_inside_chain_becomes_cast_of_source():
     check_graph(gm)
     assert res.counters["fused:matmul"] == 1 and res.counters["absorbed:cast"] == 1
     assert aten.transpose.int not in targets(gm)
-    (cast,) = [n for n in gm.graph.nodes if n.meta.get("amplite_cast")]
+    (cast,) = [n for n in gm.graph.nodes if n.meta.get(CAST_KEY)]
     assert cast.args[0].name == "a" and cast.kwargs["dtype"] == torch.float16
     torch.testing.assert_close(gm(a, b), ref, rtol=2e-3, atol=2e-3)
 
@@ -566,7 +567,7 @@ def test_layout_only_contiguous_and_tensor_products_around_a_contraction() -> No
     gm, counters = _fuse(cl, torch.randn(2, 3, 4, 5), torch.randn(5, 6))
     assert counters == {"fused:matmul": 1, "absorbed:contiguous": 1}, counters  # a layout change only
     contract = next(n for n in gm.graph.nodes if n.target is CONTRACT)
-    assert contract.meta["amplite_contract"] == {"rule": "matmul", "absorbed": ["contiguous"]}
+    assert contract.meta[CONTRACT_KEY] == {"rule": "matmul", "absorbed": ["contiguous"]}
     # A product with a tensor (not a constant) on either side is not a scaling to absorb.
     gated = Fn(lambda a, b, t: t * (a.t() @ b) + (a.t() @ b) * t)
     _, counters = _fuse(gated, torch.randn(4, 3), torch.randn(4, 5), torch.randn(3, 5))

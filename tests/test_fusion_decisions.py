@@ -10,6 +10,7 @@ from torch import nn
 
 import amplite.ops  # noqa: F401  (registers amplite::contract)
 from amplite.passes.fuse_contractions import FuseContractions
+from amplite.passes.meta import CONTRACT_KEY
 
 aten = torch.ops.aten
 
@@ -137,7 +138,7 @@ def test_replacement_is_one_contract_with_the_original_provenance_and_records() 
     assert fused.args == ("ab,ca->bc", a, b, c, 0.5, 1.0)
     assert {k: fused.meta[k] for k in provenance} == provenance
     absorbed = ["transpose", "contiguous", "permute", "mul", "add"]
-    assert fused.meta["amplite_contract"] == {"rule": "matmul", "absorbed": absorbed}
+    assert fused.meta[CONTRACT_KEY] == {"rule": "matmul", "absorbed": absorbed}
     assert list(fused.meta["val"].shape) == [4, 5] and fused.meta["val"].dtype == torch.float32
     assert res.details == {
         "fused": [{"node": fused.name, "rule": "matmul", "equation": "ab,ca->bc", "absorbed": absorbed}],

@@ -11,6 +11,7 @@ from torch import nn
 from amplite.converter.calibration import collect_ranges
 from amplite.converter.pipeline import strip_export_checks
 from amplite.passes.annotate_precision import AnnotatePrecision
+from amplite.passes.meta import OUT_DTYPE_KEY, PRECISION_KEY, RANGE_KEY, RANGE_LOW_KEY
 from amplite.passes.range_guard import SMALL_POW, RangeGuard, RangeRules, ValueRange, weight_reason
 from amplite.policy import Level, PrecisionPolicy, make_overrides
 from tests.exported import export_eval
@@ -93,7 +94,7 @@ def _guard_pow(key: str, dtype: torch.dtype, ranges: dict | None = None, rules: 
     gm = _fresh(key)
     result = RangeGuard(ranges or {}, rules or RangeRules(), dtype)(gm)
     node = _pow_node(gm)
-    return node.meta.get("amplite_range_low"), node.meta.get("amplite_range"), dict(result.counters)
+    return node.meta.get(RANGE_LOW_KEY), node.meta.get(RANGE_KEY), dict(result.counters)
 
 
 @pytest.mark.parametrize("key", ["pow2", "pow3", "pow2.0"])
@@ -136,12 +137,12 @@ def test_fp16_square_over_data_max_is_not_cleared_even_when_the_percentile_rule_
 
 def _plan(gm: torch.fx.GraphModule, level: Level, precision: str = "fp16", **kw: object) -> dict[str, dict]:
     AnnotatePrecision(PrecisionPolicy(precision, level, **kw))(gm)
-    return {n.name: n.meta["amplite_precision"] for n in gm.graph.nodes if "amplite_precision" in n.meta}
+    return {n.name: n.meta[PRECISION_KEY] for n in gm.graph.nodes if PRECISION_KEY in n.meta}
 
 
 def _cleared(key: str) -> torch.fx.GraphModule:
     gm = _fresh(key)
-    _pow_node(gm).meta["amplite_range_low"] = SMALL_POW
+    _pow_node(gm).meta[RANGE_LOW_KEY] = SMALL_POW
     return gm
 
 
@@ -311,8 +312,8 @@ def _mixed(level: Level, precision: str = "fp16") -> tuple[dict, dict, dict]:
         for k in [k for k in node.meta if k.startswith("amplite_")]:
             del node.meta[k]
     result = AnnotatePrecision(PrecisionPolicy(precision, level))(gm)
-    plan = {n.name: n.meta.get("amplite_precision") for n in gm.graph.nodes}
-    out = {n.name: n.meta["amplite_out_dtype"] for n in gm.graph.nodes}
+    plan = {n.name: n.meta.get(PRECISION_KEY) for n in gm.graph.nodes}
+    out = {n.name: n.meta[OUT_DTYPE_KEY] for n in gm.graph.nodes}
     return plan, out, dict(result.counters)
 
 
@@ -378,19 +379,19 @@ def test_in_place_op_computes_in_its_destination_dtype(level: Level) -> None:
     gm = _inplace_graph(torch.zeros(3, dtype=torch.bfloat16), torch.zeros(3))
     result = AnnotatePrecision(PrecisionPolicy("fp16", level))(gm)
     node = next(n for n in gm.graph.nodes if n.op == "call_function")
-    assert node.meta["amplite_precision"] == {
+    assert node.meta[PRECISION_KEY] == {
         "mode": "follow",
         "dtype": torch.bfloat16,
         "reason": "in-place",
         "rule": "dtype",
     }
-    assert node.meta["amplite_out_dtype"] == torch.bfloat16
+    assert node.meta[OUT_DTYPE_KEY] == torch.bfloat16
     assert dict(result.counters) == {"nodes:follow": 1, "compute:bfloat16": 1}
     gm = _inplace_graph(torch.zeros(3, dtype=torch.int64), torch.zeros(3))
     AnnotatePrecision(PrecisionPolicy("fp16", level))(gm)
     node = next(n for n in gm.graph.nodes if n.op == "call_function")
-    assert node.meta["amplite_precision"] == {"mode": "follow", "dtype": None, "reason": "in-place", "rule": "dtype"}
-    assert node.meta["amplite_out_dtype"] == torch.int64
+    assert node.meta[PRECISION_KEY] == {"mode": "follow", "dtype": None, "reason": "in-place", "rule": "dtype"}
+    assert node.meta[OUT_DTYPE_KEY] == torch.int64
 
 
 # --- RangeGuard._depth: long reductions stay FP32 at any low dtype ---
@@ -421,12 +422,12 @@ def _reductions_export() -> torch.fx.GraphModule:
 def _depth_flags(rules: RangeRules, dtype: torch.dtype) -> tuple[dict[str, str], dict]:
     gm = _reductions_export()
     for node in gm.graph.nodes:
-        node.meta.pop("amplite_range", None)
+        node.meta.pop(RANGE_KEY, None)
     result = RangeGuard({}, rules, dtype)(gm)
     flags = {
-        str(n.target).removeprefix("aten."): n.meta["amplite_range"]
+        str(n.target).removeprefix("aten."): n.meta[RANGE_KEY]
         for n in gm.graph.nodes
-        if "amplite_range" in n.meta
+        if RANGE_KEY in n.meta
     }
     return flags, dict(result.counters)
 
@@ -456,7 +457,7 @@ def test_reductions_deeper_than_the_limit_are_kept_fp32(dtype: torch.dtype) -> N
 def _flags(key: str, ranges: dict, rules: RangeRules | None = None, dtype: torch.dtype = torch.float16) -> tuple:
     gm = _fresh(key)
     result = RangeGuard(ranges, rules or RangeRules(), dtype)(gm)
-    flags = {n.name: n.meta["amplite_range"] for n in gm.graph.nodes if "amplite_range" in n.meta}
+    flags = {n.name: n.meta[RANGE_KEY] for n in gm.graph.nodes if RANGE_KEY in n.meta}
     return flags, dict(result.counters)
 
 
@@ -581,9 +582,9 @@ def test_range_flag_turns_a_low_decision_fp32_but_not_a_user_one() -> None:
     gm = _fresh("linear_pow")
     linear = next(n for n in gm.graph.nodes if n.target is aten.linear.default)
     add = next(n for n in gm.graph.nodes if n.target is aten.add.Tensor)
-    linear.meta["amplite_range"] = "range:activation output |x|=600>512"
-    add.meta["amplite_range"] = "range:activation input pow_1 |x|=600>512"
-    _pow_node(gm).meta["amplite_range"] = "range:activation output |x|=600>512"
+    linear.meta[RANGE_KEY] = "range:activation output |x|=600>512"
+    add.meta[RANGE_KEY] = "range:activation input pow_1 |x|=600>512"
+    _pow_node(gm).meta[RANGE_KEY] = "range:activation output |x|=600>512"
     plan = _plan(gm, Level.O1)
     assert plan["linear"] == {
         "mode": "fp32",
@@ -649,7 +650,7 @@ def _guard(model: nn.Module, x: torch.Tensor, rules: RangeRules, dtype: torch.dt
     gm = torch.export.export(model.eval(), (x,), strict=False).module()
     strip_export_checks(gm)
     result = RangeGuard(collect_ranges(gm, [((x,), {})]), rules, dtype)(gm)
-    flags = {n.name: n.meta["amplite_range"] for n in gm.graph.nodes if "amplite_range" in n.meta}
+    flags = {n.name: n.meta[RANGE_KEY] for n in gm.graph.nodes if RANGE_KEY in n.meta}
     return flags, result
 
 
@@ -722,11 +723,11 @@ def test_only_nodes_between_fp32_ops_are_bridges() -> None:
     gm = export_eval(_EpsBeforeOutput(), torch.randn(2, 4))
     AnnotatePrecision(PrecisionPolicy("fp16", Level.O2))(gm)
     add = next(n for n in gm.graph.nodes if n.target is aten.add.Tensor)
-    assert add.meta["amplite_precision"]["reason"] == "level:O2", "an add that feeds the output is no bridge"
+    assert add.meta[PRECISION_KEY]["reason"] == "level:O2", "an add that feeds the output is no bridge"
     gm = export_eval(_ConstantBetweenNorms(), torch.randn(2, 4))
     AnnotatePrecision(PrecisionPolicy("fp16", Level.O2))(gm)
     arange = next(n for n in gm.graph.nodes if "arange" in str(n.target))
-    reason = arange.meta["amplite_precision"]["reason"]
+    reason = arange.meta[PRECISION_KEY]["reason"]
     assert reason == "no-float-operands", "a node without float operands is no bridge"
 
 
@@ -787,4 +788,4 @@ def test_annotation_covers_float_nodes_only_and_in_place_ops_follow() -> None:
 
 
 def _precision(gm: torch.fx.GraphModule) -> dict[str, dict]:
-    return {n.name: n.meta["amplite_precision"] for n in gm.graph.nodes if "amplite_precision" in n.meta}
+    return {n.name: n.meta[PRECISION_KEY] for n in gm.graph.nodes if PRECISION_KEY in n.meta}
