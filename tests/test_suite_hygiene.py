@@ -7,6 +7,7 @@ Each check walks the tests' syntax trees (no import of the test modules), and fa
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 from amplite.passes import meta
@@ -50,13 +51,18 @@ PRIVATE_ALLOWED: dict[tuple[str, str], str] = {
 }
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
 def _is_private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
 def private_uses(path: Path) -> list[tuple[int, str]]:
     """``(line, name)`` of every private amplite name a test module imports or reads as an attribute."""
-    tree = ast.parse(path.read_text())
+    tree = _tree(path)
     amplite_names: set[str] = set()
     found: list[tuple[int, str]] = []
     for node in ast.walk(tree):
@@ -139,7 +145,31 @@ def test_tests_spell_amplite_meta_keys_through_their_constants() -> None:
     offenders = [
         f"{path.name}:{node.lineno}: {node.value!r}"
         for path in sorted(TESTS.glob("*.py"))
-        for node in ast.walk(ast.parse(path.read_text()))
+        for node in ast.walk(_tree(path))
         if isinstance(node, ast.Constant) and node.value in declared
     ]
     assert not offenders, "use the constants of amplite.passes.meta:\n" + "\n".join(offenders)
+
+
+def exact_counter_dicts(tree: ast.AST) -> list[int]:
+    """Lines that compare a pass's ``counters`` with a whole dict literal (``counters == {...}``)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Eq, ast.NotEq)):
+            sides = (node.left, node.comparators[0])
+            if any(isinstance(s, ast.Dict) for s in sides) and any("counters" in ast.unparse(s) for s in sides):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_counters_are_asserted_per_counter_not_as_a_whole_dict() -> None:
+    """A pass may add a counter without breaking every test of it: tests state the counters they mean
+    (``counters.items() >= {...}.items()``, ``counters["x"] >= 1``) and check the graph for the rest."""
+    offenders = [
+        f"{path.name}:{line}"
+        for path in sorted(TESTS.glob("*.py"))
+        for line in exact_counter_dicts(_tree(path))
+    ]
+    assert not offenders, "assert the counters meant, not the whole dict:\n" + "\n".join(offenders)
+    probe = ast.parse("assert r.counters == {'casts_inserted': 1}\nassert r.counters.items() >= {'a': 1}.items()")
+    assert exact_counter_dicts(probe) == [1]  # the scan sees the form it forbids, and lets the subset pass
