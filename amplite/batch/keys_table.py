@@ -8,6 +8,7 @@ new conversion option with a manifest kind is a manifest key at once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -89,7 +90,8 @@ def check_value(key: str, value: Any) -> Any:
             raise ValueError(f"expected {JOB_KEYS[key]}, got {value!r}")
         return value
     if kind == "number":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        # TOML has nan and inf: a NaN passes no comparison, so `<= 0` alone would let it through
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"expected {JOB_KEYS[key]}, got {value!r}")
         return float(value)
     if kind == "tolerance":
@@ -99,7 +101,7 @@ def check_value(key: str, value: Any) -> Any:
         if bad:
             raise SubKeyError(f"unknown tolerance key {bad[0]!r} (known: {', '.join(_TOLERANCE_KEYS)})", bad[0])
         for k, v in value.items():
-            if not isinstance(v, (int, float)) or isinstance(v, bool):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v):
                 raise SubKeyError(f"tolerance values must be numbers, got {k} = {v!r}", k)
         return {k: float(v) for k, v in value.items()}
     raise KeyError(key)

@@ -213,6 +213,8 @@ def _check_policy(values: dict[str, Any], where: str, line_of: Any) -> None:
     except ConfigError as exc:
         key = "keep_fp32" if "keep_fp32" in values else "force_low"
         raise _fail(where, line_of(key), key, exc.problem, exc.fix) from None
+    if "formats" in values and not values["formats"]:  # a job that writes nothing would still say `ok`
+        raise _fail(where, line_of("formats"), "formats", "no output format", 'give at least one, e.g. ["pt2"]')
     for fmt in values.get("formats", ("pt2",)):
         try:
             emit.format_for(f"model.{fmt}", fmt)
