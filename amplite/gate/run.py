@@ -6,11 +6,13 @@ failure or regression; 2 bad input (raised as :class:`~amplite.errors.AmpliteErr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from amplite.checkpoint.source import is_checkpoint_dir
+from amplite.errors import ConfigError
 from amplite.gate import steps
 from amplite.gate.outputs import CheckResult, finish, model_name, prepare_outputs, read_paths
 from amplite.gate.settings import CheckSettings, check_signature
@@ -79,6 +81,10 @@ def check(
         AmpliteError: Bad model, inputs, data, golden directory, baseline or options (exit 2).
     """
     s, opts = CheckSettings.split(settings, options, changes)
+    # a NaN margin made every baseline comparison False (no regression, ever); a negative one failed every run
+    if not (math.isfinite(s.baseline_margin_db) and s.baseline_margin_db >= 0):
+        raise ConfigError(f"--baseline-margin {s.baseline_margin_db!r} is not a number of dB >= 0",
+                          "pass the SQNR loss allowed against the baseline, e.g. --baseline-margin 1")  # fmt: skip
     out_dir = _guard_files(model, s, opts.calibration)
     if isinstance(model, (str, Path)) and is_checkpoint_dir(model):
         return _check_checkpoint(model, example_inputs, s, out_dir, opts)

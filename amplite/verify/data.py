@@ -225,6 +225,9 @@ def select_batches(
 ) -> list[tuple[str, Inputs]]:
     if data is not None and data_loader is not None:
         raise ConfigError("--data and --data-loader are both given", "pass one source of batches")
+    if max_batches < 1:  # [:0] verified nothing and [:-1] dropped the last batch, silently
+        raise ConfigError(f"--max-batches {max_batches} must be at least 1",
+                          "pass how many batches to verify on at most, e.g. --max-batches 64")  # fmt: skip
     if data is not None:
         return batches_from_dir(data)[:max_batches]
     if data_loader is not None:

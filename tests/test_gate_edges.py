@@ -1,0 +1,98 @@
+"""``amplite check`` at its edges: option values that would silently weaken the gate, and the JUnit file a
+CI reads (exit codes, failure elements, names with XML's special characters). One tiny MLP, in-process."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from fixtures.write_fixtures import write
+
+    root = tmp_path_factory.mktemp("gate")
+    files = write("mlp", root)
+    data = root / "data"
+    data.mkdir()
+    example = torch.load(files["inputs"])
+    for i in range(3):  # three batches, each the example scaled differently
+        torch.save(tuple(x * (i + 1) for x in example), data / f"b{i}.pt")
+    files["data"] = data
+    return files
+
+
+@pytest.mark.parametrize("max_batches", ["0", "-1"])
+def test_max_batches_below_one_is_a_usage_error(cli, mlp: dict[str, Path], tmp_path: Path, max_batches: str) -> None:
+    """0 crashed (IndexError, exit 3) and -1 sliced the last batch off silently (the report said 2 batches)."""
+    res = cli("check", mlp["pt2"], "--data", mlp["data"], "--max-batches", max_batches, "--no-layerwise",
+              "--report", tmp_path / "r")  # fmt: skip
+    assert res.exit_code == 2, res.stderr
+    assert f"--max-batches {max_batches}" in res.stderr and "fix:" in res.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_max_batches_takes_that_many_batches_in_name_order(cli, mlp: dict[str, Path], tmp_path: Path) -> None:
+    res = cli("check", mlp["pt2"], "--data", mlp["data"], "--max-batches", "2", "--no-layerwise",
+              "--report", tmp_path / "r")  # fmt: skip
+    assert res.exit_code == 0, res.stderr
+    verification = json.loads((tmp_path / "r" / "report.json").read_text())["verification"]
+    assert verification["batches"] == 2 and "2 batches" in verification["inputs"]
+
+
+@pytest.fixture(scope="module")
+def baseline(mlp: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from amplite.gate import check
+
+    d = tmp_path_factory.mktemp("base")
+    assert check(mlp["pt2"], layerwise=False, level="O0", report_dir=d).exit_code == 0  # O0: FP32, exact
+    return d / "report.json"
+
+
+@pytest.mark.parametrize("margin", ["nan", "-1", "inf"])
+def test_a_baseline_margin_that_is_not_a_finite_number_of_db_is_refused(
+    cli, mlp: dict[str, Path], baseline: Path, tmp_path: Path, margin: str
+) -> None:
+    """A NaN margin made every comparison False, so no regression was ever found: the O1 model below
+    regresses against its exact O0 baseline, and passed with --baseline-margin nan."""
+    res = cli("check", mlp["pt2"], "--baseline", baseline, "--baseline-margin", margin, "--no-layerwise",
+              "--report", tmp_path / "r", "--junit", tmp_path / "j.xml")  # fmt: skip
+    assert res.exit_code == 2, res.stderr
+    assert "--baseline-margin" in res.stderr and "fix:" in res.stderr
+    assert not (tmp_path / "r").exists() and not (tmp_path / "j.xml").exists()
+
+
+def test_a_regression_against_the_baseline_fails_with_a_junit_failure(
+    cli, mlp: dict[str, Path], baseline: Path, tmp_path: Path
+) -> None:
+    """The case the NaN margin hid: fp16 O1 against an exact FP32 baseline loses SQNR beyond 1 dB."""
+    res = cli("check", mlp["pt2"], "--baseline", baseline, "--no-layerwise", "--junit", tmp_path / "j.xml")
+    assert res.exit_code == 1, res.stderr
+    suite = ET.parse(tmp_path / "j.xml").getroot()
+    assert suite.get("failures") == "1"
+    (failure,) = suite.iter("failure")
+    assert "sqnr_db" in failure.get("message") and "regressed" in failure.get("message")
+
+
+def test_junit_of_a_tolerance_failure_names_the_criterion(cli, mlp: dict[str, Path], tmp_path: Path) -> None:
+    res = cli("check", mlp["pt2"], "--tolerance", "max_abs<=0", "--no-layerwise", "--junit", tmp_path / "j.xml")
+    assert res.exit_code == 1
+    root = ET.parse(tmp_path / "j.xml").getroot()
+    assert root.tag == "testsuites" and root.get("tests") == "1" and root.get("failures") == "1"
+    (case,) = root.iter("testcase")
+    (failure,) = case.iter("failure")
+    assert "max_abs" in failure.get("message") and failure.get("type") == "AccuracyFailure"
+    passed = cli("check", mlp["pt2"], "--no-layerwise", "--junit", tmp_path / "ok.xml")
+    assert passed.exit_code == 0 and not list(ET.parse(tmp_path / "ok.xml").getroot().iter("failure"))
+
+
+def test_junit_keeps_a_name_with_xml_special_characters(cli, mlp: dict[str, Path], tmp_path: Path) -> None:
+    name = 'a<b>&"c\''
+    res = cli("check", mlp["pt2"], "--no-layerwise", "--name", name, "--junit", tmp_path / "j.xml")
+    assert res.exit_code == 0, res.stderr
+    suite = next(ET.parse(tmp_path / "j.xml").getroot().iter("testsuite"))
+    assert suite.get("name").endswith(name)  # escaped in the file, the same text once parsed
