@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from amplite.checkpoint.source import is_checkpoint_dir
-from amplite.errors import ConfigError
+from amplite.describe import summarize_exception
+from amplite.errors import ConfigError, InputSpecError
 from amplite.gate import steps
 from amplite.gate.outputs import CheckResult, finish, model_name, prepare_outputs, read_paths
 from amplite.gate.settings import CheckSettings, check_signature
@@ -98,7 +99,15 @@ def check(
         parse_tolerance(s.tolerance)  # fail on a bad criterion before any work
     base_line = golden_mod.load_baseline(s.baseline)
     timings: dict[str, float] = {}
-    pair = steps.pair(model, example_inputs, s.converted, opts, gold, s.golden, timings)
+    try:
+        pair = steps.pair(model, example_inputs, s.converted, opts, gold, s.golden, timings)
+    except InputSpecError as exc:  # the first data batch stood in for example inputs: name it, not "the example"
+        if early is None or example_inputs is not early[0][1]:
+            raise
+        cause = summarize_exception(exc.__cause__) if exc.__cause__ is not None else exc.problem
+        raise InputSpecError(f"batch 0 ({early[0][0]}), which traces the model, does not fit it: {cause}",
+                             "give batches shaped like the model's inputs, or pass --input/--inputs to trace "
+                             "with (the batches are then checked against them one by one)") from exc  # fmt: skip
     tol = s.tolerance if isinstance(s.tolerance, Tolerance) else parse_tolerance(s.tolerance or (), pair.precision)
     batches = early or s.batches(pair.example)
     if s.golden is not None and s.update_golden:

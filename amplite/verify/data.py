@@ -194,7 +194,9 @@ def fit_inputs(program: ExportedProgram | torch.nn.Module, batch: Inputs, where:
         if spec != info.in_spec:
             raise ValueError(f"structure {spec} differs from {info.in_spec}")
     except ValueError as exc:
-        raise InputSpecError(f"{where} is structured differently from the example inputs: {exc}", fix) from None
+        problem = f"{where} is structured differently from the example inputs: {exc}"
+        fix = fix or "give batches laid out as the example inputs (tensor, tuple or dict)"
+        raise InputSpecError(problem, fix) from None
     names = [p.name for p in placeholders]
     fitted = []
     for name, value, ph in zip(names, flat, placeholders, strict=True):
@@ -203,7 +205,8 @@ def fit_inputs(program: ExportedProgram | torch.nn.Module, batch: Inputs, where:
             fitted.append(value)
             continue
         if value.dtype != want.dtype and not (value.dtype.is_floating_point and want.dtype.is_floating_point):
-            raise InputSpecError(f"{where}: input {name!r} is {_dt(value)}, the model takes {_dt(want)}", fix)
+            raise InputSpecError(f"{where}: input {name!r} is {_dt(value)}, the model takes {_dt(want)}",
+                                 fix or f"save input {name!r} as {_dt(want)} in the batches")  # fmt: skip
         sizes = [s if isinstance(s, int) else None for s in want.shape]
         if value.dim() != len(sizes) or any(s is not None and s != v for s, v in zip(sizes, value.shape, strict=True)):
             shown = [s if s is not None else "*" for s in sizes]
