@@ -96,3 +96,46 @@ def test_junit_keeps_a_name_with_xml_special_characters(cli, mlp: dict[str, Path
     assert res.exit_code == 0, res.stderr
     suite = next(ET.parse(tmp_path / "j.xml").getroot().iter("testsuite"))
     assert suite.get("name").endswith(name)  # escaped in the file, the same text once parsed
+
+
+@pytest.fixture(scope="module")
+def int_batches(mlp: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Four batches of the right shape, saved as int64 where the model takes float32."""
+    d = tmp_path_factory.mktemp("int")
+    (x,) = torch.load(mlp["inputs"])
+    for i in range(4):
+        torch.save(((x * 10).long() + i,), d / f"b{i}.pt")
+    return d
+
+
+def test_a_first_batch_that_does_not_fit_is_named_when_it_traces_the_model(
+    cli, mlp: dict[str, Path], int_batches: Path
+) -> None:
+    """Without --input the first batch stands in for the example inputs; its failure named "the example
+    inputs" and suggested --input, as if the user had given some."""
+    res = cli("check", mlp["pt2"], "--data", int_batches, "--no-layerwise")
+    assert res.exit_code == 2
+    assert "batch 0 (b0.pt)" in res.stderr and "the example inputs do not fit" not in res.stderr
+    assert "fix:" in res.stderr
+
+
+def test_a_batch_of_the_wrong_dtype_names_the_input_and_the_fix(cli, mlp: dict[str, Path], int_batches: Path) -> None:
+    res = cli("check", mlp["pt2"], "--inputs", mlp["inputs"], "--data", int_batches, "--no-layerwise")
+    assert res.exit_code == 2
+    assert "batch 0 (b0.pt): input 'x' is int64, the model takes float32" in res.stderr
+    assert "fix:" in res.stderr and "float32" in res.stderr.split("fix:")[1]  # the message had no fix
+
+
+@pytest.mark.parametrize("n", [1, 4])  # 4: calibration compiles the instrumented graph (COMPILE_FROM)
+def test_calibration_batches_that_do_not_run_are_an_input_error(
+    cli, mlp: dict[str, Path], int_batches: Path, tmp_path: Path, n: int
+) -> None:
+    """They crashed the conversion as an internal error (exit 3, "report it")."""
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    for f in sorted(int_batches.iterdir())[:n]:
+        (calib / f.name).write_bytes(f.read_bytes())
+    res = cli("convert", mlp["pt2"], "--calib", calib, "-o", tmp_path / "out.pt2")
+    assert res.exit_code == 2, res.stderr
+    assert "calibration batch 0" in res.stderr and "fix:" in res.stderr and "report it" not in res.stderr
+    assert not list(tmp_path.glob("out*"))
