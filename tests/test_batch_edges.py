@@ -33,9 +33,16 @@ def _manifest(tmp_path: Path, extra: str) -> Path:
         ("tolerance = { min_cosine = nan }", "tolerance"),
         # a job with no output format converts, writes no model and still reads `ok`
         ("formats = []", "formats"),
+        # values the converter refuses: they failed each model at run time instead of stopping the batch
+        ('inputs = ["x:4xZ:float32"]', "inputs"),
+        ('inputs = ["x:4x8:float99"]', "inputs"),
+        ('inputs = ["x:100000x100000x100:float32"]', "inputs"),  # beyond what amplite generates: not allocated
+        ('dynamic_dims = ["x:abc"]', "dynamic_dims"),
+        ('gpu_profile = "h9000"', "gpu_profile"),
+        ("range_percentile = 150", "range_percentile"),
     ],
 )
-def test_values_no_comparison_refuses_are_manifest_errors(tmp_path: Path, extra: str, key: str) -> None:
+def test_bad_values_stop_the_batch_naming_the_key_and_line(tmp_path: Path, extra: str, key: str) -> None:
     p = _manifest(tmp_path, extra)
     with pytest.raises(ManifestError) as info:
         parse_manifest(p)
@@ -45,7 +52,9 @@ def test_values_no_comparison_refuses_are_manifest_errors(tmp_path: Path, extra:
 
 
 @pytest.mark.parametrize("extra", ["timeout = 0.5", "max_memory_gb = 3", "data_max = 1e4", "formats = ['pt2']",
-                                   "tolerance = { min_sqnr_db = 30, min_cosine = 0.99 }"])  # fmt: skip
+                                   "tolerance = { min_sqnr_db = 30, min_cosine = 0.99 }", "range_percentile = 99.9",
+                                   "inputs = ['x:4x8:float32', 'ids:2x5:int64[0,100)']", "dynamic_dims = ['x:0']",
+                                   "gpu_profile = 'A100'"])  # fmt: skip
 def test_finite_positive_values_are_kept(tmp_path: Path, extra: str) -> None:
     """The refusals above are about the value: the same keys with sensible values parse, as numbers."""
     (job,) = parse_manifest(_manifest(tmp_path, extra))

@@ -12,6 +12,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
+from amplite.errors import AmpliteError, ConfigError
 from amplite.options import ConvertOptions, Kind
 
 #: The keys of a job that are not conversion options (how to find the model and its inputs, what to write,
@@ -105,3 +108,29 @@ def check_value(key: str, value: Any) -> Any:
                 raise SubKeyError(f"tolerance values must be numbers, got {k} = {v!r}", k)
         return {k: float(v) for k, v in value.items()}
     raise KeyError(key)
+
+
+def conversion_problem(values: Mapping[str, Any]) -> tuple[str, AmpliteError] | None:
+    """The first value of a job the converter itself would refuse, as ``(key, error)``: each conversion key
+    through ``ConvertOptions.spec()`` and the checks ``convert`` runs before any work (input specs, GPU
+    profile), so that a bad value stops the batch when the manifest is read instead of failing its model."""
+    from amplite.converter.inputs import check_generated_bytes, parse_input_spec, spec_bytes
+    from amplite.estimate.profiles import get_profile
+
+    precision = values.get("precision", "fp16")
+    try:
+        for spec in values.get("inputs", ()):
+            size = spec_bytes(spec)  # 0: the spec does not parse (or has a zero dimension), so parsing raises
+            parse_input_spec(spec, torch.Generator()) if size == 0 else check_generated_bytes(size, f"--input {spec!r}")
+    except AmpliteError as exc:  # InputSpecError
+        return "inputs", exc
+    for key in conversion_keys():
+        if key not in values:
+            continue
+        try:
+            ConvertOptions.of(**{"precision": precision, key: values[key]}).spec()
+            if key == "gpu_profile":
+                get_profile(values[key])
+        except ConfigError as exc:
+            return key, exc
+    return None

@@ -19,6 +19,7 @@ from amplite.batch.keys_table import (
     MODEL_ONLY,
     SubKeyError,
     check_value,
+    conversion_problem,
 )
 from amplite.errors import ConfigError
 from amplite.options import ConvertOptions
@@ -220,6 +221,9 @@ def _check_policy(values: dict[str, Any], where: str, line_of: Any) -> None:
             emit.format_for(f"model.{fmt}", fmt)
         except ConfigError as exc:
             raise _fail(where, line_of("formats"), "formats", exc.problem, exc.fix) from None
+    bad = conversion_problem(values)
+    if bad is not None:
+        raise _fail(where, line_of(bad[0]), bad[0], bad[1].problem, bad[1].fix)
 
 
 def safe_name(path: Path) -> str:
