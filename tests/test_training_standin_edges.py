@@ -117,3 +117,30 @@ def test_the_fp16_loss_scale_survives_a_state_dict_round_trip() -> None:
     _, opt2 = amplite.prepare_training(again, torch.optim.SGD(again.parameters(), lr=0.1), (x,), precision="fp16")
     opt2.load_state_dict(opt.state_dict())
     assert opt2.loss_scale == start / 2
+
+
+class _Flags(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0, flip: bool = False) -> torch.Tensor:
+        y = self.b(torch.relu(self.a(x))) * scale
+        return -y if flip else y
+
+
+def test_python_arguments_are_honoured_not_baked_into_the_first_trace() -> None:
+    """A float or bool argument becomes a constant of the trace: another value must not reuse that graph."""
+    torch.manual_seed(0)
+    model = _Flags()
+    x = torch.randn(4, 8)
+    net, _ = amplite.prepare_training(model, torch.optim.SGD(model.parameters(), lr=0.1), (x,), precision="bf16",
+                                      level="O2")  # fmt: skip
+    with torch.no_grad():
+        base = net(x).float()
+        torch.testing.assert_close(net(x, scale=2.0).float(), 2 * base)
+        torch.testing.assert_close(net(x, flip=True).float(), -base)
+        torch.testing.assert_close(net(x, 2.0).float(), 2 * base)  # positional, as the model takes it
+        with pytest.raises(amplite.AmpliteError) as info:
+            net(x.double())
+        assert "float64" in info.value.problem and "float32" in info.value.problem and info.value.fix
