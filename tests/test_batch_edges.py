@@ -103,3 +103,32 @@ def test_summary_counts_exit_code_and_failures_first(tmp_path: Path) -> None:
         js, _ = write_summary(tmp_path / name, picked, {"source": "zoo.toml", "shard": None, "seconds": 1.0})
         # 0 promises that every model was converted and compared with FP32: an unverified one is not
         assert json.loads(js.read_text())["exit_code"] == code, name
+
+
+def test_the_resume_key_follows_the_calibration_batches_not_their_path(tmp_path: Path) -> None:
+    """New calibration batches under the same path change the range rules' decisions: --resume must convert
+    again (it kept the stale model). A moved directory with the same batches is the same job."""
+    import os
+    import shutil
+
+    import torch
+
+    from amplite.batch import job_key
+
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    torch.save((torch.ones(2, 3),), calib / "b0.pt")
+    (calib / "notes.txt").write_text("not a batch")
+    key = job_key(parse_manifest(_manifest(tmp_path, 'calib = "calib"'))[0])
+    (calib / "notes.txt").write_text("edited notes")  # not a batch: not read, not hashed
+    assert job_key(parse_manifest(_manifest(tmp_path, 'calib = "calib"'))[0]) == key
+    shutil.copytree(calib, tmp_path / "moved")
+    assert job_key(parse_manifest(_manifest(tmp_path, 'calib = "moved"'))[0]) == key
+    torch.save((torch.full((2, 3), 1e5),), calib / "b0.pt")  # values beyond fp16: another plan
+    stat = (calib / "b0.pt").stat()  # same size: a distinct mtime, or the per-process digest cache answers
+    os.utime(calib / "b0.pt", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert job_key(parse_manifest(_manifest(tmp_path, 'calib = "calib"'))[0]) != key
+    torch.save((torch.ones(2, 3),), calib / "b0.pt")
+    os.utime(calib / "b0.pt", ns=(stat.st_atime_ns, stat.st_mtime_ns + 2 * 10**9))
+    torch.save((torch.ones(2, 3),), calib / "b1.pt")  # one batch more
+    assert job_key(parse_manifest(_manifest(tmp_path, 'calib = "calib"'))[0]) != key
