@@ -139,3 +139,19 @@ def test_calibration_batches_that_do_not_run_are_an_input_error(
     assert res.exit_code == 2, res.stderr
     assert "calibration batch 0" in res.stderr and "fix:" in res.stderr and "report it" not in res.stderr
     assert not list(tmp_path.glob("out*"))
+
+
+def test_update_golden_refuses_a_directory_that_is_not_golden_naming_the_option(
+    cli, mlp: dict[str, Path], tmp_path: Path
+) -> None:
+    """--update-golden replaces a golden directory as a whole: never one holding other files. The refusal
+    names the option the user gave (check's --golden, golden's -o): check's said "-o", which it has not."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("not a golden file")
+    res = cli("check", mlp["pt2"], "--golden", mine, "--update-golden", "--no-layerwise")
+    assert res.exit_code == 2 and "not a golden directory" in res.stderr
+    assert "--golden" in res.stderr.split("fix:")[1] and "-o" not in res.stderr.split("fix:")[1]
+    res = cli("golden", mlp["pt2"], "-o", mine, "--update-golden")
+    assert res.exit_code == 2 and "-o" in res.stderr.split("fix:")[1]
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]

@@ -108,7 +108,7 @@ def update_golden(golden: Any, pair: Pair, batches: list) -> Any:
     """(Re)write the golden directory from the FP32 model on ``batches``, and read it back."""
     fitted = [(label, data_mod.fit_inputs(pair.ref_gm, b, label)) for label, b in batches]
     src = {k: pair.report.data["source"][k] for k in ("path", "format")}
-    golden_mod.save_golden(golden, pair.ref_gm, fitted, source=src, update=True)
+    golden_mod.save_golden(golden, pair.ref_gm, fitted, source=src, update=True, option="--golden")
     return golden_mod.load_golden(golden)
 
 
