@@ -12,12 +12,9 @@ import torch
 
 
 @pytest.fixture(scope="module")
-def mlp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from fixtures.write_fixtures import write
-
-    root = tmp_path_factory.mktemp("gate")
-    files = write("mlp", root)
-    data = root / "data"
+def mlp(model_files, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    files = dict(model_files("mlp"))  # the session's files, shared with the other CLI tests
+    data = tmp_path_factory.mktemp("gate") / "data"
     data.mkdir()
     example = torch.load(files["inputs"])
     for i in range(3):  # three batches, each the example scaled differently
