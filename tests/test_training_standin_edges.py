@@ -144,3 +144,19 @@ def test_python_arguments_are_honoured_not_baked_into_the_first_trace() -> None:
         with pytest.raises(amplite.AmpliteError) as info:
             net(x.double())
         assert "float64" in info.value.problem and "float32" in info.value.problem and info.value.fix
+
+
+def test_a_call_that_needs_one_graph_more_than_max_graphs_is_refused_and_the_others_still_run() -> None:
+    torch.manual_seed(0)
+    model = _Flags()
+    x = torch.randn(4, 8)
+    net, _ = amplite.prepare_training(model, torch.optim.SGD(model.parameters(), lr=0.1), (x,), precision="bf16",
+                                      level="O2", max_graphs=2)  # fmt: skip
+    with torch.no_grad():
+        base = net(x).float()
+        torch.testing.assert_close(net(x, scale=2.0).float(), 2 * base)  # graph 2 of 2
+        with pytest.raises(amplite.AmpliteError) as info:
+            net(x, flip=True)  # a third calling convention
+        assert info.value.exit_code == 2 and "max_graphs" in info.value.one_line()
+        torch.testing.assert_close(net(x).float(), base)  # the cached graphs still serve their calls
+        torch.testing.assert_close(net(x, scale=2.0).float(), 2 * base)
