@@ -45,10 +45,9 @@ def _logits(path: Path) -> tuple[torch.Tensor, torch.dtype]:
         return model(IDS).logits.float(), model.dtype
 
 
-def test_mixed_dtypes_and_an_unread_tensor_convert_to_one_dtype_and_load(source: Path, tmp_path: Path) -> None:
-    """Norms in FP32, every other weight in bf16, plus a tensor no module reads: at fp16 O2 every weight the
-    model reads is stored fp16 (none stays bf16 or FP32), the unread one is named in a warning, and
-    from_pretrained's logits stay within 40 dB of the mixed source's."""
+@pytest.fixture(scope="module")
+def mixed(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Norms in FP32, every other weight in bf16, plus a tensor no module reads."""
 
     def mix(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {k: v if "norm" in k else v.bfloat16() for k, v in state.items()}
@@ -56,7 +55,24 @@ def test_mixed_dtypes_and_an_unread_tensor_convert_to_one_dtype_and_load(source:
             out[UNREAD] = torch.ones(4)
         return out
 
-    mixed = _rewrite(source, tmp_path / "mixed", mix)
+    return _rewrite(source, tmp_path_factory.mktemp("mixed") / "ckpt", mix)
+
+
+def test_the_plan_of_a_mixed_checkpoint_counts_the_bytes_on_disk(mixed: Path) -> None:
+    """Planned from metadata (nothing materialised): the bytes before are the shards' as stored (FP32 and
+    bf16), and O2 stores every tensor the model reads in 2 bytes (the unread one is copied as it is)."""
+    import amplite
+
+    state = {k: v for s in mixed.glob("*.safetensors") for k, v in load_file(s).items()}
+    weights = amplite.convert(mixed, precision="fp16", level="O2").report.data["weights"]
+    assert weights["bytes_before"] == sum(v.numel() * v.element_size() for v in state.values())
+    unread = state[UNREAD].numel() * state[UNREAD].element_size()
+    assert weights["bytes_after"] == 2 * sum(v.numel() for k, v in state.items() if k != UNREAD) + unread
+
+
+def test_mixed_dtypes_and_an_unread_tensor_convert_to_one_dtype_and_load(mixed: Path, tmp_path: Path) -> None:
+    """At fp16 O2 every weight the model reads is stored fp16 (none stays bf16 or FP32), the unread one is named
+    in a warning, and from_pretrained's logits stay within 40 dB of the mixed source's."""
     want, _ = _logits(mixed)
     res = convert_to_files(mixed, output=tmp_path / "out", precision="fp16", level="O2", verify=False)
     stored = {k: v for s in (tmp_path / "out").glob("*.safetensors") for k, v in load_file(s).items()}
