@@ -112,3 +112,41 @@ def test_a_tensor_missing_from_shards_and_index_is_refused_naming_it(source: Pat
         convert_to_files(broken, output=tmp_path / "out", precision="fp16", level="O2", verify=False)
     assert info.value.exit_code == 2 and gone in info.value.problem and info.value.fix
     assert not (tmp_path / "out").exists()
+
+
+def _edit_header(shard: Path, edit: Callable[[dict], None]) -> None:
+    """Rewrite a safetensors shard's JSON header in place, keeping its data bytes."""
+    raw = shard.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + size])
+    edit(header)
+    text = json.dumps(header).encode()
+    shard.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + size :])
+
+
+def _floats(header: dict) -> None:
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["data_offsets"] = [float(v) for v in header[name]["data_offsets"]]
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [_floats, lambda h: h.update(__metadata__={"format": 1}), lambda h: h.update(__metadata__=["pt"])],
+    ids=["float-offsets", "metadata-int", "metadata-list"],
+)
+def test_a_header_safetensors_would_refuse_is_refused_when_the_directory_is_opened(
+    source: Path, tmp_path: Path, edit: Callable[[dict], None]
+) -> None:
+    """The header check promises that safetensors' own SafetensorError never reaches the user: an offset of
+    8.0 or a metadata value that is not a string passed it (they compare or iterate like good ones), and
+    safetensors' "invalid JSON in header: invalid type" surfaced later, after the model was traced."""
+    from amplite.checkpoint import open_checkpoint
+
+    bad = tmp_path / "bad"
+    shutil.copytree(source, bad)
+    shard = sorted(bad.glob("*.safetensors"))[0]
+    _edit_header(shard, edit)
+    with pytest.raises(AmpliteError) as info:
+        open_checkpoint(bad)
+    assert info.value.exit_code == 2 and shard.name in info.value.problem and "regenerate" in info.value.fix
+    assert "SafetensorError" not in info.value.problem
