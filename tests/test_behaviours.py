@@ -23,6 +23,7 @@ from amplite.passes.base import PassManager
 from amplite.passes.cleanup_casts import CleanupCasts
 from amplite.passes.graph_utils import cast_dtype
 from amplite.passes.insert_casts import InsertCasts
+from amplite.passes.meta import PRECISION_KEY, RANGE_KEY
 from amplite.passes.range_guard import RangeGuard, RangeRules
 from amplite.passes.store_low_params import StoreLowPrecisionParams
 from amplite.policy import Level, PrecisionPolicy, make_overrides
@@ -44,7 +45,7 @@ def _plan(gm: torch.fx.GraphModule, policy: PrecisionPolicy, extra: tuple = ()) 
 
 
 def _precision(gm: torch.fx.GraphModule) -> dict[str, dict]:
-    return {n.name: n.meta["amplite_precision"] for n in gm.graph.nodes if "amplite_precision" in n.meta}
+    return {n.name: n.meta[PRECISION_KEY] for n in gm.graph.nodes if PRECISION_KEY in n.meta}
 
 
 # 1. store_low_params: a parameter read both by an FP32 op and through a cast stays FP32.
@@ -105,13 +106,13 @@ def test_weight_beyond_fp16_range_keeps_its_reader_fp32() -> None:
     ranges = collect_ranges(gm, [((x,), {})])
     RangeGuard(ranges, RangeRules(), torch.float16)(gm)
     linear = next(n for n in gm.graph.nodes if n.target is aten.linear.default)
-    flag = linear.meta.get("amplite_range", "")
+    flag = linear.meta.get(RANGE_KEY, "")
     assert flag.startswith("range:weight-overflow"), f"range_guard did not flag the |w|=1e5 reader: {flag!r}"
     assert "1e+05" in flag, flag
     # bf16 shares FP32's range: no weight rule applies there.
     gm16 = _gm(HugeWeight(), x)
     RangeGuard(ranges, RangeRules(), torch.bfloat16)(gm16)
-    assert not [n for n in gm16.graph.nodes if "amplite_range" in n.meta], "weight rules are fp16 only"
+    assert not [n for n in gm16.graph.nodes if RANGE_KEY in n.meta], "weight rules are fp16 only"
 
 
 def test_weight_overflow_gives_finite_outputs_end_to_end() -> None:
@@ -192,7 +193,7 @@ def test_force_low_override_beats_a_range_flag() -> None:
     gm = _gm(TwoLinears(), torch.randn(2, 8))
     for n in gm.graph.nodes:
         if n.target is aten.linear.default:
-            n.meta["amplite_range"] = "range:activation output |x|=1e+03>512"
+            n.meta[RANGE_KEY] = "range:activation output |x|=1e+03>512"
     policy = PrecisionPolicy("fp16", Level.O1, make_overrides(force_low=["node:linear"]))
     AnnotatePrecision(policy)(gm)
     plan = _precision(gm)

@@ -15,6 +15,7 @@ from amplite.converter.dtype_check import CheckDtypes
 from amplite.errors import InternalError
 from amplite.passes.base import PassBase, PassResult
 from amplite.passes.graph_utils import make_cast
+from amplite.passes.meta import CAST_KEY
 
 CONFIGS = [("fp16", "O1"), ("bf16", "O1"), ("fp16", "O2"), ("bf16", "O2")]
 
@@ -118,7 +119,7 @@ class _PlantWrongCast(PassBase):
     def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
         for node in gm.graph.nodes:
             src = node.args[0] if node.args else None
-            if node.meta.get("amplite_cast") and node.kwargs.get("dtype") == torch.float16 and src.op != "placeholder":
+            if node.meta.get(CAST_KEY) and node.kwargs.get("dtype") == torch.float16 and src.op != "placeholder":
                 with gm.graph.inserting_after(node):
                     wrong = make_cast(gm.graph, node.args[0], torch.float32)
                 wrong.meta["val"] = node.meta["val"]  # planned fp16, runs fp32

@@ -174,7 +174,7 @@ def test_load_nvmath_missing_library_and_missing_tensor_module(nv: types.ModuleT
     monkeypatch.delitem(sys.modules, "nvmath")
     with pytest.raises(cb.Unavailable) as info:
         cb.load_nvmath()
-    assert str(info.value) == "nvmath-python is not installed (pip install 'amplite[cutensor]')"
+    assert str(info.value).startswith("nvmath-python ") and "(pip install 'amplite[cutensor]')" in str(info.value)
     assert asked == ["nvmath"]
     monkeypatch.setitem(sys.modules, "nvmath", nv)
     nv.tensor = types.SimpleNamespace()
@@ -590,14 +590,16 @@ def test_active_backend_choices(monkeypatch) -> None:
     verdict["v"] = cb.Probe(False, "no lib")
     with pytest.raises(RuntimeError) as info:
         contract_mod.active_backend("cuda")
-    assert str(info.value) == "AMPLITE_CONTRACT_BACKEND=cutensor but cuTENSOR is unusable: no lib"
+    # the variable that forced it, and the probe's reason
+    assert "AMPLITE_CONTRACT_BACKEND=cutensor" in str(info.value) and str(info.value).endswith(": no lib")
     monkeypatch.setenv("AMPLITE_CONTRACT_BACKEND", " TORCH")
     n = len(asked)
     assert contract_mod.active_backend("cuda") == "torch" and len(asked) == n  # no probe when forced off
     monkeypatch.setenv("AMPLITE_CONTRACT_BACKEND", "Cublas")
     with pytest.raises(ValueError) as info:
         contract_mod.active_backend("cuda")
-    assert str(info.value) == "AMPLITE_CONTRACT_BACKEND='cublas'; expected one of ('cutensor', 'torch')"
+    assert "AMPLITE_CONTRACT_BACKEND='cublas'" in str(info.value)  # the value as read (trimmed, lower case)
+    assert "'cutensor'" in str(info.value) and "'torch'" in str(info.value)
     monkeypatch.setenv("AMPLITE_CONTRACT_BACKEND", "")
     assert contract_mod.active_backend("cuda") == "torch"  # probe still says no: torch, no error
 
@@ -631,8 +633,9 @@ def test_resolve_unknown_choice_names_the_choices() -> None:
     """The error names the bad value, the choices and the fix."""
     with pytest.raises(ConfigError) as info:
         fd.resolve("maybe")
-    assert info.value.problem == "unknown fuse-contractions choice 'maybe'; expected one of auto, on, off"
-    assert info.value.fix == "use --fuse-contractions auto, on or off"
+    assert "'maybe'" in info.value.problem and "fuse-contractions" in info.value.problem
+    assert info.value.fix.startswith("use --fuse-contractions ")
+    assert all(choice in info.value.fix for choice in ("auto", "on", "off"))
 
 
 def test_resolve_auto_without_cuda(monkeypatch) -> None:
@@ -794,30 +797,29 @@ def test_shape_and_dtype_errors_name_the_problem() -> None:
     """The op's validation errors say what is wrong, with the ranks, sizes or dtypes involved."""
     with pytest.raises(ValueError) as info:
         contract_mod.output_shape("mk,kn->mn", (3, 4), (4, 2, 1))
-    assert str(info.value) == "contract: 'mk,kn->mn' does not match operand ranks 2 and 3"
+    assert "'mk,kn->mn'" in str(info.value) and "ranks 2 and 3" in str(info.value)
     with pytest.raises(ValueError) as info:
         contract_mod.output_shape("mk,kn->mn", (3, 4, 1), (4, 2))
-    assert str(info.value) == "contract: 'mk,kn->mn' does not match operand ranks 3 and 2"
+    assert "'mk,kn->mn'" in str(info.value) and "ranks 3 and 2" in str(info.value)
     with pytest.raises(ValueError) as info:
         contract_mod.output_shape("mk,kn->mn", (3, 4), (5, 2))
-    assert str(info.value) == "contract: mode 'k' has sizes 4 and 5 in 'mk,kn->mn'"
+    assert "mode 'k'" in str(info.value) and "sizes 4 and 5" in str(info.value) and "'mk,kn->mn'" in str(info.value)
     h, f = torch.zeros(2, 2).half(), torch.zeros(2, 2)
     with pytest.raises(TypeError) as info:
-        contract_mod._check("mk,kn->mn", h, h, f)
-    share = "contract: a, b and c must share one dtype, got "
-    assert str(info.value) == share + "(torch.float16, torch.float16, torch.float32)"
+        torch.ops.amplite.contract("mk,kn->mn", h, h, f, 1.0, 0.0)
+    assert "one dtype" in str(info.value) and "(torch.float16, torch.float16, torch.float32)" in str(info.value)
     with pytest.raises(TypeError) as info:
-        contract_mod._check("mk,kn->mn", h, f, None)
-    assert str(info.value) == share + "(torch.float16, torch.float32, None)"
+        torch.ops.amplite.contract("mk,kn->mn", h, f, None, 1.0, 0.0)
+    assert "one dtype" in str(info.value) and "(torch.float16, torch.float32, None)" in str(info.value)
     i = torch.zeros(2, 2, dtype=torch.int32)
     with pytest.raises(TypeError) as info:
-        contract_mod._check("mk,kn->mn", i, i, None)
-    assert str(info.value) == "contract: floating operands required, got torch.int32"
+        torch.ops.amplite.contract("mk,kn->mn", i, i, None, 1.0, 0.0)
+    assert "floating" in str(info.value) and "torch.int32" in str(info.value)
 
 
 def test_a_bias_that_does_not_broadcast_is_named() -> None:
     """c must broadcast to the output; the error names both shapes."""
     h = torch.zeros(2, 3).half()
     with pytest.raises(ValueError) as info:
-        contract_mod._check("mk,kn->mn", h, torch.zeros(3, 4).half(), torch.zeros(3).half())
-    assert str(info.value) == "contract: c of shape (3,) does not broadcast to (2, 4)"
+        torch.ops.amplite.contract("mk,kn->mn", h, torch.zeros(3, 4).half(), torch.zeros(3).half(), 1.0, 0.0)
+    assert "c of shape (3,)" in str(info.value) and "broadcast to (2, 4)" in str(info.value)

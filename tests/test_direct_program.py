@@ -205,7 +205,7 @@ def test_reexport_is_the_fallback_and_says_why(monkeypatch: pytest.MonkeyPatch) 
     out = run_pipeline(model, inputs, policy)
     assert out.build == {"path": "reexport", "reason": "a case lifting does not handle"}
     record = out.records[-1]
-    assert record.name == "build_program" and record.counters == {"direct": 0, "reexport": 1}
+    assert record.name == "build_program" and record.counters.items() >= {"direct": 0, "reexport": 1}.items()
     assert record.details == {"fallback": [{"reason": "a case lifting does not handle"}]}
     assert out.timings["reexport"] > 0
     got, want = _run(out.converted, inputs), _run(forced.converted, inputs)

@@ -78,8 +78,8 @@ def test_module_conversion_puts_weight_products_in_fp8() -> None:
     assert next(e for e in p.values() if e["op"].startswith("layer_norm"))["dtype"] == "float32"  # FP32 island
     graph_ops = [str(n.target) for n in r.program.graph.nodes if n.op == "call_function"]
     assert graph_ops.count(FP8_OP) == 3 and not any("linear" in op and "fp8" not in op for op in graph_ops)
-    assert counters(r) == {"fp8_nodes": 3, "weights_fp8": 3, "bytes_saved": counters(r)["bytes_saved"],
-                           "kept_low:fp8-kept:no-weight-operand": 2, "kept_low:fp8-kept:no-fp8-kernel:conv1d": 1}
+    assert counters(r).items() >= {"fp8_nodes": 3, "weights_fp8": 3, "kept_low:fp8-kept:no-weight-operand": 2,
+                                   "kept_low:fp8-kept:no-fp8-kernel:conv1d": 1}.items()
     sd = r.program.state_dict
     assert sd["a.weight"].dtype == FP8_DTYPE and sd["W"].dtype == FP8_DTYPE and sd["W"].shape == (16, 12)
     assert sd["a.weight_scale"].dtype == torch.float32 and sd["a.weight_scale"].shape == (48,)

@@ -10,6 +10,7 @@ from torch import nn
 
 import amplite.ops  # noqa: F401  (registers amplite::contract)
 from amplite.passes.fuse_contractions import FuseContractions
+from amplite.passes.meta import CONTRACT_KEY
 
 aten = torch.ops.aten
 
@@ -137,16 +138,16 @@ def test_replacement_is_one_contract_with_the_original_provenance_and_records() 
     assert fused.args == ("ab,ca->bc", a, b, c, 0.5, 1.0)
     assert {k: fused.meta[k] for k in provenance} == provenance
     absorbed = ["transpose", "contiguous", "permute", "mul", "add"]
-    assert fused.meta["amplite_contract"] == {"rule": "matmul", "absorbed": absorbed}
+    assert fused.meta[CONTRACT_KEY] == {"rule": "matmul", "absorbed": absorbed}
     assert list(fused.meta["val"].shape) == [4, 5] and fused.meta["val"].dtype == torch.float32
     assert res.details == {
         "fused": [{"node": fused.name, "rule": "matmul", "equation": "ab,ca->bc", "absorbed": absorbed}],
         "rejected": [],
     }
-    assert {k: v for k, v in res.counters.items() if v} == {
+    assert res.counters.items() >= {
         "fused:matmul": 1, "absorbed:transpose": 1, "absorbed:contiguous": 1, "absorbed:permute": 1,
         "absorbed:scale": 1, "absorbed:bias": 1,
-    }  # fmt: skip
+    }.items()  # fmt: skip
     assert res.modified
     torch.testing.assert_close(gm(*args), ref, rtol=1e-5, atol=1e-5)
 
@@ -167,11 +168,11 @@ def test_no_bias_means_beta_zero_and_a_cast_in_the_chain_keeps_the_export_check_
     assert fused.args[3] is None and fused.args[4:] == (1.0, 0.0), fused.args
     assert fused.args[1].args[0] is a and fused.args[1].meta["val"].dtype == torch.float16
     assert res.fused[0].absorbed == ["t", "to"]
-    assert {k: v for k, v in res.counters.items() if v} == {
+    assert res.counters.items() >= {
         "fused:matmul": 1,
         "absorbed:transpose": 1,
         "absorbed:cast": 1,
-    }
+    }.items()
     torch.testing.assert_close(gm(*args), ref, rtol=2e-3, atol=2e-3)
 
 
@@ -260,7 +261,7 @@ def test_fuse_plain_replaces_a_contraction_that_absorbs_nothing() -> None:
     args = (torch.randn(3, 4), torch.randn(4, 5))
     gm = _module(_Fn("plain"), "plain", args)
     res = FuseContractions(dtypes=ALL_FLOATS, fuse_plain=True)(gm)
-    assert res.rejections == [] and {k: v for k, v in res.counters.items() if v} == {"fused:matmul": 1}
+    assert res.rejections == [] and res.counters.items() >= {"fused:matmul": 1}.items()
     assert [asdict(f) for f in res.fused] == [
         {"node": "contract_default", "rule": "matmul", "equation": "ab,bc->ac", "absorbed": []}
     ]

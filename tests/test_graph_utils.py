@@ -16,6 +16,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 
 from amplite.passes import graph_utils as gu
 from amplite.passes.einsum_modes import NotFusable
+from amplite.passes.meta import CAST_KEY
 from tests.exported import export_eval
 
 aten = torch.ops.aten
@@ -135,7 +136,7 @@ def test_make_cast_inherits_location_and_records_dtype() -> None:
     x.meta.update({"nn_module_stack": {"k": ("enc", nn.Linear)}, "stack_trace": 'File "m.py", line 3'})
     cast = gu.make_cast(g, x, torch.bfloat16)
     assert (cast.target, cast.args, cast.kwargs) == (aten._to_copy.default, (x,), {"dtype": torch.bfloat16})
-    assert cast.meta["val"].dtype == torch.bfloat16 and cast.meta["amplite_cast"] is True
+    assert cast.meta["val"].dtype == torch.bfloat16 and cast.meta[CAST_KEY] is True
     assert all(cast.meta[k] == x.meta[k] for k in ("nn_module_stack", "stack_trace"))
     bare = gu.make_cast(g, _node(g, None, "y"), torch.float16)
     assert "val" not in bare.meta and "nn_module_stack" not in bare.meta and "stack_trace" not in bare.meta
@@ -278,7 +279,7 @@ def test_extents_that_are_not_products_of_input_sizes_are_not_fusable(size: Any)
     with pytest.raises(NotFusable) as info:
         ext.check([3, S0, expr], "left operand")
     assert info.value.reason == "symbolic_view"
-    assert info.value.detail == f"left operand extent {expr} is not a product of input sizes"
+    assert info.value.detail.startswith(f"left operand extent {expr} ")  # the operand and its extent
     ext.check([3, S0, S1 * S2, 2 * S0], "fine")  # products pass
 
 

@@ -42,7 +42,7 @@ def test_a_no_grad_region_is_converted_like_the_rest_of_the_graph(precision: str
     linears = {p["module"]: p["dtype"] for p in res.report.data["plan"] if p["op"].startswith("linear")}
     assert linears == {"a": low, "b": low, "c": low}  # b, inside the region, too
     counters = next(p["counters"] for p in res.report.data["passes"] if p["name"] == "inline_regions")
-    assert counters == {"inlined:wrap_with_set_grad_enabled": 1}
+    assert counters.items() >= {"inlined:wrap_with_set_grad_enabled": 1}.items()
     assert res.passed and res.report.data["verification"]["outputs"][0]["sqnr_db"] > 35
     prog = res.program.module()
     assert not [n for n, m in prog.named_children() if isinstance(m, torch.fx.GraphModule)]  # no sub-graph left

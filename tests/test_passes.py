@@ -12,6 +12,7 @@ from amplite.passes.base import PassManager
 from amplite.passes.cleanup_casts import CleanupCasts
 from amplite.passes.graph_utils import cast_dtype, make_cast
 from amplite.passes.insert_casts import InsertCasts
+from amplite.passes.meta import PRECISION_KEY
 from amplite.passes.store_low_params import StoreLowPrecisionParams
 from amplite.policy import Level, PrecisionPolicy
 from tests.conftest import compute_dtypes, count_casts
@@ -58,7 +59,7 @@ def test_annotation_records_reasons_and_does_not_change_the_graph() -> None:
     before = str(gm.graph)
     result = AnnotatePrecision(PrecisionPolicy("fp16", Level.O1))(gm)
     assert not result.modified and str(gm.graph) == before
-    reasons = {n.name: n.meta["amplite_precision"]["reason"] for n in gm.graph.nodes if "amplite_precision" in n.meta}
+    reasons = {n.name: n.meta[PRECISION_KEY]["reason"] for n in gm.graph.nodes if PRECISION_KEY in n.meta}
     assert reasons["softmax"] == "fp32-list:softmax"
     assert reasons["linear"] == "low-list:linear"
     assert reasons["add"] == "follow-inputs"
@@ -76,7 +77,7 @@ def test_decomposed_norm_stays_fp32_at_o2() -> None:
         assert compute_dtypes(gm.graph, op) == [torch.float32], op
     # `+ eps` sits between two FP32 ops: it stays FP32 instead of costing two casts and a rounding.
     add = next(n for n in gm.graph.nodes if n.target is aten.add.Tensor)
-    assert add.meta["amplite_precision"]["reason"] == "fp32-island-bridge"
+    assert add.meta[PRECISION_KEY]["reason"] == "fp32-island-bridge"
     assert cast_dtype(add.args[0]) is None and all(cast_dtype(u) is None for u in add.users)
     torch.testing.assert_close(gm(x), Decomposed()(x), atol=2e-3, rtol=2e-3)
 

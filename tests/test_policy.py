@@ -114,11 +114,14 @@ def test_level_accepts_digits_and_lower_case(text: str, level: Level) -> None:
 def test_level_errors_name_their_source(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError) as info:
         resolve_level("O9")
-    assert info.value.one_line() == "unknown level 'O9' (from --level) — fix: use one of O0, O1, O2, O3"
+    # the message names the value and where it came from; the fix lists every level
+    assert "'O9'" in info.value.problem and "--level" in info.value.problem
+    assert info.value.fix.startswith("use ") and all(name in info.value.fix for name in ("O0", "O1", "O2", "O3"))
     monkeypatch.setenv("AMPLITE_LEVEL", "fast")
     with pytest.raises(ConfigError) as info:
         resolve_level(None)
-    assert info.value.one_line() == "unknown level 'fast' (from AMPLITE_LEVEL) — fix: use one of O0, O1, O2, O3"
+    assert "'fast'" in info.value.problem and "AMPLITE_LEVEL" in info.value.problem
+    assert all(name in info.value.fix for name in ("O0", "O1", "O2", "O3"))
     monkeypatch.setenv("AMPLITE_LEVEL", "")
     assert resolve_level(None) is Level.O1  # an empty variable is unset
     assert resolve_level(Level.O3) is Level.O3
@@ -129,10 +132,12 @@ def test_empty_override_pattern_message() -> None:
 
     with pytest.raises(ConfigError) as info:
         make_overrides(keep_fp32=["op:"])
-    assert info.value.one_line() == "empty override pattern 'op:' — fix: write e.g. module:encoder.*"
+    assert "'op:'" in info.value.problem and "empty" in info.value.problem
+    assert info.value.fix.endswith(" module:encoder.*")  # an example of a pattern that names something
 
 
 def test_unknown_precision_in_policy_names_the_choices() -> None:
     with pytest.raises(ConfigError) as info:
         PrecisionPolicy("fp8")
-    assert info.value.one_line() == "unknown precision 'fp8' — fix: use one of: fp16, bf16"
+    assert "'fp8'" in info.value.problem
+    assert "fp16" in info.value.fix and "bf16" in info.value.fix and "fp8" not in info.value.fix

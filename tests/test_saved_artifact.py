@@ -199,9 +199,16 @@ def test_nan_outputs_say_metrics_are_on_the_finite_part(cli, tmp_path: Path) -> 
     assert "| 192 |" in render_markdown(report) and "inf†" in render_markdown(report)
     assert "192 (192 new)" in render_html(report) and "finite part only (64 of 256" in render_html(report)
 
-    from amplite.cli.output import _metric, _nonfinite
+    from types import SimpleNamespace
 
-    assert _nonfinite(d) == "192" and _metric(d, "cosine", ".6f").endswith("†")
+    from amplite.cli import output
+
+    # the terminal verdict of `check`: the NaN/Inf count, and every float metric marked † (finite part only)
+    with output.out.capture() as cap:
+        output.print_check(SimpleNamespace(exit_code=1, report=SimpleNamespace(data=report), reasons=[], files={}))
+    (row,) = [line for line in cap.get().splitlines() if "│ 192" in line]
+    assert row.count("†") == 3, row
+    assert "finite part only (64 of 256 elements; 192 NaN/Inf)" in cap.get()
 
 
 def test_baseline_of_another_model_is_refused(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 
 import amplite
 from amplite.errors import AmpliteError
+from amplite.passes.meta import PRECISION_KEY
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -174,7 +175,7 @@ def test_a_summed_loss_divided_by_a_token_count_input_stays_fp32_at_o2():
     x, y, n = torch.randn(8, 16), torch.randint(0, 20, (8,)), torch.tensor(7.0)
     net, _ = amplite.prepare_training(model, torch.optim.SGD(model.parameters(), lr=0.1), (x, y, n), level="O2")
     divs = [nd for nd in net.graph_module.graph.nodes if nd.target is torch.ops.aten.div.Tensor]
-    assert divs and all(nd.meta["amplite_precision"]["dtype"] == torch.float32 for nd in divs)
+    assert divs and all(nd.meta[PRECISION_KEY]["dtype"] == torch.float32 for nd in divs)
     loss = net(x, y, n)
     assert loss.dtype == torch.float32
     assert loss.item() != loss.to(torch.bfloat16).float().item()  # not a bf16-rounded value

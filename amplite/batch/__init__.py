@@ -7,6 +7,7 @@ and ``amplite batch merge`` call. See docs/batch.md.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
@@ -145,7 +146,7 @@ def run_batch(
     """
     if jobs is not None and jobs < 1:
         raise ManifestError(f"--jobs {jobs} must be at least 1", "pass --jobs 1 or more (or leave it out)")
-    if timeout is not None and timeout <= 0:
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):  # NaN compares False to 0
         raise ManifestError(f"--timeout {timeout:g} must be positive", "give seconds, e.g. --timeout 600")
     picked = parse_shard(shard) if shard else None
     selected = load_jobs(source, defaults, picked, trust_code=trust_code)

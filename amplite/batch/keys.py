@@ -11,7 +11,7 @@ from pathlib import Path
 from amplite.batch.manifest import Job, ManifestError
 
 #: Job fields that change how a job runs but not what it produces (left out of the resume hash).
-RUN_ONLY = ("name", "timeout", "max_memory_gb", "line", "path", "inputs_file")
+RUN_ONLY = ("name", "timeout", "max_memory_gb", "line", "path", "inputs_file", "calib")
 
 _DIGESTS: dict[tuple[str, int, int], str] = {}
 
@@ -29,8 +29,18 @@ def file_digest(path: str | Path) -> str:
     return _DIGESTS[cache_key]
 
 
+def calib_digest(directory: str | Path) -> dict[str, str]:
+    """``{file name: SHA-256}`` of the calibration batches ``--calib DIR`` reads (its data files, name order):
+    the range rules' decisions depend on their values, so new batches under the same path are a new job."""
+    from amplite.verify.data import SUFFIXES
+
+    files = sorted(f for f in Path(directory).iterdir() if f.suffix in SUFFIXES and f.is_file())
+    return {f.name: file_digest(f) for f in files}
+
+
 def job_key(job: Job) -> str:
-    """The resume hash: settings that affect the output, file contents, amplite and torch versions.
+    """The resume hash: settings that affect the output, file contents (model, inputs, calibration batches),
+    amplite and torch versions; not the paths (a moved file is the same file).
 
     Raises:
         OSError: If the model or inputs file cannot be read.
@@ -43,6 +53,9 @@ def job_key(job: Job) -> str:
     files = {"model": file_digest(job.path)}
     if job.inputs_file:
         files["inputs"] = file_digest(job.inputs_file)
+    calib = job.calib_dir
+    if calib is not None and calib.is_dir():  # the batches the range rules read (a missing one fails the job)
+        files["calib"] = calib_digest(calib)
     doc = {"settings": settings, "files": files, "amplite": __version__, "torch": torch.__version__}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=list).encode()).hexdigest()[:32]
 

@@ -8,12 +8,15 @@ new conversion option with a manifest kind is a manifest key at once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from amplite.errors import ConfigError
+import torch
+
+from amplite.errors import AmpliteError, ConfigError
 from amplite.levels import resolve_level
 from amplite.options import ConvertOptions, Kind
 from amplite.policy import Level
@@ -96,7 +99,8 @@ def check_value(key: str, value: Any) -> Any:
             raise ValueError(f"expected {JOB_KEYS[key]}, got {value!r}")
         return value
     if kind == "number":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        # TOML has nan and inf: a NaN passes no comparison, so `<= 0` alone would let it through
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"expected {JOB_KEYS[key]}, got {value!r}")
         return float(value)
     if kind == "tolerance":
@@ -106,7 +110,7 @@ def check_value(key: str, value: Any) -> Any:
         if bad:
             raise SubKeyError(f"unknown tolerance key {bad[0]!r} (known: {', '.join(TOLERANCE_KEYS)})", bad[0])
         for k, v in value.items():
-            if not isinstance(v, (int, float)) or isinstance(v, bool):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v):
                 raise SubKeyError(f"tolerance values must be numbers, got {k} = {v!r}", k)
         return {k: float(v) for k, v in value.items()}
     raise KeyError(key)
@@ -128,3 +132,25 @@ def manifest_values(options: ConvertOptions) -> dict[str, Any]:
         else:
             out[name] = list(value) if isinstance(value, (list, tuple)) else value
     return out
+
+
+def conversion_problem(values: Mapping[str, Any]) -> tuple[str, AmpliteError] | None:
+    """The first value of a job the converter would refuse before any work that the options' own checks
+    (:meth:`ConvertOptions.spec`, run by the manifest reader) do not see, as ``(key, error)``: input specs
+    and the GPU profile, so that a bad value stops the batch when the manifest is read instead of failing
+    its model."""
+    from amplite.converter.inputs import check_generated_bytes, parse_input_spec, spec_bytes
+    from amplite.estimate.profiles import get_profile
+
+    try:
+        for spec in values.get("inputs", ()):
+            size = spec_bytes(spec)  # 0: the spec does not parse (or has a zero dimension), so parsing raises
+            parse_input_spec(spec, torch.Generator()) if size == 0 else check_generated_bytes(size, f"--input {spec!r}")
+    except AmpliteError as exc:  # InputSpecError
+        return "inputs", exc
+    if "gpu_profile" in values:
+        try:
+            get_profile(values["gpu_profile"])
+        except ConfigError as exc:
+            return "gpu_profile", exc
+    return None

@@ -21,6 +21,7 @@ from amplite.batch.keys_table import (
     SubKeyError,
     check_value,
     conversion_keys,
+    conversion_problem,
     manifest_values,
 )
 from amplite.errors import ConfigError
@@ -187,6 +188,9 @@ def make_job(data: dict[str, Any], base: Path, line_of: Any, *, where: str) -> J
             where, line_of("name"), "name", f"{name!r} is not a valid directory name", JOB_KEYS["name"]
         )
     values["name"] = name
+    bad = conversion_problem(values)  # before _options takes the conversion keys out of values
+    if bad is not None:
+        raise _fail(where, line_of(bad[0]), bad[0], bad[1].problem, bad[1].fix)
     options = _options(values, where, line_of)
     _check_formats(values, where, line_of)
     return Job(values.pop("name"), values.pop("path"), options, **values,
@@ -225,6 +229,8 @@ def _check_formats(values: dict[str, Any], where: str, line_of: Any) -> None:
     """Validate output formats with the converter's own check."""
     from amplite.converter import emit
 
+    if "formats" in values and not values["formats"]:  # a job that writes nothing would still say `ok`
+        raise _fail(where, line_of("formats"), "formats", "no output format", 'give at least one, e.g. ["pt2"]')
     for fmt in values.get("formats", ("pt2",)):
         try:
             emit.format_for(f"model.{fmt}", fmt)

@@ -103,14 +103,20 @@ def read_header(shard: Path) -> dict[str, Any]:
                         "re-download or regenerate that shard") from None  # fmt: skip
     data_len = shard.stat().st_size - 8 - size
     bad = not isinstance(header, dict)
+    extra = header.get("__metadata__", {}) if not bad else {}
+    if not isinstance(extra, dict) or not all(isinstance(v, str) for v in extra.values()):
+        raise LoadError(f"{shard}: the safetensors __metadata__ is not a table of strings (corrupt shard)",
+                        "re-download or regenerate that shard")  # fmt: skip
     for name, meta in (header.items() if not bad else ()):
         if name == "__metadata__":
             continue
         try:
             start, end = meta["data_offsets"]
             shape = meta["shape"]
-            count = math.prod(int(d) for d in shape) if all(isinstance(d, int) and d >= 0 for d in shape) else -1
-            ok = meta["dtype"] in _ST_DTYPES and 0 <= start <= end <= data_len
+            # whole numbers only, as safetensors' reader parses them: 8.0 or true compare equal to 8 or 1 here
+            ok = all(type(v) is int for v in (start, end, *shape)) and all(d >= 0 for d in shape)
+            count = math.prod(shape) if ok else -1
+            ok = ok and meta["dtype"] in _ST_DTYPES and 0 <= start <= end <= data_len
             ok = ok and count >= 0 and end - start == count * _ST_DTYPES[meta["dtype"]].itemsize
         except (KeyError, TypeError, ValueError):
             ok = False

@@ -214,10 +214,10 @@ def collect_ranges(
         placeholders = [i for i in around if nodes[i].op == "placeholder"]
         tensors = [t for _, t in weights]
     with torch.no_grad():
-        for args, kwargs in batches:
+        for number, (args, kwargs) in enumerate(batches):
             flat = tree_flatten_spec((args, kwargs), spec) if spec is not None else [*args, *kwargs.values()]
             if not compiled:
-                _Recorder(gm, observer, lazy).run(*flat)
+                _run_batch(number, _Recorder(gm, observer, lazy).run, flat)
             else:
                 if lazy:  # the forward writes nothing in place: each get_attr reads this tensor
                     for i, t in weights:
@@ -225,7 +225,7 @@ def collect_ranges(
                             observer.weight(i, t)
                 for i, x in zip(placeholders, flat, strict=False):
                     observer.value(i, x)
-                out = instrumented(*tensors, *flat)
+                out = _run_batch(number, instrumented, [*tensors, *flat])
                 for i in around:
                     if nodes[i].op == "output":
                         observer.value(i, out)
@@ -233,6 +233,21 @@ def collect_ranges(
                         observer.value(i, None)  # a view of a recorded float value: shares its range
             observer.memo.clear()
     return {n.name: observer.ranges[n.name] for n in nodes if n.name in observer.ranges}  # in graph order
+
+
+def _run_batch(index: int, run: Any, args: list[Any]) -> Any:
+    """``run(*args)`` on calibration batch ``index``: a batch the model cannot take is the user's input error
+    (exit 2 naming the batch), not an internal one."""
+    try:
+        return run(*args)
+    except Exception as exc:
+        from amplite.describe import summarize_exception
+        from amplite.errors import InputSpecError
+
+        raise InputSpecError(
+            f"calibration batch {index} does not run through the model: {summarize_exception(exc)}",
+            "give calibration batches with the example inputs' names, dtypes and shapes",
+        ) from exc
 
 
 class _Recorder(torch.fx.Interpreter):

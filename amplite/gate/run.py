@@ -6,11 +6,14 @@ failure or regression; 2 bad input (raised as :class:`~amplite.errors.AmpliteErr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from amplite.checkpoint.source import is_checkpoint_dir
+from amplite.describe import summarize_exception
+from amplite.errors import ConfigError, InputSpecError
 from amplite.gate import steps
 from amplite.gate.outputs import CheckResult, finish, model_name, prepare_outputs, read_paths
 from amplite.gate.settings import CheckSettings, check_signature
@@ -80,6 +83,10 @@ def check(
         AmpliteError: Bad model, inputs, data, golden directory, baseline or options (exit 2).
     """
     s, opts = CheckSettings.split(settings, options, changes)
+    # a NaN margin made every baseline comparison False (no regression, ever); a negative one failed every run
+    if not (math.isfinite(s.baseline_margin_db) and s.baseline_margin_db >= 0):
+        raise ConfigError(f"--baseline-margin {s.baseline_margin_db!r} is not a number of dB >= 0",
+                          "pass the SQNR loss allowed against the baseline, e.g. --baseline-margin 1")  # fmt: skip
     out_dir = _guard_files(model, s, opts.calibration)
     if isinstance(model, (str, Path)) and is_checkpoint_dir(model):
         return _check_checkpoint(model, example_inputs, s, out_dir, opts)
@@ -93,7 +100,15 @@ def check(
         parse_tolerance(s.tolerance)  # fail on a bad criterion before any work
     base_line = golden_mod.load_baseline(s.baseline)
     timings: dict[str, float] = {}
-    pair = steps.pair(model, example_inputs, s.converted, opts, gold, s.golden, timings)
+    try:
+        pair = steps.pair(model, example_inputs, s.converted, opts, gold, s.golden, timings)
+    except InputSpecError as exc:  # the first data batch stood in for example inputs: name it, not "the example"
+        if early is None or example_inputs is not early[0][1]:
+            raise
+        cause = summarize_exception(exc.__cause__) if exc.__cause__ is not None else exc.problem
+        raise InputSpecError(f"batch 0 ({early[0][0]}), which traces the model, does not fit it: {cause}",
+                             "give batches shaped like the model's inputs, or pass --input/--inputs to trace "
+                             "with (the batches are then checked against them one by one)") from exc  # fmt: skip
     tol = s.tolerance if isinstance(s.tolerance, Tolerance) else parse_tolerance(s.tolerance or (), pair.precision)
     batches = early or s.batches(pair.example)
     if s.golden is not None and s.update_golden:

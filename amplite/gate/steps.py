@@ -120,7 +120,7 @@ def update_golden(golden: Any, pair: Pair, batches: list) -> Any:
     fitted = [(label, data_mod.fit_inputs(pair.ref_gm, b, label)) for label, b in batches]
     source = pair.report.section(Source) or Source()
     src = {"path": source.path, "format": source.format}
-    golden_mod.save_golden(golden, pair.ref_gm, fitted, source=src, update=True)
+    golden_mod.save_golden(golden, pair.ref_gm, fitted, source=src, update=True, option="--golden")
     return golden_mod.load_golden(golden)
 
 

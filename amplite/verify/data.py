@@ -194,7 +194,9 @@ def fit_inputs(program: ExportedProgram | torch.nn.Module, batch: Inputs, where:
         if spec != info.in_spec:
             raise ValueError(f"structure {spec} differs from {info.in_spec}")
     except ValueError as exc:
-        raise InputSpecError(f"{where} is structured differently from the example inputs: {exc}", fix) from None
+        problem = f"{where} is structured differently from the example inputs: {exc}"
+        fix = fix or "give batches laid out as the example inputs (tensor, tuple or dict)"
+        raise InputSpecError(problem, fix) from None
     names = [p.name for p in placeholders]
     fitted = []
     for name, value, ph in zip(names, flat, placeholders, strict=True):
@@ -203,7 +205,8 @@ def fit_inputs(program: ExportedProgram | torch.nn.Module, batch: Inputs, where:
             fitted.append(value)
             continue
         if value.dtype != want.dtype and not (value.dtype.is_floating_point and want.dtype.is_floating_point):
-            raise InputSpecError(f"{where}: input {name!r} is {_dt(value)}, the model takes {_dt(want)}", fix)
+            raise InputSpecError(f"{where}: input {name!r} is {_dt(value)}, the model takes {_dt(want)}",
+                                 fix or f"save input {name!r} as {_dt(want)} in the batches")  # fmt: skip
         sizes = [s if isinstance(s, int) else None for s in want.shape]
         if value.dim() != len(sizes) or any(s is not None and s != v for s, v in zip(sizes, value.shape, strict=True)):
             shown = [s if s is not None else "*" for s in sizes]
@@ -225,6 +228,9 @@ def select_batches(
 ) -> list[tuple[str, Inputs]]:
     if data is not None and data_loader is not None:
         raise ConfigError("--data and --data-loader are both given", "pass one source of batches")
+    if max_batches < 1:  # [:0] verified nothing and [:-1] dropped the last batch, silently
+        raise ConfigError(f"--max-batches {max_batches} must be at least 1",
+                          "pass how many batches to verify on at most, e.g. --max-batches 64")  # fmt: skip
     if data is not None:
         return batches_from_dir(data)[:max_batches]
     if data_loader is not None:

@@ -90,6 +90,7 @@ def save_golden(
     *,
     source: dict[str, Any] | None = None,
     update: bool = False,
+    option: str = "-o",
 ) -> Path:
     """Run ``reference`` on each batch and save inputs and outputs under ``directory``.
 
@@ -99,6 +100,7 @@ def save_golden(
         batches: ``(label, (args, kwargs))`` pairs.
         source: Facts about the model (``path``, ``format``); its file's SHA-256 is added.
         update: Replace an existing golden directory.
+        option: The option that named ``directory``, for messages (``check`` names it ``--golden``).
 
     Raises:
         GoldenError: The directory exists and ``update`` is false, or holds files that are not a golden set.
@@ -110,10 +112,11 @@ def save_golden(
         if not update:
             raise GoldenError(f"golden directory {str(d)!r} already exists", "pass --update-golden to regenerate it")
         if not d.is_dir() or (any(d.iterdir()) and not (d / META).is_file()):
-            raise GoldenError(f"{str(d)!r} is not a golden directory", "choose an empty or new directory for -o")
+            raise GoldenError(f"{str(d)!r} is not a golden directory", f"choose an empty or new directory for {option}")
     parent = d.parent if str(d.parent) else Path(".")
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise EmitError(f"cannot create golden directory {str(d)!r}: parent is missing or not writable", "fix -o")
+        raise EmitError(f"cannot create golden directory {str(d)!r}: parent is missing or not writable",
+                        f"fix {option}")  # fmt: skip
     src = dict(source or {})
     if src.get("path"):
         src["sha256"] = file_sha256(src["path"])
