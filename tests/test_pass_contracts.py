@@ -38,6 +38,7 @@ from amplite.passes.meta import FP8_KEY, PRECISION_KEY, RANGE_KEY, RANGE_LOW_KEY
 from amplite.passes.range_guard import RangeGuard, RangeRules
 from amplite.passes.store_low_params import StoreLowPrecisionParams
 from amplite.policy import Level, PrecisionPolicy
+from amplite.spec import ConvertSpec
 from fixtures.zoo import make
 from tests.exported import export_eval
 
@@ -326,11 +327,25 @@ def test_a_plan_the_graph_does_not_compute_breaks_the_sequences_postcondition(mo
     monkeypatch.setattr(sequence, "build_passes", lambda *a, **k: [*real(*a, **k), Widen()])
     model, x = _Mlp().eval(), torch.randn(2, 8)
     with pytest.raises(PostconditionError) as info:
-        rewrite(torch.export.export(model, (x,), strict=False), ((x,), {}), FP16)
+        rewrite(torch.export.export(model, (x,), strict=False), ((x,), {}), _spec(FP16))
     assert info.value.pass_name == "precision" and "planned to produce float16 but produces float64" in str(info.value)
 
 
 # --- the declared sequence --------------------------------------------------------------------------------
+
+
+def _spec(
+    policy: PrecisionPolicy,
+    range_rules: RangeRules | None = None,
+    fold_batchnorm: bool = True,
+    fuse_contractions: bool = False,
+) -> ConvertSpec:
+    """The spec ``rewrite`` takes for a policy and the sequence's settings (default range rules only)."""
+    assert range_rules in (None, RangeRules())
+    precision = "fp8" if policy.fp8 else "fp16" if policy.low_dtype == torch.float16 else "bf16"
+    return ConvertSpec.build(precision=precision, level=policy.level, low_precision_io=policy.low_precision_io,
+                             range_rules=range_rules is not None, fold_batchnorm=fold_batchnorm,
+                             fuse_contractions=fuse_contractions, calibrated=policy.fp8 == "static")  # fmt: skip
 
 
 _SETTINGS = [
@@ -350,7 +365,7 @@ def test_the_printed_sequence_is_what_runs_and_holds_every_contract_on_the_test_
     model, inputs = make(fixture)
     program = torch.export.export(model, inputs[0], inputs[1], strict=False)
     declared = precision_sequence(policy, [inputs], **settings).manager
-    done = rewrite(program, inputs, policy, **settings)  # every requires/ensures ran, and the postcondition
+    done = rewrite(program, inputs, _spec(policy, **settings))  # every requires/ensures ran, and the postcondition
     assert [r.name for r in done.records] == declared.names()
     line = declared.describe()
     assert line.startswith("precision: inline_regions → strip_export_checks → ")
@@ -378,8 +393,8 @@ def test_docs_quote_the_full_sequence() -> None:
 def test_a_given_range_map_skips_calibration_and_is_what_the_range_rules_read() -> None:
     model, inputs = make("mlp")
     program = torch.export.export(model, inputs[0], inputs[1], strict=False)
-    first = rewrite(program, inputs, FP16, range_rules=RangeRules())
-    again = rewrite(program, inputs, FP16, range_rules=RangeRules(), ranges=first.ranges)
+    first = rewrite(program, inputs, _spec(FP16, range_rules=RangeRules()))
+    again = rewrite(program, inputs, _spec(FP16, range_rules=RangeRules()), ranges=first.ranges)
     assert "calibrate" in [r.name for r in first.records] and "calibrate" not in [r.name for r in again.records]
     assert again.ranges == first.ranges and again.plan == first.plan
     assert "calibration" in first.timings and "calibration" not in again.timings
