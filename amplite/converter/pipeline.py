@@ -29,6 +29,7 @@ from amplite import op_tables
 from amplite.converter.calibration import ValueRange, collect_ranges
 from amplite.converter.direct import NotDirect, lift, prove
 from amplite.converter.dtype_check import CheckDtypes
+from amplite.converter.fp8_scales import choose_input_scales
 from amplite.converter.inputs import bind_to_program
 from amplite.converter.tracing import DynamicDims, Inputs, export_model, static_batch_inputs
 from amplite.errors import ExportError, InternalError
@@ -225,6 +226,8 @@ def rewrite(
     elif ranges is None:
         calib_start = perf_counter()
         ranges = collect_ranges(gm, batches, range_rules.percentile if range_rules is not None else None)
+        if static_fp8:  # each FP8 input's scale by its measured error: one more pass over the batches
+            ranges = choose_input_scales(gm, batches, ranges)
         timings["calibration"] = perf_counter() - calib_start
     # bf16's range rules judge shapes only (as without FP8); FP8 reads the values for its scales
     guard = ranges if policy.low_dtype == torch.float16 or ranges is None else {}
