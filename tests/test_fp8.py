@@ -92,7 +92,7 @@ def test_module_conversion_puts_weight_products_in_fp8() -> None:
     assert sqnr(model(x), r.program.module()(x).float()) == pytest.approx(out["sqnr_db"], abs=0.05)
 
 
-def test_the_default_conversion_meets_25_db_by_moving_the_most_harmful_products_to_bf16() -> None:
+def test_the_default_conversion_meets_25_db_by_moving_the_most_harmful_products_to_bf16(tmp_path: Path, cli) -> None:
     model, x = net()
     all_fp8 = amplite.convert(model, (x,), precision="fp8", fallback_search=False)
     below = all_fp8.report.data["verification"]["outputs"][0]["sqnr_db"]
@@ -113,6 +113,10 @@ def test_the_default_conversion_meets_25_db_by_moving_the_most_harmful_products_
     still = [n for n, e in p.items() if e["dtype"] == "float8_e4m3fn"]
     assert still, "only the products the contract needed left FP8"
     assert len(still) + len(moved) == sum(e["dtype"] == "float8_e4m3fn" for e in all_fp8.report.data["plan"])
+    torch.export.save(torch.export.export(model, (x,)), tmp_path / "m.pt2")
+    torch.save((x,), tmp_path / "x.pt")
+    res = cli("convert", tmp_path / "m.pt2", "--inputs", tmp_path / "x.pt", "--precision", "fp8")
+    assert res.exit_code == 0 and f"{len(moved)} of " in res.output and "moved from FP8 to bf16 in" in res.output
 
 
 class Wide(nn.Module):

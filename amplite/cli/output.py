@@ -227,7 +227,7 @@ def print_summary(data: dict[str, Any], written: list[Path], report_path: Path) 
         more = f" (+{len(budget['moved_to_fp32']) - 8} more)" if len(budget["moved_to_fp32"]) > 8 else ""
         out.print(
             f"accuracy budget {verdict}: {len(budget['moved_to_fp32'])} of {budget['candidates']} candidate nodes "
-            f"moved to FP32 in {budget['trials']} trials (bound {budget['trial_bound']}): {moved}{more}"
+            f"moved {_moved_to(budget)} in {budget['trials']} trials (bound {budget['trial_bound']}): {moved}{more}"
         )
         if budget["message"]:
             out.print(f"  {escape(budget['message'])}")
@@ -255,3 +255,11 @@ def print_summary(data: dict[str, Any], written: list[Path], report_path: Path) 
     for path in written:
         out.print(escape(f"wrote {path}"))
     out.print(escape(f"report {report_path}"))
+
+
+def _moved_to(budget: dict[str, Any]) -> str:
+    """Where the search moved nodes: FP8 products go back to bf16, other low nodes to FP32."""
+    to = {m.get("to", "float32") for m in budget["moved_to_fp32"]}
+    if "bfloat16" not in to:
+        return "to FP32"
+    return "from FP8 to bf16" if to == {"bfloat16"} else "to bf16 (FP8) / FP32"

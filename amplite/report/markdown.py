@@ -33,10 +33,12 @@ def budget_line(budget: dict[str, Any], names: int = 5) -> str:
     tol = budget.get("tolerance") or {}
     spec = ", ".join(tol.get("criteria") or []) or f"sqnr_db>={tol.get('min_sqnr_db')}"
     moved = [m["node"] for m in budget.get("moved_to_fp32", [])]
+    to = {m.get("to", "float32") for m in budget.get("moved_to_fp32", [])}  # fp8: FP8 products go back to bf16
+    where = "to FP32" if "bfloat16" not in to else "from FP8 to bf16" if to == {"bfloat16"} else "to bf16 (FP8) / FP32"
     shown = ", ".join(f"{_code(n)}" for n in moved[:names]) + (", …" if len(moved) > names else "")
     text = (
         f"**Accuracy budget** ({_code(spec)}): {'met' if budget['passed'] else '**NOT met**'} with "
-        f"{len(moved)} of {budget['candidates']} candidate nodes moved to FP32{f' ({shown})' if moved else ''}, "
+        f"{len(moved)} of {budget['candidates']} candidate nodes moved {where}{f' ({shown})' if moved else ''}, "
         f"{budget['trials']} trials (bound {budget['trial_bound']}), {fmt(budget['seconds'], 3)} s."
     )
     prune = budget.get("prune")
