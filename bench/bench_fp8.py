@@ -1,6 +1,7 @@
 """FP8 fidelity and size on the transformers corpus: amplite's ``--precision fp8`` against the baselines.
 
-Usage: ``python bench/bench_fp8.py [--models distilbert,gpt2,...] [--json OUT] [--threads N]``
+Usage: ``python bench/bench_fp8.py [--models distilbert,gpt2,...] [--json OUT] [--threads N] [--quick]``
+(``--quick``: one conversion per model, :func:`run_quick`; the full row below converts six times).
 
 Per model (``bench/corpus.py``: published configurations, seeded random weights, nothing downloaded), the
 SQNR of the first output (logits) against the FP32 model, pooled over the example inputs and
@@ -140,6 +141,50 @@ def pooled_sqnr(refs: list[torch.Tensor], outs: list[torch.Tensor]) -> float:
     return math.inf if err == 0 else 10 * math.log10(sig / err)
 
 
+def run_quick(name: str) -> dict[str, Any]:
+    """The short row (``--quick``) for corpus model ``name``: one conversion, fp8's default with calibration.
+
+    ``all-FP8 static dB`` is the SQNR of the plan before the search (the budget's first step, every eligible
+    product in FP8, measured scales); ``default dB`` the plan the search chose; the baseline as in the full row,
+    all on the example inputs (worst float output). ``weights fp8/bf16``: the converted program's state-dict bytes
+    over 2 bytes per floating-point element of the FP32 model's (what bf16 O2 stores; no ``.pt2`` written).
+    """
+    import amplite
+    from bench.corpus import CASES
+
+    start = perf_counter()
+    model, (args, kwargs) = CASES[name].build()
+    calib = calibration_batches((args, kwargs))
+    with torch.no_grad():
+        ref = _first(model(*args, **kwargs))
+        with per_tensor_dynamic(model):
+            baseline = sqnr_db(ref, _first(model(*args, **kwargs)))
+    t0 = perf_counter()
+    default = amplite.convert(model, (args, kwargs), precision="fp8", calibration=calib)
+    seconds = perf_counter() - t0
+    outputs = default.report.data["verification"]["outputs"]
+    final = min(float(o["sqnr_db"]) for o in outputs if o.get("sqnr_db") is not None)
+    budget = default.report.data.get("budget", {})
+    program = default.program
+    tensors = [*program.state_dict.values(), *program.constants.values()]
+    stored = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
+    bf16 = sum(2 * t.numel() if t.is_floating_point() else t.nbytes for t in model.state_dict().values())
+    fp8_nodes = sum(e["dtype"] == "float8_e4m3fn" for e in default.report.data["plan"])
+    return {"model": name, "outputs": len(outputs), "all-FP8 static dB": budget["steps"][0]["worst_sqnr_db"]
+            if budget else final, "per-tensor dynamic dB": baseline, "default dB": final,
+            "passed": bool(default.passed), "FP8 nodes left": fp8_nodes,
+            "moved": len(budget.get("moved_to_fp32", [])), "candidates": budget.get("candidates", 0),
+            "trials": f"{budget.get('trials', 0)}/{budget.get('trial_bound', 0)}",
+            "search s": budget.get("seconds", 0.0), "convert s": seconds,
+            "weights fp8/bf16": sum(t.nbytes for t in stored.values()) / bf16,
+            "seconds": perf_counter() - start}  # fmt: skip
+
+
+QUICK_COLUMNS = ("model", "outputs", "all-FP8 static dB", "per-tensor dynamic dB", "default dB", "passed",
+                 "FP8 nodes left", "moved", "candidates", "trials", "search s", "convert s", "weights fp8/bf16",
+                 "seconds")  # fmt: skip
+
+
 def run_model(name: str) -> dict[str, Any]:
     """One row for corpus model ``name``: the SQNRs, the default conversion's budget, the size ratio."""
     import amplite
@@ -189,14 +234,14 @@ def run_model(name: str) -> dict[str, Any]:
             "size fp8/bf16": size, "seconds": perf_counter() - start}  # fmt: skip
 
 
-def table(rows: list[dict[str, Any]]) -> str:
+def table(rows: list[dict[str, Any]], columns: tuple[str, ...] = COLUMNS) -> str:
     """The rows as a Markdown table."""
 
     def cell(v: Any) -> str:
         return f"{v:.1f}" if isinstance(v, float) and abs(v) >= 10 else f"{v:.2f}" if isinstance(v, float) else str(v)
 
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cell(r[c]) for c in COLUMNS) + " |" for r in rows]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r[c]) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -205,6 +250,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
     parser.add_argument("--json", type=Path)
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--quick", action="store_true",
+                        help="one conversion per model (fp8's default with calibration): the short row")
     ns = parser.parse_args(argv)
     if ns.threads:
         torch.set_num_threads(ns.threads)
@@ -214,9 +261,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(f"machine: {cpu}; {torch.get_num_threads()} torch threads; torch {torch.__version__}; GPU: {gpu or 'none'}")
     rows = []
     for name in ns.models.split(","):
-        rows.append(run_model(name))
+        rows.append(run_quick(name) if ns.quick else run_model(name))
         print(f"{name}: {json.dumps(rows[-1])}", flush=True)
-    print(table(rows))
+    print(table(rows, QUICK_COLUMNS if ns.quick else COLUMNS))
     if ns.json:
         ns.json.write_text(json.dumps({"machine": cpu, "rows": rows}, indent=1))
     return rows
