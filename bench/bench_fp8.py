@@ -146,8 +146,7 @@ def run_quick(name: str) -> dict[str, Any]:
 
     ``all-FP8 static dB`` is the SQNR of the plan before the search (the budget's first step, every eligible
     product in FP8, measured scales); ``default dB`` the plan the search chose; the baseline as in the full row,
-    all on the example inputs (worst float output). ``weights fp8/bf16``: the converted program's state-dict bytes
-    over 2 bytes per floating-point element of the FP32 model's (what bf16 O2 stores; no ``.pt2`` written).
+    all on the example inputs (worst float output). No ``.pt2`` is written (the full row measures the size).
     """
     import amplite
     from bench.corpus import CASES
@@ -165,10 +164,6 @@ def run_quick(name: str) -> dict[str, Any]:
     outputs = default.report.data["verification"]["outputs"]
     final = min(float(o["sqnr_db"]) for o in outputs if o.get("sqnr_db") is not None)
     budget = default.report.data.get("budget", {})
-    program = default.program
-    tensors = [*program.state_dict.values(), *program.constants.values()]
-    stored = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
-    bf16 = sum(2 * t.numel() if t.is_floating_point() else t.nbytes for t in model.state_dict().values())
     fp8_nodes = sum(e["dtype"] == "float8_e4m3fn" for e in default.report.data["plan"])
     return {"model": name, "outputs": len(outputs), "all-FP8 static dB": budget["steps"][0]["worst_sqnr_db"]
             if budget else final, "per-tensor dynamic dB": baseline, "default dB": final,
@@ -176,13 +171,11 @@ def run_quick(name: str) -> dict[str, Any]:
             "moved": len(budget.get("moved_to_fp32", [])), "candidates": budget.get("candidates", 0),
             "trials": f"{budget.get('trials', 0)}/{budget.get('trial_bound', 0)}",
             "search s": budget.get("seconds", 0.0), "convert s": seconds,
-            "weights fp8/bf16": sum(t.nbytes for t in stored.values()) / bf16,
             "seconds": perf_counter() - start}  # fmt: skip
 
 
 QUICK_COLUMNS = ("model", "outputs", "all-FP8 static dB", "per-tensor dynamic dB", "default dB", "passed",
-                 "FP8 nodes left", "moved", "candidates", "trials", "search s", "convert s", "weights fp8/bf16",
-                 "seconds")  # fmt: skip
+                 "FP8 nodes left", "moved", "candidates", "trials", "search s", "convert s", "seconds")  # fmt: skip
 
 
 def run_model(name: str) -> dict[str, Any]:
