@@ -286,6 +286,30 @@ def test_static_scales_are_no_worse_than_per_tensor_dynamic_on_inputs_larger_tha
     assert static == pytest.approx(r.report.data["verification"]["outputs"][0]["sqnr_db"], abs=0.05)
 
 
+class WeightTimesWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.A, self.B = nn.Parameter(torch.randn(16, 16)), nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (self.A @ self.B)  # A is the activation operand of a product with a stored weight
+
+
+def test_a_stored_tensor_as_the_activation_operand_gets_a_measured_static_scale() -> None:
+    torch.manual_seed(0)
+    model, x = WeightTimesWeight().eval(), torch.randn(4, 16)
+    r = amplite.convert(model, (x,), precision="fp8", calibration=[(x,)], fallback_search=False)
+    fp8 = [e for e in plan(r).values() if e["dtype"] == "float8_e4m3fn"]
+    assert len(fp8) == 1 and fp8[0]["reason"] == "fp8:static"
+    buffers = r.program.graph_signature.inputs_to_buffers
+    node = next(n for n in r.program.graph.nodes if str(n.target) == FP8_OP)
+    amax = float(r.program.state_dict[buffers[node.args[3].name]]) * E4M3_MAX
+    grid = [model.A.abs().max().item() * 2 ** (k / 8) for k in range(15, -25, -1)]
+    errors = [_e4m3_error([model.A.detach()], a) for a in grid]
+    best = next(a for a, e in zip(grid, errors, strict=True) if e <= min(errors) * 1.01)
+    assert amax == pytest.approx(best, rel=1e-5)
+
+
 def test_the_users_model_is_bit_identical_after_conversion(tmp_path: Path) -> None:
     model, x = net()
     before = {k: v.clone() for k, v in model.state_dict().items()}

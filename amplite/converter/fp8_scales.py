@@ -107,7 +107,9 @@ def choose_input_scales(
             _Measure(gm, cands, errors).run(*flat)
     out = dict(ranges)
     for name, err in errors.items():
-        out[name] = dataclasses.replace(ranges[name], fp8_amax=pick(cands[name], err))
+        r = ranges[name]  # a plain copy: a weight's lazy range (a product of two stored tensors) is no dataclass init
+        fields = {f.name: getattr(r, f.name) for f in dataclasses.fields(ValueRange)}
+        out[name] = ValueRange(**{**fields, "fp8_amax": pick(cands[name], err)})
     return out
 
 
