@@ -117,11 +117,11 @@ def convert_spec(
     metrics = _verify(out, ref_out, inputs, spec, tolerance, timings) if check.enabled else None
     report = _report(loaded, out, spec, tolerance, metrics, timings)
     result = ConversionResult(out.converted, report, out.original, inputs, out, ref_out, tolerance, spec)
-    if check.fallback_search and result.passed is False:
+    if check.searches(spec) and result.passed is False:
 
         def again(program: ExportedProgram, inputs: Inputs, chosen: ConvertSpec, reference: Any) -> ConversionResult:
-            return convert_spec(program, inputs, chosen, Verification(tolerance=tolerance), Loading(), calibration,
-                                reference)  # fmt: skip
+            return convert_spec(program, inputs, chosen, Verification(tolerance=tolerance, fallback_search=False),
+                                Loading(), calibration, reference)  # fmt: skip
 
         result, budget = search_budget(result, spec, convert=again, max_trials=check.max_trials)
         result.report.attach(Budget.of(budget)).attach(report.section(Source))

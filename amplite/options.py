@@ -113,7 +113,8 @@ class ConvertOptions:
         calibration: Batches for the range rules, a directory of batch files (``--calib DIR``) or
             ``"module:function"`` yielding batches (``--calib-loader``); default the example inputs.
         fallback_search: When verification fails, search for the fewest nodes to move back to FP32
-            (``amplite.verify.budget``).
+            (``amplite.verify.budget``; FP8 nodes move back to bf16). None: on for ``precision="fp8"``
+            (the budget search is part of its default contract, docs/fp8.md), off otherwise.
         max_trials: Bound on the search's conversions (default 2·log2(candidates) + 10).
         fold_batchnorm: Fold inference-mode BatchNorm into the preceding convolution.
         gpu_profile: GPU whose roofline the report's time estimate uses (H100, H200, A100, L4, RTX4090).
@@ -201,7 +202,7 @@ class ConvertOptions:
         None, "Verification thresholds.", kind="tolerance",
         manifest="a table with min_sqnr_db, min_cosine, max_mismatch", paths=("checkpoint",),
     )
-    fallback_search: bool = _opt(False, "Search the accuracy budget when verification fails.")
+    fallback_search: bool | None = _opt(None, "Search the accuracy budget when verification fails (None: fp8 only).")
     max_trials: int | None = _opt(None, "Bound on the accuracy-budget search's conversions.")
 
     @classmethod
@@ -290,7 +291,7 @@ class Verification:
 
     enabled: bool = True
     tolerance: Tolerance | None = None  # None: the precision's default
-    fallback_search: bool = False
+    fallback_search: bool | None = None  # None: on for fp8 (part of its default contract), off otherwise
     max_trials: int | None = None
 
     def check(self) -> None:
@@ -301,6 +302,12 @@ class Verification:
             raise ConfigError(
                 f"max_trials={self.max_trials} is too small", "allow at least 2 (the worst node alone, then all)"
             )
+
+    def searches(self, spec: ConvertSpec) -> bool:
+        """Whether a conversion of ``spec`` that misses its tolerance runs the accuracy-budget search."""
+        if self.fallback_search is not None:
+            return self.fallback_search
+        return self.enabled and spec.fp8 is not None
 
     def resolved(self, spec: ConvertSpec) -> Tolerance | None:
         """The tolerance verification judges by, or None when verification does not run."""

@@ -104,6 +104,37 @@ def size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
+#: Published shapes (config.json of meta-llama/Meta-Llama-3-8B and Llama-3.2-1B) for the layout's size arithmetic.
+LLAMA_SHAPES = {
+    "Llama-3-8B": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False},
+    "Llama-3.2-1B": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True},
+}  # fmt: skip
+
+
+def layout_bytes(shapes: dict[str, object], static: bool = True) -> tuple[int, int]:
+    """``(fp8, bf16)`` bytes of the tensors a checkpoint of these shapes holds, built on the meta device (nothing
+    allocated): in the FP8 layout every ``nn.Linear`` of a decoder block is 1 byte per weight plus its FP32
+    ``weight_scale`` (and ``input_scale`` when static), every other tensor bf16; a tied head is stored once."""
+    import transformers
+
+    config = transformers.LlamaConfig(**shapes)
+    with torch.device("meta"):
+        lm = transformers.AutoModelForCausalLM.from_config(config)
+    fp8 = bf16 = 0
+    seen: set[int] = set()
+    for path, mod in lm.named_modules():
+        for name, t in mod.named_parameters(recurse=False):
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            bf16 += 2 * t.numel()
+            block_linear = isinstance(mod, torch.nn.Linear) and ".layers." in f".{path}" and name == "weight"
+            fp8 += t.numel() + 4 * (2 if static else 1) if block_linear else 2 * t.numel()
+    return fp8, bf16
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=120, help="training steps (batch 16 x 64 tokens)")
@@ -167,6 +198,11 @@ def main() -> None:
         print(f"| {label} | {agree:.4f} | {p32:.4f} | {pconv:.4f} | {delta:.3%} | {sqnr:.1f} | {kl:.2e} | "
               f"{nbytes / 2**20:.3f} | {nbytes / bf16_bytes:.3f} | {nbytes / fp32_bytes:.3f} | "
               f"{'pass' if ok else 'FAIL'} |")
+    for label, shapes in LLAMA_SHAPES.items():
+        f8, b16 = layout_bytes(shapes)
+        print(f"{label} shapes (meta device, tensors of this layout counted, not written): fp8 static {f8 / 2**30:.2f} "
+              f"GiB, bf16 {b16 / 2**30:.2f} GiB, ratio {f8 / b16:.3f}x (target <= 0.55: "
+              f"{'met' if f8 / b16 <= 0.55 else 'NOT met'})")  # fmt: skip
     by = {r[0].split(" (")[0]: r for r in rows}
     base = by["vLLM on-the-fly baseline"]
     for name in ("fp8 static", "fp8 dynamic"):

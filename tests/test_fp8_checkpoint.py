@@ -159,6 +159,7 @@ def test_planted_double_weight_scale_fails_check(static: tuple[Path, dict, str],
     ok, reasons = check_checkpoint(ckpt, converted=out)  # the directory as written passes the same gate
     assert reasons == [] and ok.passed is True and ok.data["config"]["precision"] == "fp8"
     assert ok.data["fp8_checkpoint"]["activation_scheme"] == "static"  # read from the directory checked
+    assert ok.data["verification"]["tolerance"]["min_sqnr_db"] == 25.0  # fp8's one default, as for a module
     planted = tmp_path / "planted"
     planted.mkdir()
     for f in out.iterdir():

@@ -279,24 +279,32 @@ class Calibrate(PassBase):
         batches: ``(args, kwargs)`` batches in the program's calling convention.
         percentile: Also record this percentile of |value| per node (``--range-percentile``).
         into: The mapping to fill.
+        fp8_scales: Also choose each FP8 input's static scale by its measured error on the batches
+            (:func:`amplite.converter.fp8_scales.choose_input_scales`: one more pass over them).
     """
 
     name = "calibrate"
 
     def __init__(
-        self, batches: list[Inputs], percentile: float | None, into: dict[str, ValueRange]
+        self, batches: list[Inputs], percentile: float | None, into: dict[str, ValueRange], fp8_scales: bool = False
     ) -> None:
         self.batches = batches
         self.percentile = percentile
         self.ranges = into
+        self.fp8_scales = fp8_scales
 
     def requires(self, gm: torch.fx.GraphModule) -> None:
         """Before the plan: the ranges describe the FP32 graph the plan is made on."""
         self.require_unplanned(gm)
 
     def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+        from amplite.converter.fp8_scales import choose_input_scales
+
+        ranges = collect_ranges(gm, self.batches, self.percentile)
+        if self.fp8_scales:
+            ranges = choose_input_scales(gm, self.batches, ranges)
         self.ranges.clear()
-        self.ranges.update(collect_ranges(gm, self.batches, self.percentile))
+        self.ranges.update(ranges)
         counters: Counter[str] = Counter(batches=len(self.batches), ranges=len(self.ranges))
         return PassResult(gm, False, counters)
 

@@ -220,7 +220,8 @@ def precision_sequence(
         store = {}  # bf16 has FP32's range: only the depth rule applies, and it needs shapes, not values
     else:
         store = {}
-        passes.append(Calibrate(batches, range_rules.percentile if range_rules is not None else None, store))
+        passes.append(Calibrate(batches, range_rules.percentile if range_rules is not None else None, store,
+                                fp8_scales=static_fp8))
     # bf16's range rules judge shapes only (as without FP8); FP8 reads the values for its scales
     guard = store if policy.low_dtype == torch.float16 or store is None else {}
     passes += build_passes(policy, fuse_contractions=fuse_contractions, ranges=guard, range_rules=range_rules,

@@ -99,6 +99,9 @@ def check(
     if s.tolerance is not None and not isinstance(s.tolerance, Tolerance):
         parse_tolerance(s.tolerance)  # fail on a bad criterion before any work
     base_line = golden_mod.load_baseline(s.baseline)
+    if s.tolerance and opts.tolerance is None and opts.verification().searches(opts.spec()):
+        # the budget search (fp8's default) aims at the gate's criteria
+        opts = ConvertOptions.of(opts, tolerance=s.tolerance)
     timings: dict[str, float] = {}
     try:
         pair = steps.pair(model, example_inputs, s.converted, opts, gold, s.golden, timings)

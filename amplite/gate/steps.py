@@ -70,7 +70,10 @@ def pair(model: Any, example_inputs: Any, converted: Any, options: ConvertOption
         if converted is None:
             from amplite.api import convert
 
-            result = convert(model, example_inputs, options=options, verify=False)
+            # fp8's default contract includes the accuracy-budget search, which verification drives: the gate
+            # judges the plan that search picks, as ``convert`` writes it
+            search = options.verification().searches(options.spec())
+            result = convert(model, example_inputs, options=options, verify=search)
         else:
             result = reference(model, example_inputs, options)
     except (InputSpecError, ExportError) as exc:

@@ -91,4 +91,5 @@ def fp8_fact(
     if clip_check and r.max_abs > amax * CLIP_SLACK:
         scale = amax / E4M3_MAX
         return "", f"fp8-range:overflow max|x|={r.max_abs:.4g} > 448·scale={E4M3_MAX * scale:.4g}", None
-    return "", "", Fp8Site(x=xi, w=wi, layout=layout, amax=float(amax))
+    chosen = r.fp8_amax if r.fp8_amax is not None else amax  # by measured error (converter.fp8_scales)
+    return "", "", Fp8Site(x=xi, w=wi, layout=layout, amax=float(chosen))

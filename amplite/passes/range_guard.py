@@ -74,12 +74,15 @@ class ValueRange:
         sampled_nonzero: Non-zero elements in the samples.
         sampled_tiny: Of those, how many are below fp16's smallest normal (2^-14): stored in fp16 they
             lose precision (subnormals) or flush to zero.
+        fp8_amax: The amax of this value's static FP8 scale, chosen by measured error on the calibration
+            data (``amplite.converter.fp8_scales``); None where none was chosen (not an FP8 input).
     """
 
     max_abs: float = 0.0
     sampled_nonzero: int = 0
     sampled_tiny: int = 0
     percentile_abs: float | None = None
+    fp8_amax: float | None = None
 
     def update(self, t: torch.Tensor, percentile: float | None = None) -> None:
         """Fold one tensor into the range (non-finite values are ignored).

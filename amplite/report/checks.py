@@ -143,6 +143,13 @@ class Budget(Section):
     seconds: float | None = None
     message: str | None = None
 
+    def moved_where(self) -> str:
+        """Where the search moved nodes: FP8 products go back to bf16, other low nodes to FP32."""
+        to = {m.to or "float32" for m in self.moved_to_fp32 or ()}
+        if "bfloat16" not in to:
+            return "to FP32"
+        return "from FP8 to bf16" if to == {"bfloat16"} else "to bf16 (FP8) / FP32"
+
     def summary(self, style: Style = PLAIN, names: int = 5) -> str:
         """The one sentence on the search every renderer prints: verdict, nodes moved (the first ``names``),
         trials and time, the prune phase, and the search's message."""
@@ -153,7 +160,7 @@ class Budget(Section):
         return (
             f"{style.strong('Accuracy budget')} ({style.code(spec)}): "
             f"{'met' if self.passed else style.strong('NOT met')} with {len(moved)} of {self.candidates} "
-            f"candidate nodes moved to FP32{f' ({shown})' if moved else ''}, {self.trials} trials "
+            f"candidate nodes moved {self.moved_where()}{f' ({shown})' if moved else ''}, {self.trials} trials "
             f"(bound {self.trial_bound}), {style.num(self.seconds, 3)} s."
             + (f" The prune phase took {prune.before} nodes down to {prune.after}." if prune and prune.trials else "")
             + (f" {style.text(self.message)}" if self.message else "")

@@ -1,7 +1,8 @@
 """Accuracy budget: when the rule-based plan misses the tolerance, move the fewest nodes back to FP32.
 
 Under ``--precision fp8`` a node the plan ran in FP8 moves back to the low dtype (bf16) instead: a
-``force_low`` pin (``budget:fp8-error``), which keeps it out of FP8 (:meth:`PrecisionPolicy.for_fp8`).
+``force_low`` pin (``budget:fp8-error``), which keeps it out of FP8 (:meth:`PrecisionPolicy.for_fp8`). For fp8
+the search is part of the default contract: it runs without being asked (``Verification.searches``).
 
 Candidates are the converted graph's low-precision nodes ranked by the error each one *introduces*
 (the isolated "shadow" error of the layer-wise analysis). The search tries the worst node alone, then

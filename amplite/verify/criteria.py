@@ -189,8 +189,10 @@ DEFAULT_TOLERANCES: dict[str, Tolerance] = {
     "fp16": Tolerance(min_sqnr_db=40.0, min_cosine=0.999),
     "bf16": Tolerance(min_sqnr_db=25.0, min_cosine=0.99),
     # e4m3 keeps 3 mantissa bits: one rounding costs about 30 dB (6.02·4 + ~5), a linear layer two (activation
-    # and weight, ~27 dB), a network a few in series: 20 dB (relative error norm ≤ 10 %), cosine ≥ 0.99.
-    "fp8": Tolerance(min_sqnr_db=20.0, min_cosine=0.99),
+    # and weight, ~27 dB), so a network of such layers in series lands near 20 dB. The contract is bf16's
+    # (25 dB, relative error norm ≤ 5.6 %; issue 42's fidelity target): a module or .pt2 meets it by the
+    # accuracy-budget search, on by default for fp8 (the most harmful FP8 products go back to bf16).
+    "fp8": Tolerance(min_sqnr_db=25.0, min_cosine=0.99),
 }
 
 
