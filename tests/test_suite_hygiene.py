@@ -17,6 +17,13 @@ TESTS = Path(__file__).parent
 #: (test file, private name) -> why the test must reach it. An entry no test uses any more fails too.
 PRIVATE_ALLOWED: dict[tuple[str, str], str] = {
     **{
+        ("test_spec_flow.py", name): "the spec's JSON codec tables are the one hand-kept list of its fields: "
+        "issue 46 asks for a test that compares such a list with the definition it mirrors"
+        for name in ("_DECODE", "_ENCODE")
+    },
+    ("test_spec_flow.py", "amplite.integrations._lazy"): "LazyAmplite is what both integrations (Lightning, "
+    "Trainer) construct: the test checks the refusal at construction without building either framework's trainer",
+    **{
         ("test_contract_backend_cutensor.py", name): "unit tests of the cuTENSOR backend against a fake nvmath: "
         "the plan cache, probe memo and their helpers are observable only on a GPU, and these tests kill the "
         "mutants of amplite/ops/cutensor_backend.py on CPU"
