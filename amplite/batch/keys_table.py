@@ -110,8 +110,10 @@ def check_value(key: str, value: Any) -> Any:
         if bad:
             raise SubKeyError(f"unknown tolerance key {bad[0]!r} (known: {', '.join(TOLERANCE_KEYS)})", bad[0])
         for k, v in value.items():
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v):
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise SubKeyError(f"tolerance values must be numbers, got {k} = {v!r}", k)
+            if math.isnan(v):  # every comparison with it is False: no output could pass or fail it
+                raise SubKeyError(f"tolerance {k} is nan", k)
         return {k: float(v) for k, v in value.items()}
     raise KeyError(key)
 
