@@ -17,11 +17,14 @@ The version counter does not see every change: ``p.data.clamp_()``, an EMA writt
 ``p.data.mul_(d).add_(q.data, alpha=1 - d)`` or ``p.data = new`` of equal storage edit the values through a
 tensor with a version counter of its own. So by default (``every_forward``) :meth:`LowCopies.sync` recasts
 every copy at every forward of the net — one fused cast of the weights the graph reads low, what
-``torch.autocast`` does per forward anyway; a copy whose master's version/storage/shape changed is recast
-as a real change (bumping the copy's version, so a backward still pending on the old values fails as it
-would in FP32), the others in place through ``.data`` (the values are equal unless a ``.data`` edit
-changed them, which FP32 autograd does not see either). ``on_change`` trusts the version counters only
-(cheaper: no cast at a forward whose weights did not change; ``.data`` edits then need ``opt.refresh()``).
+``torch.autocast`` does per forward anyway — into fresh buffers: after each forward the net drops its
+references (:meth:`LowCopies.release`), so a copy lives only through what autograd saved and is freed as
+the backward passes its layer, as autocast's casts are. A copy still cached at a sync (read between two
+forwards, e.g. by a checkpointed region's recompute) whose master's version/storage/shape changed is
+recast as a real change (bumping the copy's version, so a backward still pending on it fails as it would
+in FP32), the others in place through ``.data``. ``on_change`` keeps the copies and trusts the version
+counters only (cheaper: no cast at a forward whose weights did not change; ``.data`` edits then need
+``opt.refresh()``).
 """
 
 from __future__ import annotations
@@ -153,9 +156,21 @@ class LowCopies(nn.Module):
         if not self.every_forward:
             self.refresh(round_masters=round_masters)
             return
-        for key, (master, _, stamp) in list(self._copies.items()):
-            if round_masters:
+        if round_masters:
+            for master, _, _ in list(self._copies.values()):
                 master.copy_(master.to(self.dtype))
+        self.release()
+
+    def release(self) -> None:
+        """Drop the cache's references to the copies (``every_forward``: the next :meth:`sync` casts anew).
+
+        Called after each forward of the net: the copies the graph read stay alive only through what autograd
+        saved for backward, so they are freed layer by layer as the backward passes them, as autocast's
+        per-forward casts are, instead of all living until the optimizer step.
+        """
+        if not self.every_forward:
+            return
+        for key, (master, _, stamp) in list(self._copies.items()):
             self._copies[key] = (master, None, stamp)
 
     def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

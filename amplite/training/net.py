@@ -141,12 +141,15 @@ class TrainingNet(nn.Module):
         variant = self._select(args, kwargs)
         graph = variant.train if self.training else variant.eval
         if sharded:
-            return run_in_root(self.model, graph, args, kwargs)
-        if not self.training or not self._cumulative.modules:
-            return graph(*args, **kwargs)
-        saved = self._cumulative.before()
-        out = graph(*args, **kwargs)
-        self._cumulative.after(saved)
+            out = run_in_root(self.model, graph, args, kwargs)
+        elif not self.training or not self._cumulative.modules:
+            out = graph(*args, **kwargs)
+        else:
+            saved = self._cumulative.before()
+            out = graph(*args, **kwargs)
+            self._cumulative.after(saved)
+        if self._copies is not None and not torch.compiler.is_compiling():
+            self._copies.release()  # every_forward: autograd's references keep what backward needs
         return out
 
     def _mode(self) -> bool:
