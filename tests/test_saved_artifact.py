@@ -200,8 +200,10 @@ def test_nan_outputs_say_metrics_are_on_the_finite_part(cli, tmp_path: Path) -> 
     assert "192 (192 new)" in render_html(report) and "finite part only (64 of 256" in render_html(report)
 
     from amplite.cli.output import _metric, _nonfinite
+    from amplite.report.entries import OutputMetricsEntry
 
-    assert _nonfinite(d) == "192" and _metric(d, "cosine", ".6f").endswith("†")
+    entry = OutputMetricsEntry.from_json(d)  # the terminal reads the typed entry
+    assert _nonfinite(entry) == "192" and _metric(entry, "cosine", ".6f").endswith("†")
 
 
 def test_baseline_of_another_model_is_refused(tmp_path: Path) -> None:
