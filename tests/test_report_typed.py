@@ -207,6 +207,15 @@ def test_the_budget_and_gradient_sentences() -> None:
         "median <–> dB; <12.5> % underflow in <float16> unscaled; recommended: <loss scale 1024>.")
     advised = Gradients.from_json({**SAMPLES["gradients"], "missing_gradients": [], "graph": None,
                                    "underflow": {"dtype": "bfloat16", "values": 1, "advice": "none needed"}})
+    bare = Budget.from_json({**SAMPLES["budget"], "tolerance": None, "moved_to_fp32": [], "seconds": 1.23456,
+                             "message": ""})  # fmt: skip
+    assert bare.summary(marked) == ("*Accuracy budget* (`sqnr_db>=None`): *NOT met* with 0 of 7 candidate nodes "
+                                    "moved to FP32, 3 trials (bound 16), <1.23> s.")  # fmt: skip
+    assert met.summary(names=3).endswith("(n0, n1, n2), 3 trials (bound 16), 1.25 s. The prune phase took 5 nodes "
+                                         "down to 3.")  # fmt: skip
+    fine = Gradients.from_json({**SAMPLES["gradients"], "median_sqnr_db": 45.678, "missing_gradients": [],
+                                "underflow": {"dtype": "float16", "values": 1, "underflow_unscaled": 0.123456}})
+    assert ("0 missing; min SQNR <31.5> dB, median <45.68> dB; <12.3> % underflow" in fine.summary(marked))
     assert advised.summary() == ("Gradients (sum of outputs, as converted): 4 parameters compared, 0 missing; "
                                  "min SQNR 31.5 dB, median – dB; 0 % underflow in bfloat16 unscaled; "
                                  "recommended: none needed.")
