@@ -186,6 +186,41 @@ def test_the_conversion_builders_write_the_documented_json() -> None:
     assert other["inputs"] == "3 random batches" and [o["name"] for o in other["outputs"]] == ["out", "bad"]
 
 
+def test_the_budget_and_gradient_sentences() -> None:
+    from amplite.report.format import Style
+
+    marked = Style(text=lambda s: f"<{s}>", code=lambda s: f"`{s}`", strong=lambda s: f"*{s}*")
+    budget = Budget.from_json(SAMPLES["budget"])
+    assert budget.summary(marked) == (
+        "*Accuracy budget* (`sqnr_db>=40`): *NOT met* with 1 of 7 candidate nodes moved to FP32 (`pow_1`), "
+        "3 trials (bound 16), <1.25> s. <even with all 7 candidate nodes in FP32 the tolerance is not met>")
+    moved = [{**SAMPLES["budget"]["moved_to_fp32"][0], "node": f"n{i}"} for i in range(3)]
+    met = Budget.from_json({**SAMPLES["budget"], "passed": True, "moved_to_fp32": moved, "message": "",
+                            "prune": {"before": 5, "after": 3, "trials": 4, "bound": 5},
+                            "tolerance": {**SAMPLES["budget"]["tolerance"], "criteria": []}})  # fmt: skip
+    assert met.summary(names=2) == ("Accuracy budget (sqnr_db>=40.0): met with 3 of 7 candidate nodes moved to "
+                                    "FP32 (n0, n1, …), 3 trials (bound 16), 1.25 s. The prune phase took 5 nodes "
+                                    "down to 3.")  # fmt: skip
+    grads = Gradients.from_json(SAMPLES["gradients"])
+    assert grads.summary(marked) == (
+        "*Gradients* (<sum of outputs>, <as converted>): 4 parameters compared, *1 missing*; min SQNR <31.5> dB, "
+        "median <–> dB; <12.5> % underflow in <float16> unscaled; recommended: <loss scale 1024>.")
+    advised = Gradients.from_json({**SAMPLES["gradients"], "missing_gradients": [], "graph": None,
+                                   "underflow": {"dtype": "bfloat16", "values": 1, "advice": "none needed"}})
+    bare = Budget.from_json({**SAMPLES["budget"], "tolerance": None, "moved_to_fp32": [], "seconds": 1.23456,
+                             "message": ""})  # fmt: skip
+    assert bare.summary(marked) == ("*Accuracy budget* (`sqnr_db>=None`): *NOT met* with 0 of 7 candidate nodes "
+                                    "moved to FP32, 3 trials (bound 16), <1.23> s.")  # fmt: skip
+    assert met.summary(names=3).endswith("(n0, n1, n2), 3 trials (bound 16), 1.25 s. The prune phase took 5 nodes "
+                                         "down to 3.")  # fmt: skip
+    fine = Gradients.from_json({**SAMPLES["gradients"], "median_sqnr_db": 45.678, "missing_gradients": [],
+                                "underflow": {"dtype": "float16", "values": 1, "underflow_unscaled": 0.123456}})
+    assert ("0 missing; min SQNR <31.5> dB, median <45.68> dB; <12.3> % underflow" in fine.summary(marked))
+    assert advised.summary() == ("Gradients (sum of outputs, as converted): 4 parameters compared, 0 missing; "
+                                 "min SQNR 31.5 dB, median – dB; 0 % underflow in bfloat16 unscaled; "
+                                 "recommended: none needed.")
+
+
 def test_a_planted_invalid_section_is_refused_on_write(module_report: Report, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.delenv("AMPLITE_VALIDATE_REPORTS", raising=False)  # no flag: a user's run validates too

@@ -202,10 +202,11 @@ def test_nan_outputs_say_metrics_are_on_the_finite_part(cli, tmp_path: Path) -> 
     from types import SimpleNamespace
 
     from amplite.cli import output
+    from amplite.report.document import as_report
 
     # the terminal verdict of `check`: the NaN/Inf count, and every float metric marked † (finite part only)
     with output.out.capture() as cap:
-        output.print_check(SimpleNamespace(exit_code=1, report=SimpleNamespace(data=report), reasons=[], files={}))
+        output.print_check(SimpleNamespace(exit_code=1, report=as_report(report), reasons=[], files={}))
     (row,) = [line for line in cap.get().splitlines() if "│ 192" in line]
     assert row.count("†") == 3, row
     assert "finite part only (64 of 256 elements; 192 NaN/Inf)" in cap.get()
