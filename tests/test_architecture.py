@@ -119,7 +119,8 @@ def _manifest_sample(name: str) -> tuple[str, object]:
         return "7", 7
     if kind == "number":
         return "99.5", 99.5
-    return {"precision": ('"bf16"', "bf16")}.get(name, ('"x9"', "x9"))
+    # values the manifest reader checks (a GPU profile must exist) take a valid one; the rest any string
+    return {"precision": ('"bf16"', "bf16"), "gpu_profile": ('"A100"', "A100")}.get(name, ('"x9"', "x9"))
 
 
 @pytest.mark.parametrize("name", IN_MANIFEST)

@@ -56,7 +56,7 @@ def test_training_pins_are_reported_as_training_not_user() -> None:
     net, _ = amplite.prepare_training(model, opt, inputs[0][0], precision="bf16", level="O2")
     bn = [p for p in net.info["plan"] if p["op"].startswith(("batch_norm", "_native_batch_norm", "native_batch_norm"))]
     assert bn, "the CNN fixture has BatchNorm"
-    assert all(p["rule"] == "training" and p["reason"] == "training:keep op:batch_norm*" for p in bn), bn[0]
+    assert all(p["rule"] == "training" and p["reason"] == "training:low op:batch_norm*" for p in bn), bn[0]
     assert not any(p["reason"].startswith("user:") for p in net.info["plan"]), "the user wrote no rule"
 
 
