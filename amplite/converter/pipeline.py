@@ -215,7 +215,8 @@ def rewrite(
     if fold_batchnorm:  # before calibration: folding changes the conv outputs the ranges describe
         # O1 adds the folded shift in FP32 after the low conv, as BatchNorm does under autocast; at O2 that
         # add would run low anyway, so the shift goes into the conv's bias (docs/policy.md, BatchNorm folding)
-        gm, folded = PassManager([FoldBatchNorm("affine" if policy.level is Level.O1 else "full")])(gm)
+        o1 = policy.level is Level.O1
+        gm, folded = PassManager([FoldBatchNorm("affine" if o1 else "full", policy.low_dtype if o1 else None)])(gm)
         records += folded
     static_fp8 = policy.fp8 == "static"  # activation scales from calibrated ranges, whatever the low dtype
     if range_rules is None and not static_fp8:
