@@ -62,6 +62,37 @@ def test_affine_after_the_conv_computes_bn_of_conv(dims: int, bias: bool, mode: 
     assert gm.amplite_folded_0_shift.shape == (4,) + (1,) * dims
 
 
+@pytest.mark.parametrize(("unit", "stream"), [(2, True), (4, True), (4, False)])
+def test_affine_puts_a_scale_the_low_dtype_rounds_to_one_into_the_weight(unit: int, stream: bool) -> None:
+    """Where the BatchNorm enters a ReLU'd residual sum, a channel whose scale is 1 in bf16 (BatchNorm at its
+    init: 1/√(1 + 1e-5)) is scaled in the copied weight and bias and its ``mul`` entry is exactly 1; with every
+    channel so, no ``mul`` at all. Elsewhere (a BatchNorm read by the output) the mul keeps every scale."""
+    t = _tensors()
+    t["var"][:unit], t["gamma"][:unit] = 0.75, 1 - 5e-6  # eps = 0.25: scale 1 − 5e-6, bf16 rounds it to 1
+    root, graph, _conv, bn = _conv_bn_graph(FULL, t)
+    if stream:  # relu(y + y): the add and relu of a ResNet block
+        graph.output(graph.call_function(aten.relu.default, (graph.call_function(aten.add.Tensor, (bn, bn)),)))
+    else:
+        graph.output(bn)
+    gm = torch.fx.GraphModule(root, graph)
+    result = FoldBatchNorm("affine", torch.bfloat16)(gm)
+    gm.recompile()
+    assert result.counters.get("scale_in_weight:channels", 0) == (unit if stream else 0), result.counters
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+    ref = _reference(x, t, dict.fromkeys(FULL, True), 2, eps=0.25)
+    torch.testing.assert_close(gm(x).double(), torch.relu(2 * ref) if stream else ref, rtol=1e-5, atol=1e-5)
+    has_mul = unit < 4 or not stream
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"][: 2 + has_mul]
+    assert ops == [aten.conv2d.default] + ([aten.mul.Tensor] if has_mul else []) + [aten.add.Tensor], ops
+    scale = (1 - 5e-6) / math.sqrt(0.75 + 0.25) if stream else 1.0
+    torch.testing.assert_close(gm.amplite_folded_0_weight[:unit], t["w"][:unit] * scale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(gm.amplite_folded_0_bias[:unit], t["b"][:unit] * scale, rtol=1e-6, atol=0)
+    if has_mul:
+        assert (gm.amplite_folded_0_scale.flatten()[:unit] == 1).all() == stream
+        assert (gm.amplite_folded_0_scale.flatten()[unit:] != 1).all()
+        torch.testing.assert_close(gm.amplite_folded_0_weight[unit:], t["w"][unit:], rtol=0, atol=0)
+
+
 def test_an_unknown_fold_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="fold mode 'scale'"):
         FoldBatchNorm("scale")

@@ -209,7 +209,8 @@ def precision_sequence(
     if fold_batchnorm:  # before calibration: folding changes the conv outputs the ranges describe
         # O1 adds the folded shift in FP32 after the low conv, as BatchNorm does under autocast; at O2 that
         # add would run low anyway, so the shift goes into the conv's bias (docs/policy.md, BatchNorm folding)
-        passes.append(FoldBatchNorm("affine" if policy.level is Level.O1 else "full"))
+        o1 = policy.level is Level.O1  # O1: a scale of 1 in the low dtype before a ReLU'd sum goes into the weight
+        passes.append(FoldBatchNorm("affine" if o1 else "full", policy.low_dtype if o1 else None))
     static_fp8 = policy.fp8 == "static"  # activation scales from calibrated ranges, whatever the low dtype
     store: dict[str, ValueRange] | None
     if range_rules is None and not static_fp8:
