@@ -61,6 +61,10 @@ def test_a_builder_builds_once_and_then_refuses_more(converted: amplite.Conversi
     with pytest.raises(InternalError, match="already built"):
         builder.add(Check.of("mlp", ["late"]))
     assert built.data["check"]["reasons"] == []
+    partial = converted.report.builder()
+    with pytest.raises(InternalError, match="no report section"):
+        partial.add(Check.of("mlp", []), {"path": "x"})  # type: ignore[arg-type]
+    assert partial.section(Check) is None  # a bad section in the call adds none of them
     fresh = ReportBuilder().add(Source.from_json({"path": "m.pt2", "format": "pt2"})).build()
     assert list(fresh.data) == [*HEADER_KEYS, "source"]
 

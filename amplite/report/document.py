@@ -101,8 +101,8 @@ class ReportBuilder:
         if self._built:
             raise InternalError("this report was already built: a built report is frozen (Report.with_sections "
                                 "makes a new one)")  # fmt: skip
-        for section in sections:
-            self._sections[_checked(section).key] = section
+        checked = [_checked(section) for section in sections]  # all or none: a bad one adds nothing
+        self._sections.update((section.key, section) for section in checked)
         return self
 
     def section(self, kind: type[S]) -> S | None:
