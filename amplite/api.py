@@ -124,7 +124,7 @@ def convert_spec(
                                 Loading(), calibration, reference)  # fmt: skip
 
         result, budget = search_budget(result, spec, convert=again, max_trials=check.max_trials)
-        result.report.attach(Budget.of(budget)).attach(report.section(Source))
+        result.report = result.report.with_sections(Budget.of(budget), report.section(Source))
     return result
 
 

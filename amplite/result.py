@@ -102,9 +102,10 @@ class ConversionResult:
         else:
             out = emit.save_program(self.program, path, self.recorded_conversion())
             entry = {"format": "pt2", "path": str(out), "bytes": out.stat().st_size}
+        # a save runs after convert returned this result and its (frozen) report: rebind a new report with it
         report = self.report
-        report.attach(report.section(Timings).add(**{f"save_{fmt}": perf_counter() - start}))
-        report.attach((report.section(Outputs) or Outputs.of([])).with_entries(entry))
+        self.report = report.with_sections(report.section(Timings).add(**{f"save_{fmt}": perf_counter() - start}),
+                                           (report.section(Outputs) or Outputs.of([])).with_entries(entry))  # fmt: skip
         return out
 
     def _save_aoti(self, path: str | Path) -> tuple[Path, dict]:
@@ -113,7 +114,7 @@ class ConversionResult:
         package = package_aoti(self.program, path)
         if self.tolerance is not None and self.reference is not None:
             checked = verify_aoti(package.path, self.reference, self.inputs, self.tolerance)
-            self.report.attach(VerificationAoti.of(checked.to_dict()))
+            self.report = self.report.with_sections(VerificationAoti.of(checked.to_dict()))
         return Path(package.path), package.to_dict()
 
     def _save_onnx(
@@ -134,5 +135,5 @@ class ConversionResult:
         out = Path(info.path)
         if self.tolerance is not None and self.reference is not None:
             checked = verify_onnx(out, self.reference, self.inputs, self.tolerance)
-            self.report.attach(VerificationOnnx.of(checked.to_dict()))
+            self.report = self.report.with_sections(VerificationOnnx.of(checked.to_dict()))
         return out, {"format": "onnx", **info.to_dict()}

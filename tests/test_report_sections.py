@@ -1,5 +1,6 @@
-"""The typed report (issue 30): sections declared once with one builder each, assembled once, changed only by
-``Report.attach``, a read-only ``report.data``, and the same shared sections for a module and a checkpoint."""
+"""The typed report (issue 30): sections declared once with one builder each, assembled once, never changed
+(``Report.with_sections`` makes a new one), a read-only ``report.data``, and the same shared sections for a
+module and a checkpoint."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 import amplite
 from amplite.errors import InternalError
-from amplite.report.document import HEADER_KEYS, Report
+from amplite.report.document import HEADER_KEYS, Report, ReportBuilder
 from amplite.report.markdown import render_markdown
 from amplite.report.schema import load_schema, validate_report
 from amplite.report.sections import (
@@ -68,22 +69,24 @@ def test_every_declared_section_is_in_the_schema_and_the_header_is_not_a_section
 
 
 def test_each_builder_validates_on_an_assembled_report(module_report: Report) -> None:
-    report = module_report.copy()
+    report = module_report
     assert {"estimate", "build", "verification"} | SHARED <= set(report.sections)
     validate_report(report)
     entry = {"format": "pt2", "path": "/tmp/m.pt2", "bytes": 10}
-    report.attach(Outputs.of([entry])).attach(report.section(Outputs).with_entries({**entry, "bytes": 12}))
+    report = report.with_sections(Outputs.of([entry]))
+    report = report.with_sections(report.section(Outputs).with_entries({**entry, "bytes": 12}))
     assert report.data["outputs"] == [{**entry, "bytes": 12}]  # a later save to the same path replaces it
-    report.attach(report.section(Timings).add(save_pt2=0.123456))
+    report = report.with_sections(report.section(Timings).add(save_pt2=0.123456))
     assert report.data["timings"]["save_pt2"] == 0.1235
-    report.attach(Streaming.of(2**20, 4096, 3)).attach(WeightRules.of({"model.lm_head": "range:weight-overflow"}))
-    report.attach(Baseline.of(3.0, [], None)).attach(Check.of("mlp", ["out: sqnr_db>=40 (got 12)"]))
+    report = report.with_sections(Streaming.of(2**20, 4096, 3),
+                                  WeightRules.of({"model.lm_head": "range:weight-overflow"}),
+                                  Baseline.of(3.0, [], None), Check.of("mlp", ["out: sqnr_db>=40 (got 12)"]))
     validate_report(report)
     assert report.data["check"] == {"name": "mlp", "passed": False, "exit_code": 1,
                                     "reasons": ["out: sqnr_db>=40 (got 12)"]}  # fmt: skip
     assert report.data["baseline"]["passed"] is True
     assert report.section(Verification).folded(False).value["passed"] is False
-    # attaching to the copy left the conversion's own report as it was
+    # the new reports left the conversion's own report as it was
     assert "check" not in module_report.data and "save_pt2" not in module_report.data["timings"]
     # the one document serialises the same through every renderer's accessor
     assert "mlp" in render_markdown(report) and render_markdown(report) == render_markdown(report.data)
@@ -96,13 +99,13 @@ def test_an_unknown_section_is_refused_naming_it(module_report: Report) -> None:
     class FakeSource(Source):  # a known key under another type is no declared section either
         pass
 
-    report = module_report.copy()
+    report = module_report
     with pytest.raises(InternalError, match=r"Bogus \('bogus'\) is no report section.*sections\.py"):
-        report.attach(Bogus.from_json({"x": 1}))
+        report.with_sections(Bogus.from_json({"x": 1}))
     with pytest.raises(InternalError, match="FakeSource"):
-        report.attach(FakeSource.from_json({"path": "x", "format": "y"}))
+        report.with_sections(FakeSource.from_json({"path": "x", "format": "y"}))
     with pytest.raises(InternalError, match="no report section"):
-        report.attach({"path": "x"})  # type: ignore[arg-type]
+        ReportBuilder().add({"path": "x"})  # type: ignore[arg-type]
     with pytest.raises(InternalError, match="report key 'bogus' is no report section"):
         Report({**module_report.to_dict(), "bogus": 1})
     assert "bogus" not in report.data
@@ -111,7 +114,7 @@ def test_an_unknown_section_is_refused_naming_it(module_report: Report) -> None:
 def test_report_data_cannot_be_changed(module_report: Report) -> None:
     data = module_report.data
     before = module_report.to_json()
-    with pytest.raises(TypeError, match=r"read-only.*attach"):
+    with pytest.raises(TypeError, match=r"read-only.*with_sections"):
         data["budget"] = {}
     with pytest.raises(TypeError):
         data["timings"]["save_pt2"] = 1.0
@@ -161,7 +164,7 @@ def test_non_finite_sqnr_round_trips_in_the_one_encoding(module_report: Report, 
     tol = Tolerance(min_sqnr_db=40.0, min_cosine=0.999)
     metrics = [OutputMetrics("out", [2], "float16", sqnr_db=math.inf), OutputMetrics("nan", [2], "float16",
                                                                                       sqnr_db=math.nan)]  # fmt: skip
-    report = module_report.copy().attach(Verification.of(metrics, tol))
+    report = module_report.with_sections(Verification.of(metrics, tol))
     assert report.data["verification"]["outputs"][0]["sqnr_db"] == "inf"  # OutputMetrics.to_dict encodes it
     path = report.save(tmp_path / "r.json")  # validated on every write
     text = path.read_text()

@@ -224,7 +224,7 @@ def test_the_budget_and_gradient_sentences() -> None:
 def test_a_planted_invalid_section_is_refused_on_write(module_report: Report, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.delenv("AMPLITE_VALIDATE_REPORTS", raising=False)  # no flag: a user's run validates too
-    report = module_report.copy().attach(Budget.from_json({**SAMPLES["budget"], "trials": "many"}))
+    report = module_report.with_sections(Budget.from_json({**SAMPLES["budget"], "trials": "many"}))
     assert report.section(Budget).trials == "many"  # read as written, never coerced: the writer names it
     with pytest.raises(InternalError, match=r"at budget\.trials: 'many' is not of type 'integer'"):
         report.save(tmp_path / "r.json")
@@ -233,7 +233,7 @@ def test_a_planted_invalid_section_is_refused_on_write(module_report: Report, tm
     assert not (tmp_path / "r.json").exists() and not (tmp_path / "gate" / "report.json").exists()
     entry = {**SAMPLES["check"], "exit_code": 7}
     with pytest.raises(InternalError, match=r"check\.exit_code"):
-        module_report.copy().attach(Check.from_json(entry)).save(tmp_path / "c.json")
+        module_report.with_sections(Check.from_json(entry)).save(tmp_path / "c.json")
 
 
 def test_an_older_or_newer_report_reads_and_writes_back_the_same(module_report: Report, tmp_path: Path) -> None:
@@ -256,12 +256,10 @@ def _plain(text: str) -> str:
 
 def test_renderers_read_the_typed_sections_and_word_budget_and_gradients_once(module_report: Report,
                                                                               tmp_path: Path) -> None:  # fmt: skip
-    report = module_report.copy()
-    for section in (Budget, Gradients, Training, Check):
-        report.attach(section.from_json(SAMPLES[section.key]))
-    name = report.verified_outputs[0].name  # the baseline's regression is of this model's output
+    name = module_report.verified_outputs[0].name  # the baseline's regression is of this model's output
     regression = {**SAMPLES["baseline"]["regressions"][0], "output": name}
-    report.attach(Baseline.from_json({**SAMPLES["baseline"], "regressions": [regression]}))
+    report = module_report.with_sections(*(s.from_json(SAMPLES[s.key]) for s in (Budget, Gradients, Training, Check)),
+                                         Baseline.from_json({**SAMPLES["baseline"], "regressions": [regression]}))
     files = write_reports(report, tmp_path)
     md, page = files["md"].read_text(), files["html"].read_text()
     budget_line = report.section(Budget).summary()
@@ -285,7 +283,7 @@ def test_renderers_read_the_typed_sections_and_word_budget_and_gradients_once(mo
 def test_the_terminal_summary_prints_the_same_budget_line(module_report: Report, tmp_path: Path) -> None:
     from amplite.cli import output
 
-    report = module_report.copy().attach(Budget.from_json(SAMPLES["budget"]))
+    report = module_report.with_sections(Budget.from_json(SAMPLES["budget"]))
     with output.out.capture() as captured:
         output.print_summary(report, [], tmp_path / "r.json")
     said = " ".join(captured.get().split())

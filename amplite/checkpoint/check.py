@@ -21,10 +21,13 @@ from amplite.report.document import Report
 from amplite.report.sections import Fp8Checkpoint
 from amplite.verify.compare import parse_tolerance
 
+#: A check of the written directory (the generation check): the new report (reports are frozen) and its reasons.
+CheckMore = Callable[[Report, Path], tuple[Report, list[str]]]
+
 
 def check_checkpoint(
     path: str | Path, example_inputs: Any = None, *, tolerance: Any = None,
-    check_more: Callable[[Report, Path], list[str]] | None = None, options: ConvertOptions | None = None,
+    check_more: CheckMore | None = None, options: ConvertOptions | None = None,
     converted: str | Path | None = None, **changes: Any,
 ) -> tuple[StreamedConversion, list[str]]:
     """Convert, write to a temporary directory, verify block by block; the conversion and failure reasons.
@@ -46,13 +49,13 @@ def check_checkpoint(
     with tempfile.TemporaryDirectory(prefix=".amplite-check.") as tmp:
         out = conv.save_safetensors(Path(tmp) / "converted")
         section = conv.verify(out, real, tolerance=tol)
-        more = check_more(conv.report, out) if check_more is not None else []
+        more = _check_more(conv, out, check_more)
     return conv, _reasons(section) + more
 
 
 def check_converted_dir(
     path: str | Path, converted: str | Path, example_inputs: Any = None, *, tolerance: Any = None,
-    check_more: Callable[[Report, Path], list[str]] | None = None, options: ConvertOptions | None = None,
+    check_more: CheckMore | None = None, options: ConvertOptions | None = None,
 ) -> tuple[StreamedConversion, list[str]]:
     """``check SRC --converted OUT``: an existing converted directory (copied, edited, uploaded) against its
     source, as ``from_pretrained`` loads it: block by block (the source's plan, OUT's weights in the dtypes the
@@ -87,10 +90,18 @@ def check_converted_dir(
     if conv.fp8 is not None:  # describe the directory checked, not a fresh plan
         described = conv.report.section(Fp8Checkpoint)
         scheme = Fp8Reader(written).scheme
-        conv.report.attach(Fp8Checkpoint.from_json({**described.to_json(), "activation_scheme": scheme,
-                                          "calibration": None, "verified_as": READ_BACK[scheme]}))  # fmt: skip
-    more = check_more(conv.report, out) if check_more is not None else []
-    return conv, _reasons(section) + more
+        conv.report = conv.report.with_sections(Fp8Checkpoint.from_json({
+            **described.to_json(), "activation_scheme": scheme, "calibration": None,
+            "verified_as": READ_BACK[scheme]}))  # fmt: skip
+    return conv, _reasons(section) + _check_more(conv, out, check_more)
+
+
+def _check_more(conv: StreamedConversion, out: Path, check_more: CheckMore | None) -> list[str]:
+    """Run ``check_more`` on the written directory: ``conv.report`` becomes the report it returns; its reasons."""
+    if check_more is None:
+        return []
+    conv.report, more = check_more(conv.report, out)
+    return more
 
 
 def _tolerance(tolerance: Any, conv: StreamedConversion) -> Any:

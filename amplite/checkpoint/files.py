@@ -45,7 +45,7 @@ def checkpoint_to_files(
     report: str | Path | None = None,
     verify_max_memory: float | None = None,
     progress: Progress = _no_progress,
-    check_more: Callable[[Report, Path], Any] | None = None,
+    check_more: Callable[[Report, Path], tuple[Report, list[str]]] | None = None,
     options: ConvertOptions | None = None,
     **changes: Any,
 ) -> tuple[StreamedConversion, list[Path], Path]:
@@ -91,14 +91,16 @@ def checkpoint_to_files(
             conv.verify(weights, real, tolerance=tolerance, max_memory_gb=verify_max_memory, progress=progress)
         streamed_peak = peak_rss_bytes()  # before check_more, which may load whole models
         if verify and check_more is not None:
-            check_more(conv.report, weights)
+            conv.report, _ = check_more(conv.report, weights)
     except BaseException:
         for path in written:
             _remove(path)
         raise
     finally:
         _restore_sigterm(previous)
-    conv.report.attach(Outputs.of([{"format": f, "path": str(p), "bytes": _size(p)} for f, p in targets]))
-    conv.report.attach(Streaming.of(streamed_peak, conv.checkpoint.largest_shard_bytes, len(conv.checkpoint.shards)))
+    conv.report = conv.report.with_sections(
+        Outputs.of([{"format": f, "path": str(p), "bytes": _size(p)} for f, p in targets]),
+        Streaming.of(streamed_peak, conv.checkpoint.largest_shard_bytes, len(conv.checkpoint.shards)),
+    )
     conv.report.save(report_path)
     return conv, written, report_path

@@ -222,12 +222,12 @@ class StreamedConversion:
             raise
         fresh = [{"format": f, "path": str(p), "bytes": _size(p)} for f, p in targets]
         # earlier saves stay listed, as for a module's result
-        self.report.attach((self.report.section(Outputs) or Outputs.of([])).with_entries(*fresh))
+        self.report = self.report.with_sections((self.report.section(Outputs) or Outputs.of([])).with_entries(*fresh))
         if verify:
             weights = next((p for f, p in targets if f == "safetensors"), targets[0][1])
             self.verify(weights, inputs, tolerance=self.tolerance, progress=progress)
             if generation is not None:
-                generation(self.report, weights)
+                self.report, _ = generation(self.report, weights)
         return written[0]
 
     def check_loadable(self) -> None:
@@ -292,8 +292,7 @@ class StreamedConversion:
             real = inputs if inputs is not None and not _on_meta(inputs) else real_inputs(self.example, vocab)
             tol = tolerance or DEFAULT_TOLERANCES[precision]
             section = verify_through_loader(self.checkpoint, self.keys, Path(converted_dir), real, tol)
-            self.report.attach(self.report.section(Timings).add(verify=perf_counter() - start))
-            self.report.attach(Verification.from_json(section))
+            self._verified(section, perf_counter() - start)
             return section
         if inputs is None or _on_meta(inputs):
             inputs = random_inputs(self.pipeline.original, vocab)
@@ -325,9 +324,14 @@ class StreamedConversion:
             max_memory=max_memory_gb * 2**30 if max_memory_gb is not None else None, progress=progress,
             converted_hook=hook,
         )  # fmt: skip
-        self.report.attach(self.report.section(Timings).add(verify=perf_counter() - start))
-        self.report.attach(Verification.from_json(section))  # verify_blockwise builds the block-wise section
+        self._verified(section, perf_counter() - start)  # verify_blockwise builds the block-wise section
         return section
+
+    def _verified(self, section: dict[str, Any], seconds: float) -> None:
+        """Rebind :attr:`report` to a new one holding the ``verification`` section and its time (verification
+        runs after the conversion built its report, which is frozen)."""
+        self.report = self.report.with_sections(self.report.section(Timings).add(verify=seconds),
+                                                Verification.from_json(section))  # fmt: skip
 
 
     def _fp8_inputs(self, reader: Fp8Reader) -> Callable[[torch.fx.Node, tuple[Any, ...]], tuple[Any, ...]]:

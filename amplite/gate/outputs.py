@@ -9,7 +9,7 @@ from typing import Any
 from amplite.converter import emit
 from amplite.errors import ConfigError, EmitError
 from amplite.paths import check_output
-from amplite.report.document import Report
+from amplite.report.document import Report, ReportBuilder
 from amplite.report.schema import write_report
 from amplite.report.sections import Check
 from amplite.verify.compare import OutputMetrics
@@ -39,11 +39,16 @@ class CheckResult:
         return self.exit_code == 0
 
 
-def finish(report: Report, reasons: list[str], metrics: list[OutputMetrics], name: str,
+def finish(report: Report | ReportBuilder, reasons: list[str], metrics: list[OutputMetrics], name: str,
             out_dir: Path | None, junit: str | Path | None) -> CheckResult:  # fmt: skip
-    """The verdict (``check`` section, exit code) and the files, the same for every kind of check."""
+    """The verdict (``check`` section, exit code) and the files, the same for every kind of check.
+
+    ``report``: the check's builder (built here, once, with the verdict), or the finished report of the stage
+    that checked (a new report with the verdict is made from it: that one is left as it is).
+    """
     check = Check.of(name, reasons)
-    res = CheckResult(check.exit_code, report.attach(check), reasons, metrics)
+    report = report.add(check).build() if isinstance(report, ReportBuilder) else report.with_sections(check)
+    res = CheckResult(check.exit_code, report, reasons, metrics)
     res.files = write_outputs(report, out_dir, junit)
     return res
 

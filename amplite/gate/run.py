@@ -118,17 +118,17 @@ def check(
         gold = steps.update_golden(s.golden, pair, batches)
     batches = gold.batches if gold is not None else batches
     metrics, drift = steps.verify_batches(pair, batches, gold, tol, timings)
-    report = pair.report
+    report = pair.report.builder()  # the check's report: the conversion's sections and the check's own
     described = data_mod.describe(gold, s.data, s.data_loader, s.random_batches, len(batches))
-    report.attach(Verification.of(metrics, tol, inputs=described, batches=len(batches)))
+    report.add(Verification.of(metrics, tol, inputs=described, batches=len(batches)))
     if gold:
-        report.attach(Golden.of(steps.golden_section(gold, drift, pair.precision, s.update_golden)))
+        report.add(Golden.of(steps.golden_section(gold, drift, pair.precision, s.update_golden)))
     if s.layerwise:
         steps.layerwise(report, pair, batches[0][1], timings)
     grad = steps.gradients(report, pair, batches[0][1], s.loss, s.converted is None, opts, timings) if s.grad else []
     reasons = steps.failures(metrics) + steps.regressions(report, base_line, s.baseline_margin_db) + grad
-    report.attach(report.section(Timings).add(**timings))
-    return finish(report, reasons, metrics, s.name or model_name(model, report.data), out_dir, s.junit)
+    report.add(pair.report.section(Timings).add(**timings))
+    return finish(report, reasons, metrics, s.name or model_name(model, pair.report.data), out_dir, s.junit)
 
 
 check.__signature__ = check_signature(check)  # type: ignore[attr-defined]
@@ -164,7 +164,7 @@ def _check_checkpoint(model: str | Path, example: Any, s: CheckSettings, out_dir
     # with --converted: an existing converted directory against its source, as from_pretrained loads it
     conv, reasons = check_checkpoint(model, example, tolerance=s.tolerance, check_more=generation, options=opts,
                                      converted=s.converted)  # fmt: skip
-    return finish(conv.report.copy(), reasons, [], s.name or Path(model).name, out_dir, s.junit)
+    return finish(conv.report, reasons, [], s.name or Path(model).name, out_dir, s.junit)
 
 
 def _check_training(model: Any, example: Any, s: CheckSettings, out_dir: Path | None,

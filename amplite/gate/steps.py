@@ -14,7 +14,7 @@ from amplite.converter.emit import Recorded, read_conversion
 from amplite.errors import ConfigError, ExportError, InputSpecError
 from amplite.levels import split_precision
 from amplite.options import ConvertOptions
-from amplite.report.document import Report
+from amplite.report.document import Report, ReportBuilder
 from amplite.report.sections import (
     Baseline,
     Config,
@@ -25,6 +25,7 @@ from amplite.report.sections import (
     Plan,
     Ranges,
     Source,
+    Verification,
     Weights,
 )  # fmt: skip
 from amplite.verify import data as data_mod
@@ -48,7 +49,7 @@ class Pair:
 
     ref_prog: ExportedProgram
     conv_prog: ExportedProgram
-    report: Report  # the check's own copy of the conversion report (its sections are attached to it)
+    report: Report  # the conversion report the check starts from (frozen: the check builds its own from it)
     precision: str
     example: Any
     ref_gm: Any = None
@@ -82,7 +83,7 @@ def pair(model: Any, example_inputs: Any, converted: Any, options: ConvertOption
         raise golden_mod.GoldenError(f"the inputs in golden directory {str(golden)!r} do not fit the model: "
                                      f"{exc.problem}", OTHER_MODEL) from exc  # fmt: skip
     if converted is None:
-        pair = Pair(result.original, result.program, result.report.copy(), options.precision_name, result.inputs)
+        pair = Pair(result.original, result.program, result.report, options.precision_name, result.inputs)
     else:
         conv_prog = load_converted(converted)
         recorded = read_conversion(converted) if isinstance(converted, (str, Path)) else None
@@ -98,11 +99,13 @@ def converted_report(reference: Report, facts: Any) -> Report:
     (:class:`~amplite.verify.converted.ConvertedFacts`) in ``config``, ``plan``, ``fp32_nodes``, ``graph``
     and ``weights``."""
     config, graph, weights = reference.section(Config), reference.section(Graph), reference.section(Weights)
-    report = reference.copy()
-    report.attach(Config.of({**(config.to_json() if config else {}), **facts.config}))
-    report.attach(Plan.of(facts.plan)).attach(Fp32Nodes.of(facts.plan))
-    report.attach(Graph.of(graph.before if graph and graph.before else {}, facts.graph_after))
-    return report.attach(Weights.of(weights.bytes_before if weights else 0, facts.weight_bytes))
+    return reference.with_sections(
+        Config.of({**(config.to_json() if config else {}), **facts.config}),
+        Plan.of(facts.plan),
+        Fp32Nodes.of(facts.plan),
+        Graph.of(graph.before if graph and graph.before else {}, facts.graph_after),
+        Weights.of(weights.bytes_before if weights else 0, facts.weight_bytes),
+    )
 
 
 def _converted_precision(options: ConvertOptions, recorded: Recorded | None, program: ExportedProgram,
@@ -161,7 +164,7 @@ def golden_section(gold: Any, drift: list, precision: str, updated: bool) -> dic
     }  # fmt: skip
 
 
-def layerwise(report: Report, pair: Pair, first: Any, timings: dict[str, float]) -> None:
+def layerwise(report: ReportBuilder, pair: Pair, first: Any, timings: dict[str, float]) -> None:
     """Localise the error node by node on the first batch (``layerwise`` and ``ranges`` sections)."""
     from amplite.verify.layerwise import analyze
     from amplite.verify.ranges import summarize
@@ -169,18 +172,18 @@ def layerwise(report: Report, pair: Pair, first: Any, timings: dict[str, float])
     start = perf_counter()
     lw = analyze(pair.ref_gm, pair.conv_gm, data_mod.fit_inputs(pair.ref_gm, first, "batch 0"),
                  data_mod.fit_inputs(pair.conv_gm, first, "batch 0"), pair.low)  # fmt: skip
-    report.attach(Layerwise.of(lw.to_dict()))
-    report.attach(Ranges.of(summarize({e.node: e.range for e in lw.nodes if e.range}, pair.low)))
+    report.add(Layerwise.of(lw.to_dict()), Ranges.of(summarize({e.node: e.range for e in lw.nodes if e.range},
+                                                                pair.low)))  # fmt: skip
     timings["layerwise"] = perf_counter() - start
 
 
-def gradients(report: Report, pair: Pair, first: Any, loss: Any, converted_now: bool,
+def gradients(report: ReportBuilder, pair: Pair, first: Any, loss: Any, converted_now: bool,
                options: ConvertOptions, timings: dict[str, float]) -> list[str]:  # fmt: skip
     """Compare parameter gradients of one backward pass (``gradients`` section); its failure reasons."""
     from amplite.verify.gradcheck import failure_reasons, gradient_check
 
     grad_gm = pair.conv_gm
-    if converted_now and report.pass_modified("fold_batchnorm"):
+    if converted_now and pair.report.pass_modified("fold_batchnorm"):
         from amplite.api import convert  # folded BatchNorm has no parameters to train: check it unfolded
 
         unfolded = convert(pair.ref_prog, pair.example, verify=False, options=options, fold_batchnorm=False)
@@ -189,7 +192,7 @@ def gradients(report: Report, pair: Pair, first: Any, loss: Any, converted_now: 
                            data_mod.fit_inputs(grad_gm, first, "batch 0"), loss=loss, low_dtype=pair.low)  # fmt: skip
     found["graph"] = "unfolded BatchNorm" if grad_gm is not pair.conv_gm else "as converted"
     section = Gradients.of(found)
-    report.attach(section)
+    report.add(section)
     timings["gradients"] = section.seconds or 0.0
     return failure_reasons(found)
 
@@ -204,13 +207,14 @@ def failures(metrics: list[OutputMetrics]) -> list[str]:
     ]  # fmt: skip
 
 
-def regressions(report: Report, base_line: dict[str, Any] | None, margin_db: float) -> list[str]:
+def regressions(report: ReportBuilder, base_line: dict[str, Any] | None, margin_db: float) -> list[str]:
     """Compare with an accepted baseline report (``baseline`` section); one line per regression."""
     if base_line is None:
         return []
-    golden_mod.check_baseline_matches(report.data, base_line)
-    outputs = [o.to_json() for o in report.verified_outputs]
+    source, ver = report.section(Source), report.section(Verification)
+    golden_mod.check_baseline_matches({s.key: s.value for s in (source, ver) if s is not None}, base_line)
+    outputs = [o.to_json() for o in (ver.outputs or ())] if ver is not None else []
     regressions = golden_mod.compare_baseline(outputs, base_line, margin_db)
-    report.attach(Baseline.of(margin_db, regressions, base_line.get("created")))
+    report.add(Baseline.of(margin_db, regressions, base_line.get("created")))
     return [f"{r['output']}: {r['metric']} regressed from {r['baseline']} to {r['current']} (limit {r['limit']})"
             for r in regressions]  # fmt: skip

@@ -66,9 +66,10 @@ class GenerationCheck:
     eval_ids: torch.Tensor | None = None
     metrics: LLMMetrics | None = field(default=None, repr=False)
 
-    def __call__(self, report: Report, converted: Path) -> list[str]:
-        """Measure ``converted`` against the source, attach the ``llm`` section to ``report``, fold the verdict
-        into ``verification.passed``; the failed criteria, one line each (:meth:`reasons`)."""
+    def __call__(self, report: Report, converted: Path) -> tuple[Report, list[str]]:
+        """Measure ``converted`` against the source: a new report (``report`` with the ``llm`` section and the
+        verdict folded into ``verification.passed``; ``report`` is frozen, the caller rebinds) and the failed
+        criteria, one line each (:meth:`reasons`)."""
         metrics = verify_checkpoint(self.source, converted, criteria=self.criteria, steps=self.steps,
                                     prompts=self.prompts, attention_mask=self.attention_mask,
                                     eval_ids=self.eval_ids)  # fmt: skip
@@ -76,12 +77,11 @@ class GenerationCheck:
         dtype = json.loads((converted / "config.json").read_text(encoding="utf-8")).get("dtype", "float32")
         what = CONVERTED_FP8 if is_fp8_dir(converted) else CONVERTED
         dtype = "float8_e4m3fn" if is_fp8_dir(converted) else dtype
-        report.attach(Llm.of({"converted": what, "converted_dtype": str(dtype), **metrics.to_dict(),
-                              "peak_rss_bytes": peak_rss_bytes()}))  # fmt: skip
+        llm = Llm.of({"converted": what, "converted_dtype": str(dtype), **metrics.to_dict(),
+                      "peak_rss_bytes": peak_rss_bytes()})  # fmt: skip
         verification = report.section(Verification)
-        if verification is not None:
-            report.attach(verification.folded(metrics.passed))
-        return self.reasons()
+        folded = (verification.folded(metrics.passed),) if verification is not None else ()
+        return report.with_sections(llm, *folded), self.reasons()
 
     def reasons(self) -> list[str]:
         """The failed criteria, one line each (empty before the call or when every criterion held)."""

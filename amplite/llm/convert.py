@@ -26,7 +26,7 @@ from amplite.llm.step import LMStep, amplite_attention, cache_shape
 from amplite.options import ConvertOptions
 from amplite.options import Verification as VerifySettings
 from amplite.policy import Level
-from amplite.report.sections import Llm, Timings, Verification
+from amplite.report.sections import Llm, Section, Timings, Verification
 from amplite.spec import ConvertSpec
 from amplite.verify.criteria import Tolerance, parse_tolerance
 
@@ -105,16 +105,19 @@ def convert_llm(
             result = _convert_step(model, wanted, spec, check)
         program = LLMProgram(result.program, shape, wanted)
         out = LLMResult(program, result)
-        report = out.report
+        sections: list[Section] = []
         llm = Llm.of({"cache_dtype": str(wanted).removeprefix("torch."), "cache_shape": _shape_text(shape)})
         if verify:
             metrics = verify_llm(program, model, precision=spec.precision_name, tolerance=tol, prompts=prompts,
                                  attention_mask=attention_mask, steps=steps, eval_ids=eval_ids)  # fmt: skip
             out.metrics = metrics
             llm = llm.add(**metrics.to_dict())
-            report.attach((report.section(Verification) or Verification.of([], tol)).folded(metrics.passed))
-        report.attach(llm)
-    report.attach(report.section(Timings).add(llm_total=perf_counter() - start))
+            ver = result.report.section(Verification) or Verification.of([], tol)
+            sections.append(ver.folded(metrics.passed))
+        sections.append(llm)
+    # the step program's sections join the report its conversion built (a new report: reports are frozen)
+    timings = result.report.section(Timings).add(llm_total=perf_counter() - start)
+    result.report = result.report.with_sections(*sections, timings)
     return out
 
 

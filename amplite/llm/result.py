@@ -136,7 +136,9 @@ class LLMResult:
         back."""
         out = self.llm.save(path, self.conversion.recorded_conversion())
         entry = {"format": "pt2", "path": str(out), "bytes": out.stat().st_size}
-        self.report.attach((self.report.section(Outputs) or Outputs.of([])).with_entries(entry))
+        # saved after the report was built (frozen): the conversion holds a new report listing the file
+        conv = self.conversion
+        conv.report = conv.report.with_sections((conv.report.section(Outputs) or Outputs.of([])).with_entries(entry))
         return out
 
 

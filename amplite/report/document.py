@@ -1,9 +1,11 @@
 """The conversion report: a versioned JSON document (schema: amplite/schemas/report.schema.json).
 
 A :class:`Report` is its header (schema, version, creation time, versions) and its typed sections
-(:mod:`amplite.report.sections`), assembled once by :func:`build_report`; later stages add or replace a
-section with :meth:`Report.attach`. Readers take a section by its type (:meth:`Report.section`) and read its
-fields; :attr:`Report.data`, the JSON document the sections write, is read-only.
+(:mod:`amplite.report.sections`), collected by a :class:`ReportBuilder` and built once (:func:`build_report`).
+A built report is frozen: it has no mutating method, its attributes cannot be set and :attr:`Report.data`
+refuses every change. A stage that runs after the report was handed out (a save, a check) makes a NEW report
+with :meth:`Report.with_sections` and its owner rebinds it. Readers take a section by its type
+(:meth:`Report.section`) and read its fields.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import platform
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, TypeVar
+from types import MappingProxyType
+from typing import Any, NoReturn, TypeVar
 
 import torch
 
@@ -38,7 +41,9 @@ from amplite.report.sections import (
 from amplite.verify.compare import OutputMetrics, Tolerance
 from amplite.version import __version__
 
-__all__ = ["HEADER_KEYS", "SCHEMA", "SCHEMA_VERSION", "Report", "as_report", "build_report", "report_header"]
+__all__ = [
+    "HEADER_KEYS", "SCHEMA", "SCHEMA_VERSION", "Report", "ReportBuilder", "as_report", "build_report", "report_header",
+]  # fmt: skip
 
 SCHEMA = "amplite.report"
 SCHEMA_VERSION = 1
@@ -61,21 +66,78 @@ def report_header() -> dict[str, Any]:
     }
 
 
+def _checked(section: Section) -> Section:
+    """``section``, when it is one of the declared sections.
+
+    Raises:
+        InternalError: ``section`` is not one of the declared sections (amplite/report/sections.py).
+    """
+    key = getattr(section, "key", None)
+    if SECTIONS.get(key) is not type(section):  # type: ignore[arg-type]
+        raise InternalError(f"{type(section).__name__} ({key!r}) is no report section: declare it in "
+                            "amplite/report/sections.py (SECTIONS) and the schema")  # fmt: skip
+    return section
+
+
+class ReportBuilder:
+    """Collects the typed sections of one report, then builds it once.
+
+    A section of a kind already collected replaces it (in place in the document order). After
+    :meth:`build`, the builder refuses more sections and a second build (InternalError): the report it
+    built is the one report of what it collected.
+    """
+
+    def __init__(self, base: Report | None = None) -> None:
+        self._header: Mapping[str, Any] = base._header if base is not None else freeze(report_header())
+        self._sections: dict[str, Section] = dict(base._sections) if base is not None else {}
+        self._built = False
+
+    def add(self, *sections: Section) -> ReportBuilder:
+        """Collect ``sections`` (each replaces the one of its kind).
+
+        Raises:
+            InternalError: A section that is not declared, or the report was already built.
+        """
+        if self._built:
+            raise InternalError("this report was already built: a built report is frozen (Report.with_sections "
+                                "makes a new one)")  # fmt: skip
+        checked = [_checked(section) for section in sections]  # all or none: a bad one adds nothing
+        self._sections.update((section.key, section) for section in checked)
+        return self
+
+    def section(self, kind: type[S]) -> S | None:
+        """The collected section of this kind (None when there is none yet)."""
+        found = self._sections.get(kind.key)
+        return found if isinstance(found, kind) else None
+
+    def build(self) -> Report:
+        """The frozen report of the collected sections (once).
+
+        Raises:
+            InternalError: The report was already built.
+        """
+        if self._built:
+            raise InternalError("this report was already built: build it once")
+        self._built = True
+        return Report._of(self._header, self._sections)
+
+
 class Report:
-    """A conversion report: its header and its sections; ``data`` is the (read-only) JSON document.
+    """A conversion report, frozen: its header and its sections; ``data`` is the (read-only) JSON document.
 
     ``Report(document)`` reads a document (as written, or a gate's working copy) back into sections;
-    :func:`build_report` assembles a new one.
+    :func:`build_report` (a :class:`ReportBuilder`) assembles a new one. Nothing changes a report once made:
+    :meth:`with_sections` returns a new one.
 
     Raises:
         InternalError: A document key that is no section of :data:`~amplite.report.sections.SECTIONS`.
     """
 
+    __slots__ = ("_data", "_header", "_sections")
+
     def __init__(self, document: Mapping[str, Any] | None = None) -> None:
         doc = dict(document) if document is not None else report_header()
-        self._header = freeze({k: doc[k] for k in HEADER_KEYS if k in doc})
-        self._sections: dict[str, Section] = {}
-        self._data: FrozenDict | None = None
+        sections: dict[str, Section] = {}
         for key, value in doc.items():
             if key in HEADER_KEYS:
                 continue
@@ -83,32 +145,47 @@ class Report:
                 raise InternalError(f"report key {key!r} is no report section: declare it in "
                                     "amplite/report/sections.py (SECTIONS) and the schema")  # fmt: skip
             try:
-                section = SECTIONS[key].from_json(value)
+                sections[key] = SECTIONS[key].from_json(value)
             except TypeError as exc:
                 raise InternalError(f"report key {key!r} does not hold a {SECTIONS[key].__name__}: {exc}") from exc
-            self.attach(section)
+        self._init(freeze({k: doc[k] for k in HEADER_KEYS if k in doc}), sections)
+
+    def _init(self, header: Mapping[str, Any], sections: Mapping[str, Section]) -> None:
+        own = MappingProxyType(dict(sections))
+        object.__setattr__(self, "_header", header)
+        object.__setattr__(self, "_sections", own)
+        object.__setattr__(self, "_data", FrozenDict({**header, **{k: s.value for k, s in own.items()}}))
+
+    @classmethod
+    def _of(cls, header: Mapping[str, Any], sections: Mapping[str, Section]) -> Report:
+        report = cls.__new__(cls)
+        report._init(header, sections)
+        return report
+
+    def __setattr__(self, name: str, value: Any) -> NoReturn:
+        raise AttributeError(f"a built report is frozen (cannot set {name!r}): Report.with_sections makes a new one")
+
+    def __delattr__(self, name: str) -> NoReturn:
+        raise AttributeError(f"a built report is frozen (cannot delete {name!r})")
 
     @classmethod
     def assemble(cls, sections: Iterable[Section]) -> Report:
         """A new report (header now) holding ``sections``, in order."""
-        report = cls()
-        for section in sections:
-            report.attach(section)
-        return report
+        return ReportBuilder().add(*sections).build()
 
-    def attach(self, section: Section) -> Report:
-        """Add ``section``, or replace the one of its kind; the one way a report changes.
+    def with_sections(self, *sections: Section) -> Report:
+        """A NEW report: this one's header and sections, with ``sections`` added or replacing those of their
+        kind. This report is unchanged; for stages that run after the report was handed out (a save, a check),
+        whose owner rebinds the new one.
 
         Raises:
-            InternalError: ``section`` is not one of the declared sections (amplite/report/sections.py).
+            InternalError: A section that is not declared.
         """
-        key = getattr(section, "key", None)
-        if SECTIONS.get(key) is not type(section):  # type: ignore[arg-type]
-            raise InternalError(f"{type(section).__name__} ({key!r}) is no report section: declare it in "
-                                "amplite/report/sections.py (SECTIONS) and the schema")  # fmt: skip
-        self._sections[section.key] = section
-        self._data = None
-        return self
+        return ReportBuilder(self).add(*sections).build()
+
+    def builder(self) -> ReportBuilder:
+        """A builder holding this report's header and sections (for a stage adding several of its own)."""
+        return ReportBuilder(self)
 
     def section(self, kind: type[S]) -> S | None:
         """The section of this kind (None when the report has none)."""
@@ -117,28 +194,26 @@ class Report:
 
     @property
     def sections(self) -> Mapping[str, Section]:
-        """The sections, by key, in document order."""
-        return dict(self._sections)
+        """The sections, by key, in document order (read-only)."""
+        return self._sections
 
     @property
     def data(self) -> Mapping[str, Any]:
-        """The JSON document, read-only (a change raises ``TypeError``; use :meth:`attach`)."""
-        if self._data is None:
-            self._data = FrozenDict({**self._header, **{k: s.value for k, s in self._sections.items()}})
+        """The JSON document, read-only (a change raises ``TypeError``; :meth:`with_sections` makes a new one)."""
         return self._data
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document as a plain, writable copy."""
         return thaw(self.data)
 
-    def copy(self) -> Report:
-        """An independent report with the same header and sections (sections are immutable: shared)."""
-        other = Report({})
-        other._header, other._sections = self._header, dict(self._sections)
-        return other
+    def __copy__(self) -> Report:
+        return self  # frozen: a copy is the same report
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Report:
-        return self.copy()
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Report, (self.to_dict(),))
 
     @property
     def passed(self) -> bool | None:

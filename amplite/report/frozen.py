@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 __all__ = ["FrozenDict", "FrozenList", "freeze", "thaw"]
 
-_WHY = "a report is read-only: add or replace a section with Report.attach(...) (amplite/report/sections.py)"
+_WHY = "a report is read-only: Report.with_sections(...) makes a new report (amplite/report/document.py)"
 
 
 def _refuse(self: Any, *args: Any, **kwargs: Any) -> NoReturn:

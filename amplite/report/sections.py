@@ -6,7 +6,7 @@ typed field by field (:mod:`amplite.report.typed`; the entries shared by several
 values amplite already has (pass records, output metrics, tolerances, or the JSON value a lower layer built).
 This module holds the sections every conversion writes and the files written; the checks' sections are in
 :mod:`amplite.report.checks` and the analyses' in :mod:`amplite.report.analysis`. :data:`SECTIONS` lists them
-all. :class:`~amplite.report.document.Report` holds sections (``Report.attach`` refuses a type not in
+all. :class:`~amplite.report.document.Report` holds sections (its builder refuses a type not in
 :data:`SECTIONS`); renderers and callers read their fields, never raw keys of the document.
 
 To add a section: a typed subclass with its ``key`` (and ``of`` when it is built from other values), listed in
@@ -295,7 +295,7 @@ class WeightRules(ListSection):
         return cls(items=tuple(WeightRule(module=m, reason=r) for m, r in flagged.items()))
 
 
-#: Every section a report may hold, by key; ``Report.attach`` refuses any other.
+#: Every section a report may hold, by key; ``ReportBuilder.add`` refuses any other.
 SECTIONS: dict[str, type[Section]] = {
     cls.key: cls
     for cls in (

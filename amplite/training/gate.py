@@ -36,7 +36,7 @@ from amplite.errors import ConfigError, InputSpecError
 from amplite.options import ConvertOptions
 from amplite.policy import RuleSource
 from amplite.report.document import Report, build_report
-from amplite.report.sections import Timings, Training
+from amplite.report.sections import Training
 from amplite.spec import ConvertSpec
 from amplite.training.prepare import for_training, prepare_spec
 from amplite.verify.numbers import decode_float, encode_float
@@ -261,13 +261,12 @@ def train_check(
         ),
         "seconds": {"prepare": round(prepare_s, 4), "train": round(train_s, 4)},
     }
-    report = _document(loaded, net, spec, caught)
-    report.attach(Training.of(section)).attach(report.section(Timings).add(**section["seconds"]))
-    return report, reasons
+    return _document(loaded, net, spec, caught, section), reasons
 
 
-def _document(loaded: Any, net: Any, spec: ConvertSpec, caught: list) -> Report:
-    """The common report fields, from the train-mode program and the rewritten graph."""
+def _document(loaded: Any, net: Any, spec: ConvertSpec, caught: list, training: dict[str, Any]) -> Report:
+    """The gate's report, built once: the common fields, from the train-mode program and the rewritten graph,
+    and the ``training`` section (its phase times are the report's ``timings``)."""
     low = spec.precision
     after = sum(t.nbytes for t in {id(t): t for t in [*net.parameters(), *net.buffers()]}.values())
     user = [r for r in spec.overrides if r.source is RuleSource.USER]  # training's own pins are not the user's
@@ -294,8 +293,9 @@ def _document(loaded: Any, net: Any, spec: ConvertSpec, caught: list) -> Report:
         weights=(net.info["weight_bytes_before"], after),
         metrics=None,
         tolerance=None,
-        timings={},
+        timings=training["seconds"],
         warnings=[str(w.message) for w in caught],
+        extra=[Training.of(training)],
     )
 
 
