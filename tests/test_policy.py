@@ -6,7 +6,16 @@ import pytest
 
 from amplite.errors import ConfigError
 from amplite.levels import resolve_level
-from amplite.policy import Level, Override, PrecisionPolicy, make_overrides
+from amplite.policy import (
+    BROADCAST_GATE,
+    RESIDUAL_STREAM,
+    Level,
+    NodeFacts,
+    Override,
+    PrecisionPolicy,
+    RuleSource,
+    make_overrides,
+)
 
 
 def policy(level: str = "O1", keep: tuple[str, ...] = (), low: tuple[str, ...] = ()) -> PrecisionPolicy:
@@ -141,3 +150,40 @@ def test_unknown_precision_in_policy_names_the_choices() -> None:
         PrecisionPolicy("fp8")
     assert "'fp8'" in info.value.problem
     assert "fp16" in info.value.fix and "bf16" in info.value.fix and "fp8" not in info.value.fix
+
+
+@pytest.mark.parametrize(
+    ("level", "facts", "reason"),
+    [
+        # an amax-like normaliser feeding an FP32 op stays FP32 at O1/O2 only, and only when it feeds one
+        ("O1", {"op": "amax.default", "feeds_fp32": True}, "fp32-list:normaliser-feeds-fp32"),
+        ("O2", {"op": "max.dim", "feeds_fp32": True}, "fp32-list:normaliser-feeds-fp32"),
+        ("O3", {"op": "amax.default", "feeds_fp32": True}, "level:O3"),
+        ("O1", {"op": "amax.default"}, "follow-inputs"),
+        ("O1", {"op": "add.Tensor", "feeds_fp32": True}, "follow-inputs"),
+        # the + eps between two FP32 ops stays FP32 at O2 only; an FP32-list op keeps its own reason
+        ("O2", {"op": "add.Tensor", "bridges_fp32": True}, "fp32-island-bridge"),
+        ("O1", {"op": "add.Tensor", "bridges_fp32": True}, "follow-inputs"),
+        ("O3", {"op": "add.Tensor", "bridges_fp32": True}, "level:O3"),
+        ("O2", {"op": "softmax.int", "bridges_fp32": True}, "fp32-list:softmax"),
+        # a residual add a norm reads: O1 and O2, add only
+        ("O1", {"op": "add.Tensor", "feeds_norm": True}, "residual-stream"),
+        ("O2", {"op": "add.Tensor", "feeds_norm": True}, "residual-stream"),
+        ("O3", {"op": "add.Tensor", "feeds_norm": True}, "level:O3"),
+        ("O2", {"op": "mul.Tensor", "feeds_norm": True}, "level:O2"),
+        # a broadcast gate: O1 only, sigmoid-like ops only
+        ("O1", {"op": "sigmoid.default", "broadcast_gate": True}, "broadcast-gate"),
+        ("O1", {"op": "hardsigmoid.default", "broadcast_gate": True}, "broadcast-gate"),
+        ("O2", {"op": "sigmoid.default", "broadcast_gate": True}, "level:O2"),
+        ("O1", {"op": "mul.Tensor", "broadcast_gate": True}, "follow-inputs"),
+        ("O1", {"op": "sigmoid.default"}, "follow-inputs"),
+        ("O0", {"op": "add.Tensor", "feeds_norm": True, "bridges_fp32": True}, "level:O0"),
+    ],
+)
+def test_structure_rules_fire_at_their_levels_and_ops_only(level: str, facts: dict, reason: str) -> None:
+    d = policy(level).decide(NodeFacts(**facts, module="blk", node="n"))
+    assert d.reason == reason
+    assert d.mode == ("low" if reason in ("level:O2", "level:O3") else "follow" if reason == "follow-inputs"
+                      else "fp32")  # fmt: skip
+    structural = reason in ("fp32-list:normaliser-feeds-fp32", "fp32-island-bridge", RESIDUAL_STREAM, BROADCAST_GATE)
+    assert (d.source is RuleSource.STRUCTURE) == structural
