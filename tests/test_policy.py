@@ -187,3 +187,38 @@ def test_structure_rules_fire_at_their_levels_and_ops_only(level: str, facts: di
                       else "fp32")  # fmt: skip
     structural = reason in ("fp32-list:normaliser-feeds-fp32", "fp32-island-bridge", RESIDUAL_STREAM, BROADCAST_GATE)
     assert (d.source is RuleSource.STRUCTURE) == structural
+
+
+def test_unmatched_lists_the_users_rules_no_site_matches_through_the_module_prefix() -> None:
+    user = make_overrides(["module:enc.*", "op:gelu"], ["node:n9"])
+    pins = make_overrides(["op:softmax"], source="training")
+    p = PrecisionPolicy("fp16", Level.O1, user + pins, module_prefix="lm.")
+    left = p.unmatched([("linear.default", "lm.enc.0", "n1")])
+    assert [o.pattern for o in left] == ["op:gelu", "node:n9"], "module rule matched after the prefix; pins never"
+    assert p.unmatched([("gelu.default", "lm.enc.0", "n9"), ("add.Tensor", "lm.dec", "n2")]) == []
+    assert [o.pattern for o in p.unmatched([])] == ["module:enc.*", "op:gelu", "node:n9"]
+
+
+def test_user_module_strips_only_a_whole_prefix() -> None:
+    p = PrecisionPolicy("fp16", Level.O1, module_prefix="lm.")
+    assert (p.user_module("lm.enc.0"), p.user_module("lm"), p.user_module("other.x")) == ("enc.0", "", "other.x")
+    assert PrecisionPolicy("fp16", Level.O1).user_module("lm.enc") == "lm.enc"
+
+
+def test_override_from_a_non_override_layer_names_the_writers() -> None:
+    with pytest.raises(ConfigError) as exc:
+        Override("keep_fp32", "op:gelu", RuleSource.LEVEL)
+    assert exc.value.fix.startswith("use one of: ")
+    named = exc.value.fix.removeprefix("use one of: ").split(", ")
+    assert set(named) == {s.value for s in RuleSource if s.is_override} and len(named) > 1
+
+
+def test_make_overrides_labels_each_list_and_keeps_the_source() -> None:
+    rules = make_overrides(["op:gelu"], ["op:linear"], source="training")
+    assert [(r.action, r.source) for r in rules] == [("keep_fp32", RuleSource.TRAINING),
+                                                     ("force_low", RuleSource.TRAINING)]  # fmt: skip
+    keep = make_overrides(["op:gelu"])[0]
+    with pytest.raises(ConfigError) as exc:
+        make_overrides(force_low=[keep])
+    assert "'op:gelu'" in exc.value.problem and "keep_fp32" in exc.value.problem
+    assert exc.value.fix.startswith("pass it in its own list")
