@@ -9,6 +9,7 @@ from amplite.levels import resolve_level
 from amplite.policy import (
     BROADCAST_GATE,
     RESIDUAL_STREAM,
+    Decision,
     Level,
     NodeFacts,
     Override,
@@ -222,3 +223,37 @@ def test_make_overrides_labels_each_list_and_keeps_the_source() -> None:
         make_overrides(force_low=[keep])
     assert "'op:gelu'" in exc.value.problem and "keep_fp32" in exc.value.problem
     assert exc.value.fix.startswith("pass it in its own list")
+
+
+def test_a_level_given_as_text_is_the_level_the_rules_compare_by_identity() -> None:
+    p = PrecisionPolicy("fp16", "o2")  # type: ignore[arg-type]
+    assert p.level is Level.O2 and p.decide("add.Tensor").reason == "level:O2"
+
+
+def test_an_op_decided_without_module_or_node_matches_no_module_or_node_rule() -> None:
+    p = PrecisionPolicy("fp16", Level.O1, make_overrides(["module:X*", "node:X*"]))
+    assert p.decide("add.Tensor").reason == "follow-inputs"
+    assert p.decide("add.Tensor", "Xenc", "n").mode == "fp32" and p.decide("add.Tensor", "enc", "Xn").mode == "fp32"
+
+
+@pytest.mark.parametrize(
+    ("fp8", "decision", "no_kernel", "overflow", "want"),
+    [
+        ("static", Decision("low", "level:O2"), "", "", ("low", "fp8:static", RuleSource.LEVEL, True)),
+        ("dynamic", Decision("low", "level:O2"), "", "", ("low", "fp8:dynamic", RuleSource.LEVEL, True)),
+        ("static", Decision("low", "level:O2"), "no-weight-operand", "fp8-range:overflow 900",
+         ("low", "fp8-kept:no-weight-operand", RuleSource.OP_TABLE, False)),
+        ("static", Decision("low", "level:O2"), "", "fp8-range:overflow 900",
+         ("low", "fp8-range:overflow 900", RuleSource.RANGE, False)),
+        ("", Decision("low", "level:O2"), "", "", ("low", "level:O2", RuleSource.LEVEL, False)),
+        ("static", Decision("fp32", "fp32-list:softmax", RuleSource.OP_TABLE), "", "",
+         ("fp32", "fp32-list:softmax", RuleSource.OP_TABLE, False)),
+        ("static", Decision("low", "user:low op:linear", RuleSource.USER), "", "",
+         ("low", "user:low op:linear", RuleSource.USER, False)),
+    ],
+)  # fmt: skip
+def test_for_fp8_runs_only_unpinned_low_products_in_fp8(
+    fp8: str, decision: Decision, no_kernel: str, overflow: str, want: tuple
+) -> None:
+    d = PrecisionPolicy("fp16", Level.O2, fp8=fp8).for_fp8(decision, no_kernel, overflow)
+    assert (d.mode, d.reason, d.source, d.fp8) == want
