@@ -22,6 +22,7 @@ from amplite.levels import resolve_level
 from amplite.llm.checkpoint import generation_check
 from amplite.options import ConvertOptions
 from amplite.paths import derived_output, guard_outputs, same_path
+from amplite.report.checks import VerificationAoti, VerificationOnnx
 
 
 @dataclass
@@ -41,9 +42,10 @@ class SavedConversion:
     @property
     def exit_code(self) -> int:
         """0 converted and verified (also in ONNX Runtime when ONNX was written), 1 verification failed."""
-        data = self.result.report.data
-        onnx_ok = (data.get("verification_onnx") or {}).get("passed")
-        aoti_ok = (data.get("verification_aoti") or {}).get("passed")
+        report = self.result.report
+        onnx, aoti = report.section(VerificationOnnx), report.section(VerificationAoti)
+        onnx_ok = onnx.passed if onnx is not None else None
+        aoti_ok = aoti.passed if aoti is not None else None
         return 1 if self.result.passed is False or onnx_ok is False or aoti_ok is False else 0
 
 

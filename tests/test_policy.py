@@ -6,7 +6,17 @@ import pytest
 
 from amplite.errors import ConfigError
 from amplite.levels import resolve_level
-from amplite.policy import Level, Override, PrecisionPolicy, make_overrides
+from amplite.policy import (
+    BROADCAST_GATE,
+    RESIDUAL_STREAM,
+    Decision,
+    Level,
+    NodeFacts,
+    Override,
+    PrecisionPolicy,
+    RuleSource,
+    make_overrides,
+)
 
 
 def policy(level: str = "O1", keep: tuple[str, ...] = (), low: tuple[str, ...] = ()) -> PrecisionPolicy:
@@ -141,3 +151,109 @@ def test_unknown_precision_in_policy_names_the_choices() -> None:
         PrecisionPolicy("fp8")
     assert "'fp8'" in info.value.problem
     assert "fp16" in info.value.fix and "bf16" in info.value.fix and "fp8" not in info.value.fix
+
+
+@pytest.mark.parametrize(
+    ("level", "facts", "reason"),
+    [
+        # an amax-like normaliser feeding an FP32 op stays FP32 at O1/O2 only, and only when it feeds one
+        ("O1", {"op": "amax.default", "feeds_fp32": True}, "fp32-list:normaliser-feeds-fp32"),
+        ("O2", {"op": "max.dim", "feeds_fp32": True}, "fp32-list:normaliser-feeds-fp32"),
+        ("O3", {"op": "amax.default", "feeds_fp32": True}, "level:O3"),
+        ("O1", {"op": "amax.default"}, "follow-inputs"),
+        ("O1", {"op": "add.Tensor", "feeds_fp32": True}, "follow-inputs"),
+        # the + eps between two FP32 ops stays FP32 at O2 only; an FP32-list op keeps its own reason
+        ("O2", {"op": "add.Tensor", "bridges_fp32": True}, "fp32-island-bridge"),
+        ("O1", {"op": "add.Tensor", "bridges_fp32": True}, "follow-inputs"),
+        ("O3", {"op": "add.Tensor", "bridges_fp32": True}, "level:O3"),
+        ("O2", {"op": "softmax.int", "bridges_fp32": True}, "fp32-list:softmax"),
+        # a residual add a norm reads: O1 and O2, add only
+        ("O1", {"op": "add.Tensor", "feeds_norm": True}, "residual-stream"),
+        ("O2", {"op": "add.Tensor", "feeds_norm": True}, "residual-stream"),
+        ("O3", {"op": "add.Tensor", "feeds_norm": True}, "level:O3"),
+        ("O2", {"op": "mul.Tensor", "feeds_norm": True}, "level:O2"),
+        # a broadcast gate: O1 only, sigmoid-like ops only
+        ("O1", {"op": "sigmoid.default", "broadcast_gate": True}, "broadcast-gate"),
+        ("O1", {"op": "hardsigmoid.default", "broadcast_gate": True}, "broadcast-gate"),
+        ("O2", {"op": "sigmoid.default", "broadcast_gate": True}, "level:O2"),
+        ("O1", {"op": "mul.Tensor", "broadcast_gate": True}, "follow-inputs"),
+        ("O1", {"op": "sigmoid.default"}, "follow-inputs"),
+        ("O0", {"op": "add.Tensor", "feeds_norm": True, "bridges_fp32": True}, "level:O0"),
+    ],
+)
+def test_structure_rules_fire_at_their_levels_and_ops_only(level: str, facts: dict, reason: str) -> None:
+    d = policy(level).decide(NodeFacts(**facts, module="blk", node="n"))
+    assert d.reason == reason
+    assert d.mode == ("low" if reason in ("level:O2", "level:O3") else "follow" if reason == "follow-inputs"
+                      else "fp32")  # fmt: skip
+    structural = reason in ("fp32-list:normaliser-feeds-fp32", "fp32-island-bridge", RESIDUAL_STREAM, BROADCAST_GATE)
+    assert (d.source is RuleSource.STRUCTURE) == structural
+
+
+def test_unmatched_lists_the_users_rules_no_site_matches_through_the_module_prefix() -> None:
+    user = make_overrides(["module:enc.*", "op:gelu"], ["node:n9"])
+    pins = make_overrides(["op:softmax"], source="training")
+    p = PrecisionPolicy("fp16", Level.O1, user + pins, module_prefix="lm.")
+    left = p.unmatched([("linear.default", "lm.enc.0", "n1")])
+    assert [o.pattern for o in left] == ["op:gelu", "node:n9"], "module rule matched after the prefix; pins never"
+    assert p.unmatched([("gelu.default", "lm.enc.0", "n9"), ("add.Tensor", "lm.dec", "n2")]) == []
+    assert [o.pattern for o in p.unmatched([])] == ["module:enc.*", "op:gelu", "node:n9"]
+
+
+def test_user_module_strips_only_a_whole_prefix() -> None:
+    p = PrecisionPolicy("fp16", Level.O1, module_prefix="lm.")
+    assert (p.user_module("lm.enc.0"), p.user_module("lm"), p.user_module("other.x")) == ("enc.0", "", "other.x")
+    assert PrecisionPolicy("fp16", Level.O1).user_module("lm.enc") == "lm.enc"
+
+
+def test_override_from_a_non_override_layer_names_the_writers() -> None:
+    with pytest.raises(ConfigError) as exc:
+        Override("keep_fp32", "op:gelu", RuleSource.LEVEL)
+    assert exc.value.fix.startswith("use one of: ")
+    named = exc.value.fix.removeprefix("use one of: ").split(", ")
+    assert set(named) == {s.value for s in RuleSource if s.is_override} and len(named) > 1
+
+
+def test_make_overrides_labels_each_list_and_keeps_the_source() -> None:
+    rules = make_overrides(["op:gelu"], ["op:linear"], source="training")
+    assert [(r.action, r.source) for r in rules] == [("keep_fp32", RuleSource.TRAINING),
+                                                     ("force_low", RuleSource.TRAINING)]  # fmt: skip
+    keep = make_overrides(["op:gelu"])[0]
+    with pytest.raises(ConfigError) as exc:
+        make_overrides(force_low=[keep])
+    assert "'op:gelu'" in exc.value.problem and "keep_fp32" in exc.value.problem
+    assert exc.value.fix.startswith("pass it in its own list")
+
+
+def test_a_level_given_as_text_is_the_level_the_rules_compare_by_identity() -> None:
+    p = PrecisionPolicy("fp16", "o2")  # type: ignore[arg-type]
+    assert p.level is Level.O2 and p.decide("add.Tensor").reason == "level:O2"
+
+
+def test_an_op_decided_without_module_or_node_matches_no_module_or_node_rule() -> None:
+    p = PrecisionPolicy("fp16", Level.O1, make_overrides(["module:X*", "node:X*"]))
+    assert p.decide("add.Tensor").reason == "follow-inputs"
+    assert p.decide("add.Tensor", "Xenc", "n").mode == "fp32" and p.decide("add.Tensor", "enc", "Xn").mode == "fp32"
+
+
+@pytest.mark.parametrize(
+    ("fp8", "decision", "no_kernel", "overflow", "want"),
+    [
+        ("static", Decision("low", "level:O2"), "", "", ("low", "fp8:static", RuleSource.LEVEL, True)),
+        ("dynamic", Decision("low", "level:O2"), "", "", ("low", "fp8:dynamic", RuleSource.LEVEL, True)),
+        ("static", Decision("low", "level:O2"), "no-weight-operand", "fp8-range:overflow 900",
+         ("low", "fp8-kept:no-weight-operand", RuleSource.OP_TABLE, False)),
+        ("static", Decision("low", "level:O2"), "", "fp8-range:overflow 900",
+         ("low", "fp8-range:overflow 900", RuleSource.RANGE, False)),
+        ("", Decision("low", "level:O2"), "", "", ("low", "level:O2", RuleSource.LEVEL, False)),
+        ("static", Decision("fp32", "fp32-list:softmax", RuleSource.OP_TABLE), "", "",
+         ("fp32", "fp32-list:softmax", RuleSource.OP_TABLE, False)),
+        ("static", Decision("low", "user:low op:linear", RuleSource.USER), "", "",
+         ("low", "user:low op:linear", RuleSource.USER, False)),
+    ],
+)  # fmt: skip
+def test_for_fp8_runs_only_unpinned_low_products_in_fp8(
+    fp8: str, decision: Decision, no_kernel: str, overflow: str, want: tuple
+) -> None:
+    d = PrecisionPolicy("fp16", Level.O2, fp8=fp8).for_fp8(decision, no_kernel, overflow)
+    assert (d.mode, d.reason, d.source, d.fp8) == want

@@ -66,40 +66,45 @@ def _inputs(job: dict[str, Any]) -> Any:
 
 
 def _success_row(job: dict[str, Any], result: Any) -> dict[str, Any]:
+    from amplite.report.checks import Verification
+    from amplite.report.sections import Graph, Weights
     from amplite.verify.numbers import decode_float, encode_float
 
-    data = result.report.data
+    report = result.report
     original = result.original
     params = sum(
         int(original.state_dict[n].numel())
         for n in original.graph_signature.parameters
         if n in original.state_dict
     )
-    outputs = data.get("verification", {}).get("outputs", [])
-    floats = [decode_float(o["sqnr_db"]) for o in outputs if o["dtype"].startswith(("float", "bfloat"))]
+    outputs = report.verified_outputs
+    floats = [decode_float(o.sqnr_db) for o in outputs if (o.dtype or "").startswith(("float", "bfloat"))]
     sqnrs = [v for v in floats if v is not None]
     worst = min(sqnrs) if sqnrs else None
     status = {True: "ok", False: "verify_failed"}.get(result.passed, "unverified")  # None: verify off
+    graph, weights = report.section(Graph), report.section(Weights)
+    after = graph.after if graph is not None else None
     row = failure_row(job, status, None)
     row.update(
         params=params,
-        low_precision_share=round(float(data["graph"]["after"]["low_precision_flop_share"]), 4),
-        casts=int(data["graph"]["after"]["casts"]),
-        size_ratio=float(data["weights"]["ratio"]),
+        low_precision_share=round(float(after.low_precision_flop_share or 0.0), 4) if after is not None else None,
+        casts=int(after.casts or 0) if after is not None else None,
+        size_ratio=float(weights.ratio) if weights is not None and weights.ratio is not None else None,
         worst_sqnr_db=encode_float(round(worst, 2)) if worst is not None else None,
         verified=result.passed,
     )
     if result.passed is False:
-        bad = [o for o in outputs if not o["passed"]]
         detail = "; ".join(
-            f"{o['name']}: SQNR {_db(o['sqnr_db'])} dB, cosine {o['cosine']:.5f}"
-            + (f" ({', '.join(o['notes'])})" if o["notes"] else "")
-            for o in bad
+            f"{o.name}: SQNR {_db(o.sqnr_db)} dB, cosine {_cos(o.cosine)}"
+            + (f" ({', '.join(o.notes)})" if o.notes else "")
+            for o in outputs
+            if o.passed is False
         )
-        tol = data["verification"]["tolerance"] or {}
+        ver = report.section(Verification)
+        tol = ver.tolerance if ver is not None else None
         row["error"] = (
-            f"verification failed: {detail} (needs SQNR >= {tol.get('min_sqnr_db')} dB, cosine >= "
-            f"{tol.get('min_cosine')}) — fix: keep the offending ops in FP32 (keep_fp32) or loosen "
+            f"verification failed: {detail} (needs SQNR >= {tol.min_sqnr_db if tol else None} dB, cosine >= "
+            f"{tol.min_cosine if tol else None}) — fix: keep the offending ops in FP32 (keep_fp32) or loosen "
             "'tolerance'; the converted model and report.json are kept for inspection"
         )
     return row
@@ -107,6 +112,10 @@ def _success_row(job: dict[str, Any], result: Any) -> dict[str, Any]:
 
 def _db(value: Any) -> str:
     return f"{value:.1f}" if isinstance(value, (int, float)) else str(value)
+
+
+def _cos(value: Any) -> str:
+    return f"{value:.5f}" if isinstance(value, (int, float)) else str(value)
 
 
 def _classify(exc: BaseException) -> tuple[str, str]:
