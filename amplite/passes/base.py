@@ -14,6 +14,7 @@ around every pass, always: they are part of the run, not a debug mode, so each i
 
 from __future__ import annotations
 
+import abc
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -90,22 +91,26 @@ class Pass(Protocol):
     def ensures(self, gm: torch.fx.GraphModule) -> None: ...
 
 
-class PassBase:
+class PassBase(abc.ABC):
     """Base of amplite's passes: a name and a contract (override ``requires``/``ensures`` to state one).
 
-    The defaults state nothing; a pass that overrides neither says so by inheriting them.
+    The defaults state nothing; a pass that overrides neither says so by inheriting them. A subclass without
+    ``__call__`` cannot be instantiated (abstract).
     """
 
     name = ""
 
-    def __call__(self, gm: torch.fx.GraphModule) -> PassResult:  # pragma: no cover - every pass defines it
-        raise NotImplementedError
+    @abc.abstractmethod
+    def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+        """Run the pass on ``gm``."""
 
     def requires(self, gm: torch.fx.GraphModule) -> None:
         """Raise :class:`PreconditionError` unless ``gm`` is a graph this pass may run on."""
+        return None  # the default states no condition
 
     def ensures(self, gm: torch.fx.GraphModule) -> None:
         """Raise :class:`PostconditionError` unless this pass left ``gm`` as it promises."""
+        return None  # the default states no condition
 
     def refuse_input(self, condition: str) -> PreconditionError:
         """The error for a broken precondition of this pass."""
