@@ -1,13 +1,16 @@
 """FSDP2 (fully_shard) under prepare_training, 2 gloo processes on the CPU: sharded FP32 masters, each layer
 gathered inside its own call and cast by amplite's plan there, FP32 gradients reduce-scattered. The losses
-equal one process training on the concatenated batch; the unsupported combinations are refused in one line
-naming the supported order."""
+equal one process training on the concatenated batch (O1 and O2); O2's low copies live only inside their
+layer's gathered window; under fp16 an overflow on one rank's shard makes every rank skip and rescale; the
+unsupported combinations are refused in one line naming the supported order."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -102,14 +105,17 @@ def _worker(rank: int, port: int, out: str) -> None:
         net.eval()
         with torch.no_grad():
             evaluated = net(xs[0])  # the eval graph, split per unit the same way
+        o2 = _o2_run(xs, ys, mine)
+        fp16 = _fp16_run(xs, ys, mine, rank)
         errors = {
             "after": _error(lambda: _after_order(xs[0][mine])),
-            "O2": _error(lambda: _prepare(_shard(_Model()), xs[0][mine], "O2")),
+            "O3": _error(lambda: _prepare(_shard(_Model()), xs[0][mine], "O3")),
+            "on_change": _error(lambda: _prepare(_shard(_Model()), xs[0][mine], "O2", recast="on_change")),
             "param_dtype": _error(lambda: _prepare(
                 _shard(_Model(), mp_policy=fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)), xs[0][mine], "O1")),
         }  # fmt: skip
         torch.save({"losses": losses, "full": full, "eval": evaluated, "shards": shard_shapes, "ops": ops.seen,
-                    "calls": calls, "errors": errors},
+                    "calls": calls, "errors": errors, "o2": o2, "fp16": fp16},
                    f"{out}/rank{rank}.pt")  # fmt: skip
     finally:
         dist.destroy_process_group()
@@ -127,8 +133,54 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _prepare(model: nn.Module, x: torch.Tensor, level: str) -> None:
-    amplite.prepare_training(model, torch.optim.SGD(model.parameters(), lr=0.1), x, level=level)
+def _prepare(model: nn.Module, x: torch.Tensor, level: str, **kw) -> None:
+    amplite.prepare_training(model, torch.optim.SGD(model.parameters(), lr=0.1), x, level=level, **kw)
+
+
+def _o2_run(xs: torch.Tensor, ys: torch.Tensor, mine: slice) -> dict:
+    """O2 bf16 under FSDP2: the losses, the full parameters, how many low copies outlived each forward."""
+    model = _shard(_Model())
+    net, opt = amplite.prepare_training(model, torch.optim.SGD(model.parameters(), lr=0.2), xs[0][mine],
+                                        precision="bf16", level="O2")  # fmt: skip
+    made: list[weakref.ref] = []
+    low_of = net._copies.low_of
+    net._copies.low_of = lambda m: _noted(low_of(m), made)
+    losses, alive = [], []
+    for k in range(STEPS):
+        with _Ops() as ops:
+            loss = F.cross_entropy(net(xs[k][mine]), ys[k][mine])
+            gc.collect()
+            alive.append(sum(r() is not None for r in made))  # copies held between forward and backward
+            opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / WORLD)
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return {"losses": losses, "full": full, "alive": alive, "made": len(made), "ops": ops.seen,
+            "tracked": sorted(tuple(m.shape) for m, _, _ in net._copies._copies.values())}
+
+
+def _noted(low: torch.Tensor, made: list) -> torch.Tensor:
+    made.append(weakref.ref(low.untyped_storage()))  # the storage: autograd saves views of the copy
+    return low
+
+
+def _fp16_run(xs: torch.Tensor, ys: torch.Tensor, mine: slice, rank: int) -> dict:
+    """fp16 O1 under FSDP2 with an inf planted in rank 0's shard of one gradient at step 1 only."""
+    model = _shard(_Model())
+    net, opt = amplite.prepare_training(model, torch.optim.SGD(model.parameters(), lr=0.2), xs[0][mine],
+                                        precision="fp16", level="O1")  # fmt: skip
+    taken = []
+    for k in range(STEPS):
+        opt.backward(F.cross_entropy(net(xs[k][mine]), ys[k][mine]))
+        if k == 1 and rank == 0:
+            model.blocks[0].fc1.weight.grad._local_tensor[0, 0] = float("inf")
+        taken.append(opt.step())
+        opt.zero_grad()
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return {"history": list(opt.scaler.history), "scale": opt.loss_scale, "taken": taken, "full": full}
 
 
 def _after_order(x: torch.Tensor) -> None:
@@ -189,5 +241,47 @@ def test_fsdp2_masters_are_sharded_gathered_per_block_and_the_plan_applies(ranks
 def test_fsdp2_unsupported_combinations_name_the_supported_order(ranks):
     errors = ranks[0]["errors"]
     assert "fully_shard was applied after prepare_training" in errors["after"] and "apply it first" in errors["after"]
-    assert "level='O1'" in errors["O2"]
+    assert "not O3" in errors["O3"] and "level='O2'" in errors["O3"]
+    assert "recast='on_change'" in errors["on_change"] and "every_forward" in errors["on_change"]
     assert "gathers parameters in bfloat16" in errors["param_dtype"]
+
+
+def test_fsdp2_o2_trains_as_one_process_with_copies_only_inside_the_gathered_window(ranks):
+    xs, ys = _data()
+    model = _Model()
+    net, opt = amplite.prepare_training(model, torch.optim.SGD(model.parameters(), lr=0.2), xs[0], level="O2")
+    ref = []
+    for k in range(STEPS):
+        loss = F.cross_entropy(net(xs[k]), ys[k])
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+    a, b = ranks[0]["o2"], ranks[1]["o2"]
+    assert a["losses"] == b["losses"]
+    assert a["losses"][0] == pytest.approx(ref[0], rel=1e-6)
+    assert a["losses"] == pytest.approx(ref, rel=2e-3)  # bf16 gradients rounded per rank, as at O1
+    for name, p in model.named_parameters():
+        assert torch.equal(a["full"][name], b["full"][name])
+        torch.testing.assert_close(a["full"][name], p.detach(), rtol=0, atol=2e-3)
+    # every Linear weight and bias was cast inside its window at each forward, and none of those copies was
+    # alive between forward and backward: autograd held the FP32 masters and backward recast them
+    linears = sorted(s for m in model.modules() if isinstance(m, nn.Linear) for s in (tuple(m.weight.shape),
+                                                                                      tuple(m.bias.shape)))
+    assert a["tracked"] == linears
+    assert a["made"] == len(linears) * STEPS
+    assert a["alive"] == [0] * STEPS
+    ops = a["ops"]  # forward and backward matmuls in bf16 (backward's weight read recast from the master)
+    assert ("aten.addmm", ("torch.bfloat16",) * 3) in ops
+    assert ("aten.mm", ("torch.bfloat16",) * 2) in ops
+    assert not any(op in ("aten.addmm", "aten.mm") and "torch.float32" in dt for op, dt in ops)
+
+
+def test_fsdp2_fp16_overflow_on_one_rank_skips_and_rescales_on_every_rank(ranks):
+    a, b = ranks[0]["fp16"], ranks[1]["fp16"]
+    # the inf was planted in rank 0's shard only: both ranks found it, skipped step 1 and halved the scale
+    assert a["taken"] == b["taken"] == [True, False, True, True]
+    assert a["history"] == b["history"] == [2.0**16, 2.0**16, 2.0**15, 2.0**15]
+    assert a["scale"] == b["scale"] == 2.0**15
+    for name in a["full"]:
+        assert torch.equal(a["full"][name], b["full"][name])

@@ -16,8 +16,15 @@ the sharded parameters, then ``amplite.prepare_training(model, optimizer, batch,
 
 This is ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)``'s memory layout with amplite's plan
 in compute, except that the all-gather moves FP32 (the cast happens after the gather). So only the default
-``MixedPrecisionPolicy()`` (no ``param_dtype``) is accepted, at O1 (O2's cached copies would keep every
-layer's gathered weights alive) and bf16 (fp16's overflow check is not reduced across shards).
+``MixedPrecisionPolicy()`` (no ``param_dtype``) is accepted. Levels O1 and O2, bf16 and fp16:
+
+- **O2**: the low copies are :class:`~amplite.training.windowed.WindowedCopies`, cast inside each unit's
+  gathered window, dropped when it ends, and recast from the re-gathered parameters in backward.
+- **fp16**: the loss scaler's found-inf verdict is reduced over the masters' meshes
+  (:func:`~amplite.training.scaler.shard_groups`), so every rank skips, steps and rescales alike.
+- **Refused**: O3 (it rounds the masters; here the graph reads the gathered copies, not the shards), the
+  ``on_change`` recast (a copy kept between forwards would outlive its gather), and activation
+  checkpointing inside a unit (see :func:`check_fsdp`).
 """
 
 from __future__ import annotations
@@ -36,9 +43,11 @@ from torch.fx.passes.split_module import split_module
 from amplite.errors import ConfigError
 from amplite.policy import Level
 from amplite.spec import ConvertSpec
+from amplite.training.lowcast import LowCopies
+from amplite.training.windowed import WindowedCopies
 
 ORDER = ("fully_shard each layer and the root, build the optimizer over model.parameters(), then call "
-         "amplite.prepare_training(model, optimizer, batch, precision='bf16', level='O1')")  # fmt: skip
+         "amplite.prepare_training(model, optimizer, batch, precision='bf16', level='O1' or 'O2')")  # fmt: skip
 
 
 def fsdp_units(model: nn.Module) -> dict[str, nn.Module]:
@@ -50,11 +59,12 @@ def fsdp_units(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
 
 
-def check_fsdp(model: nn.Module, spec: ConvertSpec) -> dict[str, nn.Module]:
+def check_fsdp(model: nn.Module, spec: ConvertSpec, recast: str = "every_forward") -> dict[str, nn.Module]:
     """The FSDP units of ``model`` (empty when it is not sharded), after checking amplite can train them.
 
     Raises:
-        ConfigError: A sharded submodule without a sharded root, a ``param_dtype`` policy, O2/O3, fp16.
+        ConfigError: A sharded submodule without a sharded root, a ``param_dtype`` policy, O3, the
+            ``on_change`` recast.
     """
     units = fsdp_units(model)
     if not units:
@@ -71,11 +81,17 @@ def check_fsdp(model: nn.Module, spec: ConvertSpec) -> dict[str, nn.Module]:
                 "plan needs the FP32 values (its FP32 islands) and casts the rest itself after the gather",
                 "fully_shard without mp_policy (or MixedPrecisionPolicy() without param_dtype)",
             )
-    if spec.level not in (Level.O1, Level.O0) or spec.precision is not torch.bfloat16:
+    if spec.level is Level.O3:
         raise ConfigError(
-            f"with fully_shard amplite trains bf16 at O1 (got {spec.precision_name} {spec.level.value}): the "
-            "low-precision copies are made per layer after each gather",
-            f"pass precision='bf16', level='O1' ({ORDER})",
+            "with fully_shard amplite trains at O0, O1 or O2, not O3: O3 rounds the masters, and under FSDP the "
+            "graph reads the gathered copies of the shards, not the shards the optimizer steps",
+            f"pass level='O2' (bf16 weights in compute, FP32 sharded masters) ({ORDER})",
+        )
+    if recast != "every_forward" and spec.level is Level.O2:
+        raise ConfigError(
+            f"recast={recast!r} keeps the low copies between forwards; under fully_shard a copy may live only "
+            "while its layer is gathered",
+            "leave recast='every_forward' (the default) with fully_shard",
         )
     return units
 
@@ -105,29 +121,47 @@ class InUnit(nn.Module):
         unit: The ``fully_shard``-ed module (not registered as a submodule: its parameters are the model's).
     """
 
-    def __init__(self, inner: torch.fx.GraphModule, unit: nn.Module) -> None:
+    def __init__(self, inner: torch.fx.GraphModule, unit: nn.Module, copies: LowCopies | None = None) -> None:
         super().__init__()
         self.inner = inner
         object.__setattr__(self, "_unit", unit)
+        object.__setattr__(self, "_copies", copies)
 
     def forward(self, *args: Any) -> Any:
-        """The part's outputs, computed between the unit's pre- and post-forward hooks."""
-        with _as_forward(self._unit, self.inner):
+        """The part's outputs, computed between the unit's pre- and post-forward hooks (its gathered window:
+        O2's low copies cast in it are dropped before the post-forward hook reshards)."""
+        with _as_forward(self._unit, _windowed(self.inner.forward, self._copies)):
             return self._unit(*args)
 
 
-def run_in_root(model: nn.Module, graph: Any, args: tuple, kwargs: dict) -> Any:
-    """``graph(*args, **kwargs)`` inside the root's ``__call__`` (its hooks: lazy init, the root's gather)."""
-    with _as_forward(model, graph):
+def run_in_root(model: nn.Module, graph: Any, args: tuple, kwargs: dict, copies: LowCopies | None = None) -> Any:
+    """``graph(*args, **kwargs)`` inside the root's ``__call__`` (its hooks: lazy init, the root's gather);
+    with :class:`~amplite.training.windowed.WindowedCopies`, autograd saves masters instead of copies."""
+    saving = copies.saving_masters() if isinstance(copies, WindowedCopies) else contextlib.nullcontext()
+    with saving, _as_forward(model, _windowed(graph.forward, copies)):
         return model(*args, **kwargs)
 
 
+def _windowed(fn: Any, copies: LowCopies | None) -> Any:
+    """``fn`` followed by dropping the window's low copies (before the unit's post-forward hook reshards)."""
+    if not isinstance(copies, WindowedCopies):
+        return fn
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            copies.release()
+
+    return run
+
+
 @contextlib.contextmanager
-def _as_forward(module: nn.Module, graph: Any) -> Iterator[None]:
-    """``module(...)`` calls ``graph`` while inside (an instance attribute: ``nn.Module.__setattr__`` would
+def _as_forward(module: nn.Module, forward: Any) -> Iterator[None]:
+    """``module(...)`` calls ``forward`` while inside (an instance attribute: ``nn.Module.__setattr__`` would
     register a GraphModule as a submodule named ``forward`` and leave the class's forward in place)."""
     previous = module.__dict__.get("forward")
-    object.__setattr__(module, "forward", graph.forward)
+    object.__setattr__(module, "forward", forward)
     try:
         yield
     finally:
@@ -147,9 +181,11 @@ def _unit_of(node: torch.fx.Node, paths: list[str]) -> str | None:
     return found
 
 
-def unit_graph(gm: torch.fx.GraphModule, units: dict[str, nn.Module]) -> torch.fx.GraphModule:
+def unit_graph(gm: torch.fx.GraphModule, units: dict[str, nn.Module], copies: LowCopies | None = None
+               ) -> torch.fx.GraphModule:  # fmt: skip
     """``gm`` split so that each non-root unit's nodes run in :class:`InUnit`; parameters are read inside."""
     paths = [p for p in units if p]
+    _casts_at_first_use(gm.graph)
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
     index = {n: i for i, n in enumerate(nodes)}
     owner: dict[torch.fx.Node, str | None] = {}
@@ -174,11 +210,22 @@ def unit_graph(gm: torch.fx.GraphModule, units: dict[str, nn.Module]) -> torch.f
         if unit:
             sub = getattr(split, call.target)
             _read_inside(split, call, sub)
-            setattr(split, call.target, InUnit(sub, units[unit]))
+            setattr(split, call.target, InUnit(sub, units[unit], copies))
     for node in [n for n in split.graph.nodes if n.op == "get_attr" and not n.users]:
         split.graph.erase_node(node)  # now read inside the parts (no general DCE: a part may only mutate)
     split.recompile()
     return split
+
+
+def _casts_at_first_use(graph: torch.fx.Graph) -> None:
+    """Move each low-copy read (``call_module`` of the copies, placed after its ``get_attr`` at the graph's
+    top) to just before its first user: it then runs in that user's unit, inside its gathered window, rather
+    than in a part of its own whose copy would be handed on after the gather ended."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "amplite_low_copies" and node.users:
+            first = min(node.users, key=order.__getitem__)
+            first.prepend(node)
 
 
 def _read_inside(root: torch.fx.GraphModule, call: torch.fx.Node, sub: torch.fx.GraphModule) -> None:

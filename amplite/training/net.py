@@ -141,7 +141,7 @@ class TrainingNet(nn.Module):
         variant = self._select(args, kwargs)
         graph = variant.train if self.training else variant.eval
         if sharded:
-            out = run_in_root(self.model, graph, args, kwargs)
+            out = run_in_root(self.model, graph, args, kwargs, self._copies)
         elif not self.training or not self._cumulative.modules:
             out = graph(*args, **kwargs)
         else:

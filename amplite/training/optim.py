@@ -21,7 +21,7 @@ from torch import nn
 
 from amplite.errors import AmpliteError
 from amplite.training.lowcast import LowCopies
-from amplite.training.scaler import LossScaler
+from amplite.training.scaler import LossScaler, shard_groups
 
 
 class TrainingError(AmpliteError):
@@ -143,7 +143,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if self._unscaled is not None:
             raise TrainingError("opt.unscale_() was called twice for one step", "call it once, before clipping")
         self._require_backward("opt.unscale_()")
-        self._unscaled = self.scaler.unscale(p.grad for p in self.masters)
+        self._unscaled = self._unscale()
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Unscale, skip on inf/NaN (lowering the scale), step the masters, recast the low copies.
@@ -165,9 +165,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             raise TrainingError("opt.step(closure) under fp16 loss scaling", "use bf16 with a closure optimizer")
         if self.scaler is not None:
             self._require_backward("opt.step()")
-            found_inf = self._unscaled if self._unscaled is not None else self.scaler.unscale(
-                p.grad for p in self.masters
-            )
+            found_inf = self._unscaled if self._unscaled is not None else self._unscale()
             self.scaler.update(found_inf)
         result: Any = None
         if not found_inf:
@@ -214,6 +212,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.copies.refresh()
 
     # -- internals -----------------------------------------------------------------------------------------
+    def _unscale(self) -> bool:
+        """Unscale the masters' gradients; whether any rank sharing their shards found an inf/NaN."""
+        if self.scaler is None:
+            return False
+        masters = self.masters
+        return self.scaler.unscale((p.grad for p in masters), shard_groups(masters))
+
     def _require_backward(self, what: str) -> None:
         if not self._backward_done:
             raise TrainingError(

@@ -28,6 +28,7 @@ from amplite.training.lowcast import LowCopies
 from amplite.training.net import TrainingNet
 from amplite.training.optim import MixedPrecisionOptimizer, check_optimizer, warn_o3
 from amplite.training.variants import initial_dynamic, trace_variant
+from amplite.training.windowed import WindowedCopies
 
 RECASTS = ("every_forward", "on_change")
 
@@ -139,8 +140,9 @@ def prepare_spec(
     inputs = normalize_inputs(example_inputs)
     if inputs is None:
         raise InputSpecError("no example inputs: the model needs a batch to be traced", "pass one batch of inputs")
-    copies = LowCopies(spec.precision, every_forward=recast == "every_forward")
-    units = check_fsdp(model, spec)  # fully_shard-ed: traced unsharded, run per unit
+    units = check_fsdp(model, spec, recast)  # fully_shard-ed: traced unsharded, run per unit
+    copies = WindowedCopies(spec.precision) if units else LowCopies(
+        spec.precision, every_forward=recast == "every_forward")
     tracer = functools.partial(_trace, model, spec, copies, units)
     first = tracer(inputs, initial_dynamic(inputs, model, dynamic_batch, dict(dynamic_dims or {})))
     if lvl is Level.O3:
@@ -168,7 +170,7 @@ def _trace(model: nn.Module, spec: ConvertSpec, copies: LowCopies, units: dict[s
         raise ConfigError("activation checkpointing inside fully_shard-ed layers is not supported by amplite yet",
                           "turn checkpointing off under fully_shard, or use DDP with checkpointing")  # fmt: skip
     variant.flat = variant.flat or variant.train
-    variant.train, variant.eval = unit_graph(variant.flat, units), unit_graph(variant.eval, units)
+    variant.train, variant.eval = unit_graph(variant.flat, units, copies), unit_graph(variant.eval, units, copies)
     return variant
 
 

@@ -2,11 +2,15 @@
 
 The scale starts at 2**16; a step whose gradients hold an inf or NaN is skipped and the scale halves;
 after 2000 clean steps in a row it doubles. The history (scale per step, skipped steps) feeds the reports.
+
+Under FSDP2 each rank holds only its shard of every gradient (a ``DTensor``): an overflow lands in the
+shards of the ranks that own those elements. The found-inf flag is therefore reduced (max) over the
+masters' device meshes before anyone decides, so every rank skips or steps, and rescales, identically.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,11 +39,17 @@ class LossScaler:
     history: list[float] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
 
-    def unscale(self, grads: Iterable[torch.Tensor]) -> bool:
-        """Divide ``grads`` by the scale in place; return whether any of them holds an inf or NaN."""
-        grads = [g for g in grads if g is not None]
+    def unscale(self, grads: Iterable[torch.Tensor], groups: Sequence[Any] = ()) -> bool:
+        """Divide ``grads`` by the scale in place; return whether any of them holds an inf or NaN.
+
+        Args:
+            grads: The gradients (``DTensor`` shards are unscaled in their local tensors).
+            groups: Process groups over which the verdict is reduced (:func:`shard_groups` of the masters):
+                every rank of them must call this at the same step, with or without gradients.
+        """
+        grads = [_local(g) for g in grads if g is not None]
         if not grads:
-            return False
+            return _any_rank(torch.zeros(1), groups)
         found = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
         inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=grads[0].device)
         by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -49,7 +59,7 @@ class LossScaler:
             f = found.to(device)
             torch._amp_foreach_non_finite_check_and_unscale_(group, f, inv.to(device))
             found += f.to(found.device)
-        return bool(found.item())
+        return _any_rank(found, groups)
 
     def update(self, found_inf: bool) -> None:
         """Record the step and adjust the scale (GradScaler's rule)."""
@@ -78,3 +88,36 @@ class LossScaler:
         """Restore what :meth:`state_dict` saved."""
         for key in ("scale", "growth_factor", "backoff_factor", "growth_interval", "growth_tracker"):
             setattr(self, key, type(getattr(self, key))(state[key]))
+
+
+def shard_groups(params: Iterable[torch.Tensor]) -> list[Any]:
+    """The process groups of the device meshes the ``DTensor`` parameters among ``params`` are sharded over
+    (one per mesh dimension; empty for plain tensors, e.g. under DDP, whose gradients are already equal)."""
+    groups: list[Any] = []
+    seen: set[int] = set()
+    for p in params:
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is None or id(mesh) in seen:
+            continue
+        seen.add(id(mesh))
+        for dim in range(mesh.ndim):
+            group = mesh.get_group(dim)
+            if all(group is not g for g in groups):
+                groups.append(group)
+    return groups
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A ``DTensor`` gradient's local shard (its storage: unscaling it unscales the gradient); else ``grad``."""
+    local = getattr(grad, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else grad
+
+
+def _any_rank(found: torch.Tensor, groups: Sequence[Any]) -> bool:
+    """Whether ``found`` is non-zero on any rank of ``groups`` (a max all-reduce per group)."""
+    if groups:
+        import torch.distributed as dist
+
+        for group in groups:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+    return bool(found.item())
