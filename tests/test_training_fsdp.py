@@ -38,17 +38,18 @@ class _Block(nn.Module):
 
 
 class _Model(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, ckpt: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.inp = nn.Linear(8, 16)
         self.blocks = nn.ModuleList(_Block() for _ in range(2))
         self.head = nn.Linear(16, 4)
+        self.ckpt = ckpt
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
         for block in self.blocks:
-            x = block(x)
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.ckpt else block(x)
         return self.head(x)
 
 
@@ -105,7 +106,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         net.eval()
         with torch.no_grad():
             evaluated = net(xs[0])  # the eval graph, split per unit the same way
-        o2 = _o2_run(xs, ys, mine)
+        o2, o2_ckpt = _o2_run(xs, ys, mine), _o2_run(xs, ys, mine, ckpt=True)
         fp16 = _fp16_run(xs, ys, mine, rank)
         errors = {
             "after": _error(lambda: _after_order(xs[0][mine])),
@@ -115,7 +116,7 @@ def _worker(rank: int, port: int, out: str) -> None:
                 _shard(_Model(), mp_policy=fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)), xs[0][mine], "O1")),
         }  # fmt: skip
         torch.save({"losses": losses, "full": full, "eval": evaluated, "shards": shard_shapes, "ops": ops.seen,
-                    "calls": calls, "errors": errors, "o2": o2, "fp16": fp16},
+                    "calls": calls, "errors": errors, "o2": o2, "o2_ckpt": o2_ckpt, "fp16": fp16},
                    f"{out}/rank{rank}.pt")  # fmt: skip
     finally:
         dist.destroy_process_group()
@@ -137,14 +138,16 @@ def _prepare(model: nn.Module, x: torch.Tensor, level: str, **kw) -> None:
     amplite.prepare_training(model, torch.optim.SGD(model.parameters(), lr=0.1), x, level=level, **kw)
 
 
-def _o2_run(xs: torch.Tensor, ys: torch.Tensor, mine: slice) -> dict:
-    """O2 bf16 under FSDP2: the losses, the full parameters, how many low copies outlived each forward."""
-    model = _shard(_Model())
+def _o2_run(xs: torch.Tensor, ys: torch.Tensor, mine: slice, ckpt: bool = False) -> dict:
+    """O2 bf16 under FSDP2: the losses, the full parameters, how many low copies outlived each forward;
+    with ``ckpt`` each block is checkpointed (``recast``: the casts made outside a forward window)."""
+    model = _shard(_Model(ckpt))
     net, opt = amplite.prepare_training(model, torch.optim.SGD(model.parameters(), lr=0.2), xs[0][mine],
                                         precision="bf16", level="O2")  # fmt: skip
     made: list[weakref.ref] = []
-    low_of = net._copies.low_of
-    net._copies.low_of = lambda m: _noted(low_of(m), made)
+    copies, recast = net._copies, []
+    low_of = copies.low_of
+    copies.low_of = lambda m: _noted(low_of(m), made if copies.open else recast)
     losses, alive = [], []
     for k in range(STEPS):
         with _Ops() as ops:
@@ -159,7 +162,8 @@ def _o2_run(xs: torch.Tensor, ys: torch.Tensor, mine: slice) -> dict:
         losses.append(mean.item() / WORLD)
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
     return {"losses": losses, "full": full, "alive": alive, "made": len(made), "ops": ops.seen,
-            "tracked": sorted(tuple(m.shape) for m, _, _ in net._copies._copies.values())}
+            "tracked": sorted(tuple(m.shape) for m, _, _ in copies._copies.values()), "recast": len(recast),
+            "regions": net.info["checkpointed_regions"]}
 
 
 def _noted(low: torch.Tensor, made: list) -> torch.Tensor:
@@ -285,3 +289,16 @@ def test_fsdp2_fp16_overflow_on_one_rank_skips_and_rescales_on_every_rank(ranks)
     assert a["scale"] == b["scale"] == 2.0**15
     for name in a["full"]:
         assert torch.equal(a["full"][name], b["full"][name])
+
+
+def test_fsdp2_checkpointed_blocks_recompute_inside_their_backward_window(ranks):
+    plain, ckpt = ranks[0]["o2"], ranks[0]["o2_ckpt"]
+    assert ckpt["regions"] == 2
+    # the recomputation runs the same ops in the same dtypes on the re-gathered weights: the same training
+    assert ckpt["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+    for name, p in plain["full"].items():
+        torch.testing.assert_close(ckpt["full"][name], p, rtol=0, atol=1e-6)
+    # each block's fc1/fc2 weight and bias were cast again in backward by the recompute (from the parameters
+    # FSDP gathered for that block's backward), outside any forward window, and nothing kept them
+    assert ckpt["recast"] == 2 * 4 * STEPS
+    assert ckpt["alive"] == [0] * STEPS

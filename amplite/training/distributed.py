@@ -22,9 +22,10 @@ in compute, except that the all-gather moves FP32 (the cast happens after the ga
   gathered window, dropped when it ends, and recast from the re-gathered parameters in backward.
 - **fp16**: the loss scaler's found-inf verdict is reduced over the masters' meshes
   (:func:`~amplite.training.scaler.shard_groups`), so every rank skips, steps and rescales alike.
-- **Refused**: O3 (it rounds the masters; here the graph reads the gathered copies, not the shards), the
-  ``on_change`` recast (a copy kept between forwards would outlive its gather), and activation
-  checkpointing inside a unit (see :func:`check_fsdp`).
+- **Activation checkpointing**: each part's checkpointed regions are recomputed inside that part
+  (:func:`unit_graph`), in the unit's backward window.
+- **Refused**: O3 (it rounds the masters; here the graph reads the gathered copies, not the shards) and the
+  ``on_change`` recast (a copy kept between forwards would outlive its gather).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from torch.fx.passes.split_module import split_module
 from amplite.errors import ConfigError
 from amplite.policy import Level
 from amplite.spec import ConvertSpec
+from amplite.training.checkpointing import checkpoint_graph
 from amplite.training.lowcast import LowCopies
 from amplite.training.windowed import WindowedCopies
 
@@ -148,9 +150,11 @@ def _windowed(fn: Any, copies: LowCopies | None) -> Any:
         return fn
 
     def run(*args: Any, **kwargs: Any) -> Any:
+        copies.open += 1
         try:
             return fn(*args, **kwargs)
         finally:
+            copies.open -= 1
             copies.release()
 
     return run
@@ -181,11 +185,18 @@ def _unit_of(node: torch.fx.Node, paths: list[str]) -> str | None:
     return found
 
 
-def unit_graph(gm: torch.fx.GraphModule, units: dict[str, nn.Module], copies: LowCopies | None = None
-               ) -> torch.fx.GraphModule:  # fmt: skip
-    """``gm`` split so that each non-root unit's nodes run in :class:`InUnit`; parameters are read inside."""
+def unit_graph(gm: torch.fx.GraphModule, units: dict[str, nn.Module], copies: LowCopies | None = None,
+               recompute: bool = False) -> torch.fx.GraphModule:  # fmt: skip
+    """``gm`` split so that each non-root unit's nodes run in :class:`InUnit`; parameters are read inside.
+
+    With ``recompute`` each part's checkpointed regions (:func:`~amplite.training.checkpointing.checkpoint_graph`)
+    are recomputed in backward *inside* the part: a unit's recompute then runs in that unit's backward, after
+    FSDP's pre-backward hook gathered its parameters again (as FSDP2 with ``checkpoint_wrapper`` does). A region
+    spanning several units is recomputed piece by piece, one piece per unit.
+    """
     paths = [p for p in units if p]
     _casts_at_first_use(gm.graph)
+    gm.recompile()
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
     index = {n: i for i, n in enumerate(nodes)}
     owner: dict[torch.fx.Node, str | None] = {}
@@ -201,16 +212,18 @@ def unit_graph(gm: torch.fx.GraphModule, units: dict[str, nn.Module], copies: Lo
             part, last = part + 1, owner[node]
         parts[node] = part
     if not any(owner.values()):
-        return gm
+        return checkpoint_graph(gm)[0] if recompute else gm
     split = split_module(gm, gm, lambda n: parts[n], keep_original_order=True, keep_original_node_name=True)
     split.graph._codegen = copy.deepcopy(gm.graph._codegen)
     of_part = {parts[n]: owner[n] for n in nodes}
     for call in [n for n in split.graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]:
         unit = of_part.get(int(call.target.removeprefix("submod_")))
+        sub = getattr(split, call.target)
         if unit:
-            sub = getattr(split, call.target)
             _read_inside(split, call, sub)
-            setattr(split, call.target, InUnit(sub, units[unit], copies))
+        if recompute:
+            sub = checkpoint_graph(sub)[0]
+        setattr(split, call.target, InUnit(sub, units[unit], copies) if unit else sub)
     for node in [n for n in split.graph.nodes if n.op == "get_attr" and not n.users]:
         split.graph.erase_node(node)  # now read inside the parts (no general DCE: a part may only mutate)
     split.recompile()

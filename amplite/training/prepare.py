@@ -166,11 +166,10 @@ def _trace(model: nn.Module, spec: ConvertSpec, copies: LowCopies, units: dict[s
         return trace_variant(model, inputs, spec, dynamic, copies)
     with unsharded(model, units):
         variant = trace_variant(model, inputs, spec, dynamic, copies)
-    if variant.info["checkpointed_regions"]:
-        raise ConfigError("activation checkpointing inside fully_shard-ed layers is not supported by amplite yet",
-                          "turn checkpointing off under fully_shard, or use DDP with checkpointing")  # fmt: skip
     variant.flat = variant.flat or variant.train
-    variant.train, variant.eval = unit_graph(variant.flat, units, copies), unit_graph(variant.eval, units, copies)
+    recompute = bool(variant.info["checkpointed_regions"])  # recomputed per unit part, in its backward window
+    variant.train = unit_graph(variant.flat, units, copies, recompute=recompute)
+    variant.eval = unit_graph(variant.eval, units, copies)
     return variant
 
 

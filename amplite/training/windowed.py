@@ -8,7 +8,8 @@ reshard). :class:`WindowedCopies` keeps O2's copies inside those windows:
   the gathered FP32 parameter, and the cache forgets it when the part ends (:meth:`release`);
 - what autograd would save of a copy (the bf16 weight a matmul needs for its input gradient) is saved as
   a reference to the FP32 master instead (:meth:`saving_masters`): backward recasts it from the parameter
-  FSDP has gathered again for that unit's backward. So no copy outlives its window: between forward and
+  FSDP has gathered again for that unit's backward (a checkpointed region recomputed there casts afresh
+  too, outside any window, and nothing caches that copy). So no copy outlives its window: between forward and
   backward a sharded layer holds neither its FP32 nor its low-precision full weights, as under FSDP's own
   ``MixedPrecisionPolicy(param_dtype=...)``, at the cost of one cast per weight in backward.
 """
@@ -60,6 +61,7 @@ class WindowedCopies(LowCopies):
         super().__init__(dtype, every_forward=True)
         self.casts = 0  # copies cast in forward windows (for tests and reports)
         self._window: dict[int, torch.Tensor] = {}  # storage address of a copy made in the open window -> master
+        self.open = 0  # forward windows entered and not yet left (0 in backward)
 
     def low_of(self, master: torch.Tensor) -> torch.Tensor:
         """The copy of ``master`` for the open window (cast now from the gathered parameter if not yet)."""
@@ -68,6 +70,8 @@ class WindowedCopies(LowCopies):
             return entry[1]
         with torch.no_grad():
             low = master.detach().to(self.dtype)
+        if not self.open:  # a checkpointed region recomputed in backward: a copy for that recompute only
+            return low
         self._copies[id(master)] = (master, low, self._stamp(master))
         key = _storage(low)
         if key:
