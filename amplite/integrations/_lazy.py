@@ -115,3 +115,33 @@ def patch_forward(module: nn.Module, forward: Callable[..., Any]) -> Callable[[]
         module.__dict__.pop("forward", None)
 
     return undo
+
+
+def patch_call(module: nn.Module, call: Callable[..., Any]) -> Callable[[], None]:
+    """Make ``module(...)`` call ``call`` *before* the module's own hooks run; return the undo.
+
+    For a ``fully_shard``-ed root: its pre-forward hook would gather the root's parameters (swapping them
+    for the unsharded ones) before a patched ``forward`` could prepare, and the net runs the graph inside a
+    root call of its own. So ``call`` runs outside, and any ``module(...)`` made while it runs (the net's,
+    ``torch.export``'s) is the class's ordinary call, hooks included. Done as FSDP2 itself does, with a
+    subclass made for this one instance.
+    """
+    cls = type(module)
+    inside = [False]
+
+    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self is not module or inside[0]:
+            return cls.__call__(self, *args, **kwargs)
+        inside[0] = True
+        try:
+            return call(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    module.__class__ = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+
+    def undo() -> None:
+        if type(module).__bases__ == (cls,):
+            module.__class__ = cls
+
+    return undo

@@ -31,7 +31,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from amplite.errors import AmpliteError, ConfigError
-from amplite.integrations._lazy import LazyAmplite, original_forward, patch_forward
+from amplite.integrations._lazy import LazyAmplite, original_forward, patch_call, patch_forward
+from amplite.training.distributed import fsdp_units
 
 
 class AmplitePrecision(Precision):
@@ -81,7 +82,10 @@ class AmplitePrecision(Precision):
                     self.amp.prepare(target, optimizer, args, kwargs)
             return self.amp.forward(target, *args, **kwargs)
 
-        self._undo = patch_forward(target, forward)
+        # a fully_shard-ed target (ModelParallelStrategy's configure_model ran before this) is entered before
+        # FSDP's hooks: they gather the root's parameters, which the trace and the graph's own call must see sharded
+        patch = patch_call if fsdp_units(target) else patch_forward
+        self._undo = patch(target, forward)
         return module
 
     def _target(self, module: nn.Module) -> nn.Module:
@@ -173,12 +177,15 @@ class AmplitePrecision(Precision):
 
 
 def _refuse_sharded(trainer: Any) -> None:
-    """DDP-style strategies train through the converted forward (the model DDP wraps calls it); a strategy
-    that shards or re-wraps the parameters (FSDP, DeepSpeed) would hand the graph parameters it never read."""
+    """DDP-style strategies train through the converted forward (the model DDP wraps calls it), and so does
+    ``ModelParallelStrategy`` (FSDP2: ``fully_shard`` in ``configure_model``, traced per unit). ``FSDPStrategy``
+    (FSDP1) flattens the parameters into ``FlatParameter``s and re-wraps the module after ``configure_model``,
+    handing the graph parameters it never read; DeepSpeed likewise."""
     name = type(getattr(trainer, "strategy", None)).__name__
     if "FSDP" in name or "DeepSpeed" in name:
         raise ConfigError(
-            f"AmplitePrecision does not run under Lightning's {name}: it shards the parameters the converted "
-            "graph reads",
-            "use strategy='ddp' (or 'ddp_spawn') with AmplitePrecision, or Lightning's own precision with FSDP",
+            f"AmplitePrecision does not run under Lightning's {name}: it flattens and re-wraps the parameters "
+            "the converted graph reads (FSDP1/DeepSpeed)",
+            "shard with FSDP2 instead: strategy=ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1) "
+            "and fully_shard the layers and the converted module in configure_model (or use strategy='ddp')",
         )
