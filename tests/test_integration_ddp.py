@@ -2,7 +2,7 @@
 WORLD_SIZE in the environment): Lightning's ``strategy="ddp"`` with ``AmplitePrecision`` and transformers'
 ``AmpliteTrainer`` (Accelerate's multi-process DDP). Ranks start from different weights; they must end with
 identical weights, and the losses and weights must equal one process training on the same global batches.
-Lightning's FSDP strategy is refused with the supported alternative."""
+Lightning's FSDP1 strategy is refused naming the supported alternatives (FSDP2: tests/test_integration_fsdp.py)."""
 
 from __future__ import annotations
 
@@ -168,12 +168,12 @@ def test_trainer_ddp_matches_one_process_on_the_global_batches(ranks, tmp_path):
         torch.testing.assert_close(sd0[k], v, rtol=0, atol=2e-3)
 
 
-def test_lightning_fsdp_strategy_is_refused_naming_ddp():
+def test_lightning_fsdp1_strategy_is_refused_naming_model_parallel_and_ddp():
     from lightning.pytorch.strategies import FSDPStrategy
 
     from amplite.integrations.lightning import _refuse_sharded
 
     # Lightning builds FSDP only on GPUs; the plugin's check reads the trainer's strategy
     trainer = type("T", (), {"strategy": FSDPStrategy()})()
-    with pytest.raises(ConfigError, match=r"FSDPStrategy.*strategy='ddp'"):
+    with pytest.raises(ConfigError, match=r"FSDPStrategy.*FSDP1.*ModelParallelStrategy.*strategy='ddp'"):
         _refuse_sharded(trainer)

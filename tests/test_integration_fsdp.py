@@ -1,7 +1,7 @@
 """FSDP2 through Lightning, 2 gloo processes on the CPU launched as torchrun would: ``ModelParallelStrategy``
 (``configure_model`` applies ``fully_shard`` on the data-parallel mesh) with ``AmplitePrecision``. The ranks end
-with identical full weights and train as one process on the global batches.
-Lightning's FSDP1 ``strategy="fsdp"`` is refused, naming the FSDP2 route."""
+with identical full weights and train as one process on the global batches. (Lightning's FSDP1
+``strategy="fsdp"`` is refused naming this route: tests/test_integration_ddp.py.)"""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ pl = pytest.importorskip("lightning.pytorch")  # optional extra: amplite[lightni
 fsdp = pytest.importorskip("torch.distributed.fsdp")  # a torch built without distributed has no FSDP2
 
 import amplite  # noqa: E402
-from amplite.errors import ConfigError  # noqa: E402
 from amplite.integrations.lightning import AmplitePrecision  # noqa: E402
 
 B, STEPS, WORLD = 4, 4, 2  # per-rank batch, optimizer steps; the global batch is WORLD * B
@@ -146,13 +145,3 @@ def test_lightning_model_parallel_fsdp2_matches_one_process_on_the_global_batche
     for name, p in ref.named_parameters():
         torch.testing.assert_close(a["full"][name], p.detach(), rtol=0, atol=2e-3)
 
-
-def test_lightning_fsdp1_strategy_is_refused_naming_model_parallel():
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    from amplite.integrations.lightning import _refuse_sharded
-
-    # Lightning builds its FSDP1 strategy only on GPUs; the plugin's check reads the trainer's strategy
-    trainer = type("T", (), {"strategy": FSDPStrategy()})()
-    with pytest.raises(ConfigError, match=r"FSDPStrategy.*ModelParallelStrategy"):
-        _refuse_sharded(trainer)

@@ -145,9 +145,9 @@ def _o2_run(xs: torch.Tensor, ys: torch.Tensor, mine: slice, ckpt: bool = False)
     net, opt = amplite.prepare_training(model, torch.optim.SGD(model.parameters(), lr=0.2), xs[0][mine],
                                         precision="bf16", level="O2")  # fmt: skip
     made: list[weakref.ref] = []
-    copies, recast = net._copies, []
+    copies, recast, shapes = opt.copies, [], []
     low_of = copies.low_of
-    copies.low_of = lambda m: _noted(low_of(m), made if copies.open else recast)
+    copies.low_of = lambda m: _noted(low_of(m), made, shapes) if copies.open else _noted(low_of(m), recast)
     losses, alive = [], []
     for k in range(STEPS):
         with _Ops() as ops:
@@ -162,12 +162,14 @@ def _o2_run(xs: torch.Tensor, ys: torch.Tensor, mine: slice, ckpt: bool = False)
         losses.append(mean.item() / WORLD)
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
     return {"losses": losses, "full": full, "alive": alive, "made": len(made), "ops": ops.seen,
-            "tracked": sorted(tuple(m.shape) for m, _, _ in copies._copies.values()), "recast": len(recast),
+            "tracked": sorted(shapes[: len(shapes) // STEPS]), "recast": len(recast),
             "regions": net.info["checkpointed_regions"]}
 
 
-def _noted(low: torch.Tensor, made: list) -> torch.Tensor:
+def _noted(low: torch.Tensor, made: list, shapes: list | None = None) -> torch.Tensor:
     made.append(weakref.ref(low.untyped_storage()))  # the storage: autograd saves views of the copy
+    if shapes is not None:
+        shapes.append(tuple(low.shape))
     return low
 
 
@@ -180,7 +182,7 @@ def _fp16_run(xs: torch.Tensor, ys: torch.Tensor, mine: slice, rank: int) -> dic
     for k in range(STEPS):
         opt.backward(F.cross_entropy(net(xs[k][mine]), ys[k][mine]))
         if k == 1 and rank == 0:
-            model.blocks[0].fc1.weight.grad._local_tensor[0, 0] = float("inf")
+            model.blocks[0].fc1.weight.grad.to_local()[0, 0] = float("inf")  # this rank's shard only
         taken.append(opt.step())
         opt.zero_grad()
     full = {n: p.full_tensor() for n, p in model.named_parameters()}

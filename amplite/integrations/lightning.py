@@ -11,6 +11,9 @@ Built on Lightning's ``Precision`` plugin API, in place of ``precision="bf16-mix
   ``accumulate_grad_batches`` accumulates in FP32). ``optimizer_step`` runs the closure, unscales, lets
   Lightning clip (``gradient_clip_val``: the masters, via ``main_params``) and steps through amplite
   (skipping fp16 steps with inf/NaN, refreshing the low-precision copies).
+- Under ``ModelParallelStrategy`` (FSDP2: ``fully_shard`` in ``configure_model``) the sharded module is
+  entered before FSDP's hooks (:func:`~amplite.integrations._lazy.patch_call`), so it is traced and run as
+  ``prepare_training`` does for a ``fully_shard``-ed model; FSDP1's ``FSDPStrategy`` and DeepSpeed are refused.
 - ``state_dict``/``load_state_dict`` carry the loss scaler, so a Lightning checkpoint resumes it; the model's
   ``state_dict`` (the checkpoint's weights) is the FP32 masters and the optimizer state is the user's.
 """

@@ -16,7 +16,8 @@ scaling) instead of autocast: the Trainer runs on a copy of the arguments with a
 
 The model itself keeps the FP32 master weights, so ``save_model``/``save_pretrained`` write the FP32 checkpoint
 that ``from_pretrained`` loads. Multi-process DDP (``torchrun``, ``accelerate launch``) trains through the
-converted forward of the model DDP wraps; FSDP and DeepSpeed are refused (see docs/training.md).
+converted forward of the model DDP wraps; Accelerate's FSDP and DeepSpeed are refused, naming the FSDP2 routes
+(see docs/training.md).
 """
 
 from __future__ import annotations
@@ -239,14 +240,17 @@ class AmpliteTrainer(transformers.Trainer):
 
 def _refuse_sharded(accelerator: Any) -> None:
     """Under DDP the model the Trainer calls is ``DDP(model)``, whose forward reaches the converted one (so the
-    reducer sees every gradient); FSDP and DeepSpeed shard the parameters the converted graph reads."""
+    reducer sees every gradient). Accelerate's FSDP (1 and 2) and DeepSpeed shard, reload and re-wrap the model
+    in ``prepare``; Accelerate builds FSDP for GPU process types only, so the Trainer route cannot be tested
+    on the CPU and stays refused, naming the FSDP2 routes that are tested."""
     kind = str(getattr(accelerator, "distributed_type", "")).upper()
     if "FSDP" in kind or "DEEPSPEED" in kind:
         raise ConfigError(
-            f"AmpliteTrainer does not run under {kind.split('.')[-1]}: it shards the parameters the converted graph "
-            "reads",
-            "train with DDP (torchrun / accelerate launch without an FSDP or DeepSpeed config), or with the "
-            "Trainer's own bf16=True under FSDP",
+            f"AmpliteTrainer does not run under {kind.split('.')[-1]}: Accelerate shards and re-wraps the parameters "
+            "the converted graph reads",
+            "train with DDP (torchrun / accelerate launch without an FSDP or DeepSpeed config); for FSDP2 use "
+            "fully_shard + amplite.prepare_training in your loop, or Lightning's ModelParallelStrategy with "
+            "AmplitePrecision; or the Trainer's own bf16=True under FSDP",
         )
 
 
