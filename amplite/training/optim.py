@@ -217,7 +217,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if self.scaler is None:
             return False
         masters = self.masters
-        return self.scaler.unscale((p.grad for p in masters), shard_groups(masters))
+        device = masters[0].device if masters else None
+        return self.scaler.unscale((p.grad for p in masters), shard_groups(masters), device)
 
     def _require_backward(self, what: str) -> None:
         if not self._backward_done:

@@ -39,17 +39,21 @@ class LossScaler:
     history: list[float] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
 
-    def unscale(self, grads: Iterable[torch.Tensor], groups: Sequence[Any] = ()) -> bool:
+    def unscale(
+        self, grads: Iterable[torch.Tensor], groups: Sequence[Any] = (), device: torch.device | None = None
+    ) -> bool:
         """Divide ``grads`` by the scale in place; return whether any of them holds an inf or NaN.
 
         Args:
             grads: The gradients (``DTensor`` shards are unscaled in their local tensors).
             groups: Process groups over which the verdict is reduced (:func:`shard_groups` of the masters):
                 every rank of them must call this at the same step, with or without gradients.
+            device: Where the flag lives when this rank has no gradient (the masters' device: NCCL reduces
+                CUDA tensors only).
         """
         grads = [_local(g) for g in grads if g is not None]
         if not grads:
-            return _any_rank(torch.zeros(1), groups)
+            return _any_rank(torch.zeros(1, device=device), groups)
         found = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
         inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=grads[0].device)
         by_device: dict[torch.device, list[torch.Tensor]] = {}
