@@ -47,3 +47,28 @@ def test_views_and_in_place_results_add_nothing_and_reset_peak_restarts():
         assert live.peak_bytes - start == 1024
         del c, v
         assert live.live_bytes == start
+
+
+def test_bench_train_big_judges_the_live_peak_beside_the_resident_set():
+    from bench.bench_train_big import render, targets
+
+    row = {
+        "params_m": 1.0,
+        "step_ms": 10.0,
+        "prepared_mb": 0.0,
+        "prepare_s": 0.0,
+        "first_step_s": 1.0,
+        "loss_last": 1.0,
+    }
+    rows = {("m", "autocast"): {**row, "peak_mb": 100.0, "live_peak_mb": 80.0, "live_peak_op": "aten.mm.default"},
+            ("m", "amplite-O1"): {**row, "peak_mb": 110.0, "live_peak_mb": 79.0, "live_peak_op": "aten.mm.default"},
+            ("m", "amplite-O2"): {**row, "peak_mb": 90.0, "live_peak_mb": None, "live_peak_op": ""}}  # fmt: skip
+    judged = {(what, lvl): (value, met) for _, what, value, _, met in targets(rows) for lvl in [what.split()[0]]}
+    assert judged[("amplite-O1 / autocast peak memory (RSS)", "amplite-O1")] == (1.1, False)
+    assert judged[("amplite-O1 / autocast peak memory (live tensors)", "amplite-O1")] == (79 / 80, True)
+    assert judged[("amplite-O2 / autocast peak memory (live tensors)", "amplite-O2")] == (None, False)  # not measured
+    meta = {"command": "c", "date": "d", "machine": "m", "wall_s": 60.0, "load_before": [1.0], "load_after": [1.0],
+            "rounds": 1, "steps": 1, "warmup": 1, "live_steps": 1, "probe_text": "p"}  # fmt: skip
+    table = render(rows, meta)
+    assert "| m | 1.0 | amplite-O1 | 10 |  | 110 | 79 | `mm.default` |" in table
+    assert "| m | 1.0 | amplite-O2 | 10 |  | 90 | – |  |" in table
