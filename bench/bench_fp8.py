@@ -132,14 +132,14 @@ def _first(out: Any) -> torch.Tensor:
 @contextlib.contextmanager
 def plain_amax_scales() -> Iterator[None]:
     """Inside the block, static scales are amax/448 of the calibration data (the choice before measured scales)."""
-    import amplite.converter.pipeline as pipeline
+    import amplite.converter.fp8_scales as fp8_scales  # the calibration pass looks it up when it runs
 
-    chosen = pipeline.choose_input_scales
-    pipeline.choose_input_scales = lambda gm, batches, ranges: dict(ranges)
+    chosen = fp8_scales.choose_input_scales
+    fp8_scales.choose_input_scales = lambda gm, batches, ranges: dict(ranges)
     try:
         yield
     finally:
-        pipeline.choose_input_scales = chosen
+        fp8_scales.choose_input_scales = chosen
 
 
 @contextlib.contextmanager
