@@ -3,7 +3,7 @@
 Usage: ``python bench/bench_fp8.py [--models distilbert,gpt2,...] [--json OUT] [--threads N] [--quick | --no-search]``
 (``--quick``: one conversion per model, :func:`run_quick`; the full row below converts seven times;
 ``--no-search``: the all-FP8 columns only, without the two default conversions and their budget search
-nor the ``.pt2`` sizes).
+nor the ``.pt2`` sizes; ``--static-only``: fewer still, the two static columns against the baseline).
 
 Per model (``bench/corpus.py``: published configurations, seeded random weights, nothing downloaded), the
 SQNR of the first output (logits) against the FP32 model, pooled over the example inputs and
@@ -60,6 +60,9 @@ COLUMNS = ("model", "fp8 static dB", "act-only static dB", "amax/448 static dB",
 #: The columns of a ``--no-search`` row.
 NO_SEARCH_COLUMNS = ("model", "fp8 static dB", "act-only static dB", "amax/448 static dB", "fp8 dynamic dB",
                      "per-tensor dynamic dB", "bf16 dB", "fp8 nodes", "kept low", "seconds")  # fmt: skip
+#: The columns of a ``--static-only`` row.
+STATIC_COLUMNS = ("model", "fp8 static dB", "act-only static dB", "per-tensor dynamic dB", "fp8 nodes", "kept low",
+                  "seconds")  # fmt: skip
 #: Held-out batches (beyond the example inputs) the SQNR columns pool over: none is a calibration batch.
 EVAL_BATCHES = 2
 
@@ -199,9 +202,10 @@ QUICK_COLUMNS = ("model", "outputs", "all-FP8 static dB", "per-tensor dynamic dB
                  "FP8 nodes left", "moved", "candidates", "trials", "search s", "convert s", "seconds")  # fmt: skip
 
 
-def run_model(name: str, search: bool = True) -> dict[str, Any]:
+def run_model(name: str, search: bool = True, static_only: bool = False) -> dict[str, Any]:
     """One row for corpus model ``name``: the SQNRs, the default conversion's budget, the size ratio
-    (``search=False``: the all-FP8 columns only, :data:`NO_SEARCH_COLUMNS`)."""
+    (``search=False``: the all-FP8 columns only, :data:`NO_SEARCH_COLUMNS`; ``static_only``:
+    :data:`STATIC_COLUMNS`)."""
     import amplite
     from bench.corpus import CASES
 
@@ -226,15 +230,17 @@ def run_model(name: str, search: bool = True) -> dict[str, Any]:
     with plain_weight_scales():
         act_only = amplite.convert(model, (args, kwargs), precision="fp8", calibration=calib,
                                    fallback_search=False)  # fmt: skip
+    counters = next(p["counters"] for p in static.report.data["passes"] if p["name"] == "fp8_matmul")
+    kept = sum(v for k, v in counters.items() if k.startswith("kept_low:"))
+    row = {"model": name, "fp8 static dB": pooled(static), "act-only static dB": pooled(act_only),
+           "per-tensor dynamic dB": baseline, "fp8 nodes": counters.get("fp8_nodes", 0), "kept low": kept}
+    if static_only:
+        return {**row, "seconds": perf_counter() - start}
     with plain_amax_scales():
         amax = amplite.convert(model, (args, kwargs), precision="fp8", calibration=calib, fallback_search=False)
     dynamic = amplite.convert(model, (args, kwargs), precision="fp8", fallback_search=False)
     bf16 = amplite.convert(model, (args, kwargs), precision="bf16", level="O2")
-    counters = next(p["counters"] for p in static.report.data["passes"] if p["name"] == "fp8_matmul")
-    kept = sum(v for k, v in counters.items() if k.startswith("kept_low:"))
-    row = {"model": name, "fp8 static dB": pooled(static), "act-only static dB": pooled(act_only),
-           "amax/448 static dB": pooled(amax), "fp8 dynamic dB": pooled(dynamic), "per-tensor dynamic dB": baseline,
-           "bf16 dB": pooled(bf16), "fp8 nodes": counters.get("fp8_nodes", 0), "kept low": kept}  # fmt: skip
+    row = {**row, "amax/448 static dB": pooled(amax), "fp8 dynamic dB": pooled(dynamic), "bf16 dB": pooled(bf16)}
     if not search:
         return {**row, "seconds": perf_counter() - start}
     t0 = perf_counter()
@@ -274,6 +280,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         help="one conversion per model (fp8's default with calibration): the short row")
     parser.add_argument("--no-search", action="store_true",
                         help="the all-FP8 columns only: no default conversion (budget search), no sizes")
+    parser.add_argument("--static-only", action="store_true",
+                        help="the two static columns and the per-tensor dynamic baseline only")
     ns = parser.parse_args(argv)
     if ns.threads:
         torch.set_num_threads(ns.threads)
@@ -283,9 +291,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(f"machine: {cpu}; {torch.get_num_threads()} torch threads; torch {torch.__version__}; GPU: {gpu or 'none'}")
     rows = []
     for name in ns.models.split(","):
-        rows.append(run_quick(name) if ns.quick else run_model(name, search=not ns.no_search))
+        rows.append(run_quick(name) if ns.quick else run_model(name, not ns.no_search, ns.static_only))
         print(f"{name}: {json.dumps(rows[-1])}", flush=True)
-    print(table(rows, QUICK_COLUMNS if ns.quick else NO_SEARCH_COLUMNS if ns.no_search else COLUMNS))
+    columns = QUICK_COLUMNS if ns.quick else STATIC_COLUMNS if ns.static_only else \
+        NO_SEARCH_COLUMNS if ns.no_search else COLUMNS
+    print(table(rows, columns))
     if ns.json:
         ns.json.write_text(json.dumps({"machine": cpu, "rows": rows}, indent=1))
     return rows
