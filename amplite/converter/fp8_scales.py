@@ -45,7 +45,7 @@ from torch.fx._pytree import tree_flatten_spec
 
 from amplite import op_tables
 from amplite.ops.fp8_numerics import E4M3_MAX, FP8_DTYPE, dequantize, quantize, scale_from_amax
-from amplite.passes.fp8_sites import stored_weight
+from amplite.passes.fp8_sites import shared_weight, stored_weight
 from amplite.passes.range_guard import ValueRange
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -60,14 +60,15 @@ MAX_ROWS = 1024
 
 
 def fp8_products(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, torch.fx.Node, torch.Tensor]]:
-    """``(product, activation, weight [out, in])`` of every product with a stored 2-D weight."""
+    """``(product, activation, weight [out, in])`` of every product with a stored 2-D weight that may run in
+    FP8 (not one shared with an embedding: ``passes.fp8_sites.shared_weight`` keeps those bf16)."""
     out = []
     for node in gm.graph.nodes:
         spec = op_tables.FP8_WEIGHT_OPS.get(op_tables.op_name(node.target) or "")
         if node.op != "call_function" or spec is None or len(node.args) <= spec[1]:
             continue
         x, w = node.args[spec[0]], stored_weight(node.args[spec[1]])
-        if not isinstance(x, torch.fx.Node) or w is None:
+        if not isinstance(x, torch.fx.Node) or w is None or shared_weight(w):
             continue
         tensor = operator.attrgetter(str(w.target))(gm)
         if isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and tensor.dtype.is_floating_point:

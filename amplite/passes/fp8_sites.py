@@ -33,7 +33,7 @@ def stored_weight(node: object) -> torch.fx.Node | None:
     return node if isinstance(node, torch.fx.Node) and node.op == "get_attr" else None
 
 
-def _shared(w: torch.fx.Node) -> bool:
+def shared_weight(w: torch.fx.Node) -> bool:
     """Whether the tensor ``w`` reads is also read by something that cannot run in FP8 (an embedding tied to
     the LM head): an e4m3 copy would add its bytes beside the one kept for that reader."""
     gm = w.graph.owning_module
@@ -75,7 +75,7 @@ def fp8_fact(
     xv, wv = fake_value(x), fake_value(w)
     if w is None or not isinstance(wv, torch.Tensor) or wv.dim() != 2 or not wv.dtype.is_floating_point:
         return "no-weight-operand", "", None
-    if _shared(w):
+    if shared_weight(w):
         return "shared-weight", "", None
     if not isinstance(xv, torch.Tensor) or xv.dim() < 1 or not xv.dtype.is_floating_point:
         return "no-float-activation", "", None
