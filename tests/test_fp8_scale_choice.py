@@ -68,7 +68,7 @@ def test_static_scales_beat_per_tensor_dynamic_scaling_on_held_out_inputs() -> N
             with per_tensor_dynamic(net):
                 baseline = pooled_sqnr(refs, [net(x) for x in held])
         margins.append(static - baseline)
-    # measured here: +0.5 to +0.7 dB on each draw; amax/448 weight scales per channel: -0.09 to +0.07
+    # measured here: +0.5 to +0.7 dB on each draw; amax/448 weight scales per channel: -0.09 to +0.08
     assert min(margins) >= 0.0 and sum(margins) / len(margins) >= 0.3, margins
 
 
