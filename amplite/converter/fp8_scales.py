@@ -12,9 +12,9 @@ format, so a scale changed by a power of two moves every value by whole binades 
 period two (up to subnormals); what the scale decides within an octave is where the largest values fall on
 the 3-bit mantissa grid. Among the candidates whose error is within ``TIE`` (1 %, 0.04 dB) of the least,
 the largest wins: headroom costs nothing measurable on the calibration data and keeps a larger value at run
-time from saturating at ``448·scale``. Measuring the product's output error instead (the input error
-weighted by the weight) chose the same scales to within 0.1 dB per layer on ViT-B/16 and the fixtures
-(bench/RESULTS.md, "FP8 — where static lost").
+time from saturating at ``448·scale``. Measuring the product's output error instead moved the held-out
+per-layer SQNR of the fixtures by at most 0.25 dB either way (±0.1 dB on average): no gain, so the
+objective stays the input's (bench/RESULTS.md, "FP8 — where static lost").
 
 **Weight scales** (one per output channel). Each channel's scale maps ``amax_n · 2^(k/8)`` onto 448, ``k =
 0 … 7`` (``amax/448`` and every alignment of the top octave above it: nothing saturates), chosen per
