@@ -1,7 +1,9 @@
 """FP8 fidelity and size on the transformers corpus: amplite's ``--precision fp8`` against the baselines.
 
-Usage: ``python bench/bench_fp8.py [--models distilbert,gpt2,...] [--json OUT] [--threads N] [--quick]``
-(``--quick``: one conversion per model, :func:`run_quick`; the full row below converts six times).
+Usage: ``python bench/bench_fp8.py [--models distilbert,gpt2,...] [--json OUT] [--threads N] [--quick | --no-search]``
+(``--quick``: one conversion per model, :func:`run_quick`; the full row below converts seven times;
+``--no-search``: the all-FP8 columns only, without the two default conversions and their budget search
+nor the ``.pt2`` sizes; ``--static-only``: fewer still, the two static columns against the baseline).
 
 Per model (``bench/corpus.py``: published configurations, seeded random weights, nothing downloaded), the
 SQNR of the first output (logits) against the FP32 model, pooled over the example inputs and
@@ -10,8 +12,10 @@ SQNR of the first output (logits) against the FP32 model, pooled over the exampl
 * **fp8 static**: every eligible product in FP8 (``fallback_search=False``), calibrated on two *other*
   batches (token ids rolled along the sequence, images mirrored or darkened, features jittered):
   per-tensor activation scales chosen by measured error (``amplite/converter/fp8_scales.py``),
-  per-output-channel weight scales; **amax/448 static**: the same with plain amax/448 activation scales
-  (the choice before measured scales, patched in for this column);
+  per-output-channel weight scales chosen by the measured error of each product's output on the same
+  batches; **act-only static**: the same with each weight channel's scale its own amax/448 (activation
+  scales still measured: the choice before measured weight scales, patched in for this column);
+  **amax/448 static**: plain amax/448 activation and weight scales (the choice before measured scales);
 * **fp8 dynamic**: all-FP8 without calibration: per-token activation scales at run time;
 * **per-tensor dynamic**: the vLLM on-the-fly baseline (``--quantization fp8`` without a checkpoint): every
   ``nn.Linear`` / GPT-2 ``Conv1D`` with one scale for the activation (from the current batch) and one for the
@@ -49,9 +53,16 @@ from torch.utils import _pytree as pytree
 from amplite.ops.fp8_numerics import dequantize, quantize, scale_from_amax
 
 DEFAULT_MODELS = ("distilbert", "gpt2", "vit-b16", "t5-small")
-COLUMNS = ("model", "fp8 static dB", "amax/448 static dB", "fp8 dynamic dB", "per-tensor dynamic dB", "bf16 dB",
-           "fp8 nodes", "kept low", "default dB", "default held-out dB", "moved", "trials", "default s",
-           "default dynamic dB", "dynamic moved", "size fp8/bf16", "seconds")  # fmt: skip
+COLUMNS = ("model", "fp8 static dB", "act-only static dB", "amax/448 static dB", "fp8 dynamic dB",
+           "per-tensor dynamic dB", "bf16 dB", "fp8 nodes", "kept low", "default dB", "default held-out dB",
+           "moved", "trials", "default s", "default dynamic dB", "dynamic moved", "size fp8/bf16",
+           "seconds")  # fmt: skip
+#: The columns of a ``--no-search`` row.
+NO_SEARCH_COLUMNS = ("model", "fp8 static dB", "act-only static dB", "amax/448 static dB", "fp8 dynamic dB",
+                     "per-tensor dynamic dB", "bf16 dB", "fp8 nodes", "kept low", "seconds")  # fmt: skip
+#: The columns of a ``--static-only`` row.
+STATIC_COLUMNS = ("model", "fp8 static dB", "act-only static dB", "per-tensor dynamic dB", "fp8 nodes", "kept low",
+                  "seconds")  # fmt: skip
 #: Held-out batches (beyond the example inputs) the SQNR columns pool over: none is a calibration batch.
 EVAL_BATCHES = 2
 
@@ -124,14 +135,27 @@ def _first(out: Any) -> torch.Tensor:
 @contextlib.contextmanager
 def plain_amax_scales() -> Iterator[None]:
     """Inside the block, static scales are amax/448 of the calibration data (the choice before measured scales)."""
-    import amplite.converter.pipeline as pipeline
+    import amplite.converter.fp8_scales as fp8_scales  # the calibration pass looks it up when it runs
 
-    chosen = pipeline.choose_input_scales
-    pipeline.choose_input_scales = lambda gm, batches, ranges: dict(ranges)
+    chosen = fp8_scales.choose_input_scales
+    fp8_scales.choose_input_scales = lambda gm, batches, ranges: dict(ranges)
     try:
         yield
     finally:
-        pipeline.choose_input_scales = chosen
+        fp8_scales.choose_input_scales = chosen
+
+
+@contextlib.contextmanager
+def plain_weight_scales() -> Iterator[None]:
+    """Inside the block, each FP8 weight channel's scale is its own amax/448 (activation scales still measured)."""
+    import amplite.converter.fp8_scales as fp8_scales
+
+    chosen = fp8_scales.weight_amaxes
+    fp8_scales.weight_amaxes = lambda w, x: w.detach().float().abs().amax(dim=1)
+    try:
+        yield
+    finally:
+        fp8_scales.weight_amaxes = chosen
 
 
 def pooled_sqnr(refs: list[torch.Tensor], outs: list[torch.Tensor]) -> float:
@@ -178,8 +202,10 @@ QUICK_COLUMNS = ("model", "outputs", "all-FP8 static dB", "per-tensor dynamic dB
                  "FP8 nodes left", "moved", "candidates", "trials", "search s", "convert s", "seconds")  # fmt: skip
 
 
-def run_model(name: str) -> dict[str, Any]:
-    """One row for corpus model ``name``: the SQNRs, the default conversion's budget, the size ratio."""
+def run_model(name: str, search: bool = True, static_only: bool = False) -> dict[str, Any]:
+    """One row for corpus model ``name``: the SQNRs, the default conversion's budget, the size ratio
+    (``search=False``: the all-FP8 columns only, :data:`NO_SEARCH_COLUMNS`; ``static_only``:
+    :data:`STATIC_COLUMNS`)."""
     import amplite
     from bench.corpus import CASES
 
@@ -201,10 +227,22 @@ def run_model(name: str) -> dict[str, Any]:
         return float(r.report.data["verification"]["outputs"][0]["sqnr_db"])
 
     static = amplite.convert(model, (args, kwargs), precision="fp8", calibration=calib, fallback_search=False)
+    with plain_weight_scales():
+        act_only = amplite.convert(model, (args, kwargs), precision="fp8", calibration=calib,
+                                   fallback_search=False)  # fmt: skip
+    counters = next(p["counters"] for p in static.report.data["passes"] if p["name"] == "fp8_matmul")
+    kept = sum(v for k, v in counters.items() if k.startswith("kept_low:"))
+    row = {"model": name, "fp8 static dB": pooled(static), "act-only static dB": pooled(act_only),
+           "per-tensor dynamic dB": baseline, "fp8 nodes": counters.get("fp8_nodes", 0), "kept low": kept}
+    if static_only:
+        return {**row, "seconds": perf_counter() - start}
     with plain_amax_scales():
         amax = amplite.convert(model, (args, kwargs), precision="fp8", calibration=calib, fallback_search=False)
     dynamic = amplite.convert(model, (args, kwargs), precision="fp8", fallback_search=False)
     bf16 = amplite.convert(model, (args, kwargs), precision="bf16", level="O2")
+    row = {**row, "amax/448 static dB": pooled(amax), "fp8 dynamic dB": pooled(dynamic), "bf16 dB": pooled(bf16)}
+    if not search:
+        return {**row, "seconds": perf_counter() - start}
     t0 = perf_counter()
     default = amplite.convert(model, (args, kwargs), precision="fp8", calibration=calib)  # fp8's defaults
     default_s = perf_counter() - t0
@@ -214,12 +252,7 @@ def run_model(name: str) -> dict[str, Any]:
         bf16.save(Path(tmp) / "bf16.pt2")
         size = (Path(tmp) / "fp8.pt2").stat().st_size / (Path(tmp) / "bf16.pt2").stat().st_size
     budget = default.report.data.get("budget", {})
-    counters = next(p["counters"] for p in static.report.data["passes"] if p["name"] == "fp8_matmul")
-    kept = sum(v for k, v in counters.items() if k.startswith("kept_low:"))
-    return {"model": name, "fp8 static dB": pooled(static), "amax/448 static dB": pooled(amax),
-            "fp8 dynamic dB": pooled(dynamic), "per-tensor dynamic dB": baseline, "bf16 dB": pooled(bf16),
-            "fp8 nodes": counters.get("fp8_nodes", 0), "kept low": kept,
-            "default dB": db(default), "default held-out dB": pooled(default),
+    return {**row, "default dB": db(default), "default held-out dB": pooled(default),
             "moved": f"{len(budget.get('moved_to_fp32', []))}",
             "trials": f"{budget.get('trials', 0)}/{budget.get('trial_bound', 0)}", "default s": default_s,
             "default dynamic dB": db(default_dyn),
@@ -245,6 +278,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--threads", type=int)
     parser.add_argument("--quick", action="store_true",
                         help="one conversion per model (fp8's default with calibration): the short row")
+    parser.add_argument("--no-search", action="store_true",
+                        help="the all-FP8 columns only: no default conversion (budget search), no sizes")
+    parser.add_argument("--static-only", action="store_true",
+                        help="the two static columns and the per-tensor dynamic baseline only")
     ns = parser.parse_args(argv)
     if ns.threads:
         torch.set_num_threads(ns.threads)
@@ -254,9 +291,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     print(f"machine: {cpu}; {torch.get_num_threads()} torch threads; torch {torch.__version__}; GPU: {gpu or 'none'}")
     rows = []
     for name in ns.models.split(","):
-        rows.append(run_quick(name) if ns.quick else run_model(name))
+        rows.append(run_quick(name) if ns.quick else run_model(name, not ns.no_search, ns.static_only))
         print(f"{name}: {json.dumps(rows[-1])}", flush=True)
-    print(table(rows, QUICK_COLUMNS if ns.quick else COLUMNS))
+    columns = QUICK_COLUMNS if ns.quick else STATIC_COLUMNS if ns.static_only else \
+        NO_SEARCH_COLUMNS if ns.no_search else COLUMNS
+    print(table(rows, columns))
     if ns.json:
         ns.json.write_text(json.dumps({"machine": cpu, "rows": rows}, indent=1))
     return rows

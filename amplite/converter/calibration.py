@@ -298,7 +298,7 @@ class Calibrate(PassBase):
         self.require_unplanned(gm)
 
     def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
-        from amplite.converter.fp8_scales import choose_input_scales
+        from amplite.converter.fp8_scales import choose_input_scales, scale_counters
 
         ranges = collect_ranges(gm, self.batches, self.percentile)
         if self.fp8_scales:
@@ -306,6 +306,8 @@ class Calibrate(PassBase):
         self.ranges.clear()
         self.ranges.update(ranges)
         counters: Counter[str] = Counter(batches=len(self.batches), ranges=len(self.ranges))
+        if self.fp8_scales:
+            counters.update(scale_counters(gm, ranges))
         return PassResult(gm, False, counters)
 
     def ensures(self, gm: torch.fx.GraphModule) -> None:

@@ -2,7 +2,10 @@
 
 One convention everywhere, the one ``torch._scaled_mm``, vLLM and ModelOpt use: a tensor ``x`` is stored
 as ``q = saturate(x / scale)`` in e4m3 and read back as ``q.float() * scale``; ``scale = amax / E4M3_MAX``,
-so the largest magnitude maps onto the format's largest finite value (448). Scales are FP32.
+so the largest magnitude maps onto the format's largest finite value (448). Scales are FP32. A
+calibrated module may map a larger ``amax`` onto 448 (headroom: static activation scales and, per output
+channel, weight scales chosen by measured error in ``amplite.converter.fp8_scales``); the codes are
+always ``saturate(x / scale)`` with the scale stored beside them.
 """
 
 from __future__ import annotations
@@ -32,21 +35,26 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     return (q.float() * scale.float()).to(dtype)
 
 
-def quantize_weight(w: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(
+    w: torch.Tensor, per_channel: bool = True, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A ``[out, in, ...]`` weight as e4m3 with FP32 scales.
 
     Args:
         w: The weight; dim 0 is the output channel.
         per_channel: One scale per output channel (shape ``[out, 1, ...]``); False: one per tensor
             (shape ``[]``).
+        amax: Per channel only: the magnitude each channel's scale maps onto 448 (``[out]``; at least the
+            channel's own maximum, or it saturates); default each channel's maximum.
 
     Returns:
         ``(q, scale)`` with ``dequantize(q, scale) ≈ w``.
     """
     w32 = w.detach().float()
     if per_channel and w32.dim() >= 1:
-        amax = w32.abs().reshape(w32.shape[0], -1).amax(dim=1)
-        scale = scale_from_amax(amax).reshape((w32.shape[0],) + (1,) * (w32.dim() - 1))
+        if amax is None:
+            amax = w32.abs().reshape(w32.shape[0], -1).amax(dim=1)
+        scale = scale_from_amax(amax.float().reshape(-1)).reshape((w32.shape[0],) + (1,) * (w32.dim() - 1))
     else:
         scale = scale_from_amax(w32.abs().amax() if w32.numel() else torch.tensor(0.0))
     return quantize(w32, scale), scale

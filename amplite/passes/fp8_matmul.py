@@ -7,13 +7,15 @@ Reads ``meta[FP8_KEY]`` (an :class:`~amplite.passes.meta.Fp8Site`, written by ``
 Guarantees afterwards: every node with an FP8 site computes ``fp8_linear(x, w_e4m3, w_scale, x_scale, bias)``
 with its name, module stack and output (dtype and shape) unchanged, and its plan entry's dtype is
 ``float8_e4m3fn``. Weights are quantized once per tensor, per output channel (scale = amax/448, FP32,
-:mod:`amplite.ops.fp8_numerics`); a weight every reader of which runs in FP8 is replaced by its e4m3 copy
+:mod:`amplite.ops.fp8_numerics`; with calibration data, each channel's amax as ``converter.fp8_scales``
+chose it by the measured output error); a weight every reader of which runs in FP8 is replaced by its e4m3 copy
 under its own name (its FP32 tensor leaves the program: the ``.pt2`` shrinks), with its scales beside it as
 ``<name>_scale``; a weight something else also reads (an embedding tied to the LM head) keeps its tensor
 and the FP8 copy is added. Static activation scales are FP32 scalars ``amplite_fp8_input_scale_<node>``.
 New tensors only: the module shares storage with the user's model.
 
-Counters: ``fp8_nodes``, ``weights_fp8``, ``bytes_saved``, and ``kept_low:<reason>`` for each compute-bound
+Counters: ``fp8_nodes``, ``weights_fp8``, ``weight_scales_measured`` (weights whose per-channel scales
+calibration chose), ``bytes_saved``, and ``kept_low:<reason>`` for each compute-bound
 node the plan kept in the low dtype (no FP8 kernel, an overflowing range, a pin), by reason.
 """
 
@@ -95,7 +97,7 @@ class Fp8Matmul(PassBase):
             tensor = getattr(owner, attr)
             key = (id(tensor), site["layout"])
             if key not in done:
-                done[key] = self._store(gm, node, src, tensor, site["layout"], aliases, counters)
+                done[key] = self._store(gm, node, src, tensor, site, aliases, counters)
             weight, scale_name = done[key]
             with gm.graph.inserting_before(node):
                 w_node = weight if isinstance(weight, torch.fx.Node) else self._get_attr(gm, weight, mode)
@@ -132,14 +134,22 @@ class Fp8Matmul(PassBase):
         node: torch.fx.Node,
         src: torch.fx.Node,
         tensor: torch.Tensor,
-        layout: str,
+        site: Fp8Site,
         aliases: dict[int, list[tuple[nn.Module, str]]],
         counters: Counter[str],
     ) -> tuple[torch.fx.Node | str, str]:
         """Quantize ``tensor`` once; returns its e4m3 weight (the reused ``get_attr`` node when replaced in
-        place, else a new attribute's name) and its scale attribute's name."""
+        place, else a new attribute's name) and its scale attribute's name. Per output channel, the scale
+        maps the site's calibrated ``w_amax`` onto 448 where calibration chose one (the first product
+        reading the tensor decides), else the channel's maximum."""
+        layout, w_amax = site["layout"], site.get("w_amax")
         w32 = tensor.detach().float()
-        q, scale = quantize_weight(w32 if layout == "nk" else w32.t(), per_channel=True)
+        w_nk = w32 if layout == "nk" else w32.t()
+        if w_amax is None:
+            q, scale = quantize_weight(w_nk, per_channel=True)
+        else:
+            q, scale = quantize_weight(w_nk, True, w_amax)
+            counters["weight_scales_measured"] += 1
         q = q if layout == "nk" else q.t().contiguous()  # stored in the tensor's own layout
         scale = scale.reshape(-1)
         readers = [n for n in gm.graph.nodes if n.op == "get_attr" and _holds(gm, n, tensor)]

@@ -33,7 +33,7 @@ def stored_weight(node: object) -> torch.fx.Node | None:
     return node if isinstance(node, torch.fx.Node) and node.op == "get_attr" else None
 
 
-def _shared(w: torch.fx.Node) -> bool:
+def shared_weight(w: torch.fx.Node) -> bool:
     """Whether the tensor ``w`` reads is also read by something that cannot run in FP8 (an embedding tied to
     the LM head): an e4m3 copy would add its bytes beside the one kept for that reader."""
     gm = w.graph.owning_module
@@ -75,7 +75,7 @@ def fp8_fact(
     xv, wv = fake_value(x), fake_value(w)
     if w is None or not isinstance(wv, torch.Tensor) or wv.dim() != 2 or not wv.dtype.is_floating_point:
         return "no-weight-operand", "", None
-    if _shared(w):
+    if shared_weight(w):
         return "shared-weight", "", None
     if not isinstance(xv, torch.Tensor) or xv.dim() < 1 or not xv.dtype.is_floating_point:
         return "no-float-activation", "", None
@@ -83,7 +83,7 @@ def fp8_fact(
                                   or fake_value(node.args[0]).dim() != 1):  # fmt: skip
         return "no-fp8-kernel:addmm-bias-shape", "", None
     if ranges is None:
-        return "", "", Fp8Site(x=xi, w=wi, layout=layout, amax=None)
+        return "", "", Fp8Site(x=xi, w=wi, layout=layout, amax=None, w_amax=None)
     r = ranges.get(x.name) if isinstance(x, torch.fx.Node) else None
     if r is None:
         return "no-calibrated-range", "", None
@@ -92,4 +92,6 @@ def fp8_fact(
         scale = amax / E4M3_MAX
         return "", f"fp8-range:overflow max|x|={r.max_abs:.4g} > 448·scale={E4M3_MAX * scale:.4g}", None
     chosen = r.fp8_amax if r.fp8_amax is not None else amax  # by measured error (converter.fp8_scales)
-    return "", "", Fp8Site(x=xi, w=wi, layout=layout, amax=float(chosen))
+    own = ranges.get(node.name)
+    w_amax = own.fp8_weight_amax if own is not None else None
+    return "", "", Fp8Site(x=xi, w=wi, layout=layout, amax=float(chosen), w_amax=w_amax)

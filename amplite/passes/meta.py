@@ -56,9 +56,12 @@ class Fp8Site(TypedDict):
         w: Argument position of the weight (a ``get_attr``, maybe behind casts).
         layout: ``nk`` (``[out, in]``, ``linear``) or ``kn`` (``[in, out]``, ``x @ W``).
         amax: The calibrated |activation| the static scale maps onto 448 (None: dynamic per token).
+        w_amax: Per output channel, the amax each weight scale maps onto 448, chosen on the calibration
+            data (None: each channel's own maximum).
     """
 
     x: int
     w: int
     layout: str
     amax: float | None
+    w_amax: torch.Tensor | None

@@ -76,6 +76,9 @@ class ValueRange:
             lose precision (subnormals) or flush to zero.
         fp8_amax: The amax of this value's static FP8 scale, chosen by measured error on the calibration
             data (``amplite.converter.fp8_scales``); None where none was chosen (not an FP8 input).
+        fp8_weight_amax: On a matrix product with a stored weight: per output channel, the amax its FP8
+            weight scale maps onto 448, chosen by the measured error of this product's output on the
+            calibration data (``[out]``, FP32); None: each channel's own maximum.
     """
 
     max_abs: float = 0.0
@@ -83,6 +86,7 @@ class ValueRange:
     sampled_tiny: int = 0
     percentile_abs: float | None = None
     fp8_amax: float | None = None
+    fp8_weight_amax: torch.Tensor | None = None
 
     def update(self, t: torch.Tensor, percentile: float | None = None) -> None:
         """Fold one tensor into the range (non-finite values are ignored).
