@@ -239,17 +239,28 @@ def test_cli_refuses_hostile_archive(case: str, base: Path, tmp_path: Path, cli)
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("case", ["sample_inputs", "pickled_weight"])
-def test_cli_in_a_fresh_process_refuses_the_two_reported_vectors(case: str, base: Path, tmp_path: Path) -> None:
-    marker = tmp_path / "pwned"
-    path = hostile(case, base, tmp_path, marker)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "amplite", "convert", str(path), "-o", str(tmp_path / "out.pt2")]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
-    assert res.returncode == 2, res.stderr
-    assert res.stderr.count("\n") == 1 and "runs code" in res.stderr and "--trust-pickle" in res.stderr
-    assert "Traceback" not in res.stderr and not marker.exists()
-    assert not (tmp_path / "out.pt2").exists() and not list(tmp_path.glob("out*"))
+REPORTED = ["sample_inputs", "pickled_weight"]
+
+
+@pytest.fixture(scope="module")
+def fresh_refusals(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
+    """``amplite convert`` of each reported vector, both calls in ONE fresh interpreter that imported nothing of
+    the tests (``tests.test_security_io.run_many``): per case its folder and the call's exit code and output."""
+    from tests.test_security_io import run_many
+
+    dirs = {case: tmp_path_factory.mktemp(f"fresh-{case}") for case in REPORTED}
+    calls = [["convert", hostile(case, base, d, d / "pwned"), "-o", d / "out.pt2"] for case, d in dirs.items()]
+    results = run_many(calls, cwd=tmp_path_factory.mktemp("fresh-cwd"))
+    return {case: (dirs[case], res) for case, res in zip(REPORTED, results, strict=True)}
+
+
+@pytest.mark.parametrize("case", REPORTED)
+def test_cli_in_a_fresh_process_refuses_the_two_reported_vectors(case: str, fresh_refusals: dict) -> None:
+    folder, res = fresh_refusals[case]
+    assert res["rc"] == 2, res["err"]
+    assert res["err"].count("\n") == 1 and "runs code" in res["err"] and "--trust-pickle" in res["err"]
+    assert "Traceback" not in res["err"] and not (folder / "pwned").exists()
+    assert not (folder / "out.pt2").exists() and not list(folder.glob("out*"))
 
 
 def test_batch_worker_refuses_hostile_archive(base: Path, tmp_path: Path) -> None:
