@@ -47,7 +47,9 @@ def export() -> Export:
     """``export(model, x)``: ``model``'s program, traced once per architecture and input shape in this module.
 
     The seeds of a test build the same graph with other weights, and tracing is most of a conversion's time:
-    each call gets a copy of the architecture's one trace holding ``model``'s parameters and buffers.
+    each call gets a copy of the architecture's one trace holding ``model``'s parameters and buffers. The key
+    is the class, the input shape and the tensors' names and shapes: a constructor argument that changes the
+    forward but no tensor needs a class of its own.
     """
     traced: dict[tuple, ExportedProgram] = {}
 
@@ -66,13 +68,17 @@ def export() -> Export:
     return get
 
 
-def _o1_and_autocast(model: torch.nn.Module, x: torch.Tensor, export: Export) -> tuple[float, float, list[dict]]:
-    """O1's and CPU autocast's SQNR against FP32 (bf16, same inputs), and O1's plan."""
+def _o1_and_autocast(
+    model: torch.nn.Module, x: torch.Tensor, export: Export | None = None, **kw
+) -> tuple[float, float, list[dict]]:
+    """O1's and CPU autocast's SQNR against FP32 (bf16, same inputs), and O1's plan (converted from the shared
+    trace when ``export`` is given, else from the model)."""
     with torch.no_grad():
         ref = model(x)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             autocast = _sqnr(ref, model(x).float())
-    result = amplite.convert(export(model, x), ((x,), {}), precision="bf16", level="O1", verify=False)
+    subject = export(model, x) if export is not None else model
+    result = amplite.convert(subject, ((x,), {}), precision="bf16", level="O1", verify=False, **kw)
     with torch.no_grad():
         o1 = _sqnr(ref, result.module()(x).float())
     return o1, autocast, result.report.data["plan"]
