@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import operator
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,24 @@ def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, compute: C
             folder.mkdir(exist_ok=True)  # left by a worker whose compute raised: this one tries again
             done.write_text(json.dumps(compute(folder)))
     return json.loads(done.read_text())
+
+
+@pytest.fixture(scope="session")
+def fresh_cli_convert(model_files: Callable, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``AMPLITE_LEVEL=O2 python -m amplite convert mlp.pt2 -o m.pt2`` in a fresh interpreter, once per test run
+    (:func:`once_per_run`): ``returncode``, ``stdout``, ``stderr``, whether ``m.pt2`` was written and the report.
+    Read by the test of ``python -m amplite`` and by the test of the level's source (one start-up for both)."""
+
+    def run(folder: Path) -> dict[str, Any]:
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "AMPLITE_LEVEL": "O2"}
+        cmd = [sys.executable, "-m", "amplite", "convert", str(model_files("mlp")["pt2"]), "-o", str(folder / "m.pt2")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        report = folder / "m.report.json"
+        return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
+                "written": (folder / "m.pt2").is_file(),
+                "report": json.loads(report.read_text()) if report.is_file() else None}  # fmt: skip
+
+    return once_per_run(tmp_path_factory, "cli-fresh-process", run)
 
 
 class Cli:

@@ -137,17 +137,11 @@ def test_debug_shows_the_traceback(cli, tmp_path: Path) -> None:
     assert res.exit_code == 2 and "Traceback" in res.stderr
 
 
-def test_python_dash_m_matches_the_script(model_files, tmp_path: Path) -> None:
+def test_python_dash_m_matches_the_script(fresh_cli_convert: dict, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    res = subprocess.run(
-        [sys.executable, "-m", "amplite", "convert", str(model_files("mlp")["pt2"]), "-o", str(tmp_path / "m.pt2")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr
-    assert (tmp_path / "m.pt2").exists() and "wrote" in res.stdout
+    res = fresh_cli_convert  # `AMPLITE_LEVEL=O2 python -m amplite convert mlp.pt2` (conftest: one run, two tests)
+    assert res["returncode"] == 0, res["stderr"]
+    assert res["written"] and "wrote" in res["stdout"]
     res = subprocess.run(
         [sys.executable, "-m", "amplite", "convert", str(tmp_path / "none.pt2")],
         capture_output=True,

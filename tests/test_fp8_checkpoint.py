@@ -153,8 +153,8 @@ def test_read_back_and_verified(static: tuple[Path, dict, str]) -> None:
     assert "token_agreement>=0.97: pass" in stdout
 
 
-def test_planted_double_weight_scale_fails_check(static: tuple[Path, dict, str], ckpt: Path,
-                                                 tmp_path: Path) -> None:  # fmt: skip
+def test_planted_double_weight_scale_fails_check(static: tuple[Path, dict, str], ckpt: Path, tmp_path: Path,
+                                                 cli) -> None:  # fmt: skip
     out, _, _ = static
     ok, reasons = check_checkpoint(ckpt, converted=out)  # the directory as written passes the same gate
     assert reasons == [] and ok.passed is True and ok.data["config"]["precision"] == "fp8"
@@ -170,8 +170,9 @@ def test_planted_double_weight_scale_fails_check(static: tuple[Path, dict, str],
     tensors = load_file(str(shard))
     tensors[name] = tensors[name] * 2
     save_file(tensors, str(shard), metadata={"format": "pt"})
-    bad = _run("check", str(ckpt), "--converted", str(planted), "--report", str(tmp_path / "bad"))
-    assert bad.returncode == 1, bad.stdout + bad.stderr
+    # the CLI in-process (the convert above ran it in a fresh process): exit 1 and the report
+    bad = cli("check", ckpt, "--converted", planted, "--report", tmp_path / "bad")
+    assert bad.exit_code == 1, bad.stdout + bad.stderr
     report = json.loads((tmp_path / "bad" / "report.json").read_text())
     assert report["verification"]["passed"] is False
     blocks = {b["block"]: b["sqnr_db"] for b in report["verification"]["blocks"]}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 import warnings
@@ -34,25 +35,42 @@ def test_accelerate_recipe_matches_accelerate_bf16(monkeypatch):
     assert ours[-1] < 0.9 * ours[0]
 
 
-def _python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
-
-
-def test_amplite_and_amplite_integrations_import_without_the_frameworks():
-    done = _python(
-        "import sys, amplite, amplite.integrations\n"
-        "heavy = [m for m in ('lightning', 'pytorch_lightning', 'accelerate', 'transformers') if m in sys.modules]\n"
-        "print(heavy)"
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
-
-
-@pytest.mark.parametrize(("module", "blocked", "extra"), [
+MISSING = [
     ("amplite.integrations.lightning", "lightning", "amplite[lightning]"),
     ("amplite.integrations.transformers", "transformers", "amplite[transformers]"),
-])  # fmt: skip
-def test_a_missing_framework_names_the_extra(module, blocked, extra):
-    done = _python(f"import sys; sys.modules[{blocked!r}] = None\nimport amplite\nimport {module}")
-    assert done.returncode == 1
-    assert f"pip install '{extra}'" in done.stderr.strip().splitlines()[-1]
+]
+
+#: One fresh interpreter: amplite and amplite.integrations import without the frameworks; then each framework
+#: is made unimportable in turn (``sys.modules[name] = None``) and its integration imported: what it raises.
+FRESH = """
+import json, sys
+import amplite, amplite.integrations
+out = {"heavy": [m for m in ("lightning", "pytorch_lightning", "accelerate", "transformers") if m in sys.modules]}
+for module, blocked, _ in json.loads(sys.argv[1]):
+    sys.modules[blocked] = None
+    try:
+        __import__(module)
+        out[module] = None
+    except Exception as exc:
+        out[module] = [type(exc).__name__, isinstance(exc, ImportError), str(exc)]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_imports() -> dict:
+    done = subprocess.run([sys.executable, "-c", FRESH, json.dumps(MISSING)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_amplite_and_amplite_integrations_import_without_the_frameworks(fresh_imports: dict):
+    assert fresh_imports["heavy"] == []
+
+
+@pytest.mark.parametrize(("module", "blocked", "extra"), MISSING)
+def test_a_missing_framework_names_the_extra(module, blocked, extra, fresh_imports: dict):
+    raised = fresh_imports[module]  # the import of the integration, its framework unimportable
+    assert raised is not None and raised[1], raised  # an ImportError: it stops the user's import
+    assert f"pip install '{extra}'" in raised[2], raised

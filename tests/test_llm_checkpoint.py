@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import transformers  # dev extra: a missing install fails, it does not skip
@@ -21,7 +19,6 @@ from amplite.report.schema import validate_report
 from amplite.verify.criteria import parse_criterion
 from tests.conftest import Cli, write_tiny_llama
 
-ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 256
 
 
@@ -33,23 +30,19 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("llama") / "tiny-llama", VOCAB, "40KB")
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "amplite", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
-
-
 @pytest.fixture(scope="module")
-def converted(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, subprocess.CompletedProcess]:
+def converted(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, Any]:
+    """``amplite convert DIR`` through the CLI in-process (the other checkpoint modules run it in a fresh one)."""
     out = tmp_path_factory.mktemp("out") / "llama.fp16"
-    proc = _run("convert", str(ckpt), "--precision", "fp16", "--level", "O2", "-o", str(out),
-                "--tolerance", "token_agreement>=0.95", "--tolerance", "ppl_delta<=0.5%")  # fmt: skip
+    proc = Cli()("convert", ckpt, "--precision", "fp16", "--level", "O2", "-o", out,
+                 "--tolerance", "token_agreement>=0.95", "--tolerance", "ppl_delta<=0.5%")  # fmt: skip
     report = json.loads(out.with_name(out.name + ".report.json").read_text())  # validated when written (conftest)
     return out, report, proc
 
 
 def test_convert_dir_reports_and_prints_the_generation_check(converted: tuple) -> None:
     _, report, proc = converted
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.exit_code == 0, proc.stdout + proc.stderr
     g = report["llm"]
     assert g["prompts"] == 4 and g["steps"] == 32 and g["prompt_lengths"] == [8, 8, 5, 5]
     assert g["token_agreement"] >= 0.95 and g["agreeing_tokens"] == round(g["token_agreement"] * 128)

@@ -5,7 +5,6 @@ says exactly what it measured."""
 from __future__ import annotations
 
 import copy
-import json
 import os
 import subprocess
 import sys
@@ -173,12 +172,10 @@ def test_a_later_failed_write_removes_the_earlier_outputs(tmp_path: Path, monkey
 # ---- 10. level source, NaN outputs, baseline of another model --------------------------------------------------
 
 
-def test_level_source_is_env_from_the_cli(model_files, tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "AMPLITE_LEVEL": "O2"}
-    cmd = [sys.executable, "-m", "amplite", "convert", str(model_files("mlp")["pt2"]), "-o", str(tmp_path / "m.pt2")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    config = json.loads((tmp_path / "m.report.json").read_text())["config"]
+def test_level_source_is_env_from_the_cli(fresh_cli_convert: dict) -> None:
+    proc = fresh_cli_convert  # AMPLITE_LEVEL=O2 python -m amplite convert (conftest: one run for two tests)
+    assert proc["returncode"] == 0, proc["stderr"]
+    config = proc["report"]["config"]
     assert (config["level"], config["level_source"]) == ("O2", "AMPLITE_LEVEL")
 
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import pickle
-import subprocess
 import sys
 import zipfile
 from collections.abc import Callable
@@ -239,17 +237,28 @@ def test_cli_refuses_hostile_archive(case: str, base: Path, tmp_path: Path, cli)
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("case", ["sample_inputs", "pickled_weight"])
-def test_cli_in_a_fresh_process_refuses_the_two_reported_vectors(case: str, base: Path, tmp_path: Path) -> None:
-    marker = tmp_path / "pwned"
-    path = hostile(case, base, tmp_path, marker)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "amplite", "convert", str(path), "-o", str(tmp_path / "out.pt2")]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
-    assert res.returncode == 2, res.stderr
-    assert res.stderr.count("\n") == 1 and "runs code" in res.stderr and "--trust-pickle" in res.stderr
-    assert "Traceback" not in res.stderr and not marker.exists()
-    assert not (tmp_path / "out.pt2").exists() and not list(tmp_path.glob("out*"))
+REPORTED = ["sample_inputs", "pickled_weight"]
+
+
+@pytest.fixture(scope="module")
+def fresh_refusals(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
+    """``amplite convert`` of each reported vector, both calls in ONE fresh interpreter that imported nothing of
+    the tests (``tests.test_security_io.run_many``): per case its folder and the call's exit code and output."""
+    from tests.test_security_io import run_many
+
+    dirs = {case: tmp_path_factory.mktemp(f"fresh-{case}") for case in REPORTED}
+    calls = [["convert", hostile(case, base, d, d / "pwned"), "-o", d / "out.pt2"] for case, d in dirs.items()]
+    results = run_many(calls, cwd=tmp_path_factory.mktemp("fresh-cwd"))
+    return {case: (dirs[case], res) for case, res in zip(REPORTED, results, strict=True)}
+
+
+@pytest.mark.parametrize("case", REPORTED)
+def test_cli_in_a_fresh_process_refuses_the_two_reported_vectors(case: str, fresh_refusals: dict) -> None:
+    folder, res = fresh_refusals[case]
+    assert res["rc"] == 2, res["err"]
+    assert res["err"].count("\n") == 1 and "runs code" in res["err"] and "--trust-pickle" in res["err"]
+    assert "Traceback" not in res["err"] and not (folder / "pwned").exists()
+    assert not (folder / "out.pt2").exists() and not list(folder.glob("out*"))
 
 
 def test_batch_worker_refuses_hostile_archive(base: Path, tmp_path: Path) -> None:
@@ -315,31 +324,47 @@ def test_inputs_file_with_a_pickle_payload_is_refused(base: Path, tmp_path: Path
     assert not (tmp_path / "out.pt2").exists()
 
 
-def _run_cli(*args: object, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "amplite", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=cwd)
+@pytest.fixture(scope="module")
+def fresh_loads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
+    """``amplite convert`` in ONE fresh interpreter (``tests.test_security_io.run_many``) of a .pt2 whose outputs
+    are a transformers ModelOutput (``"bert"``: transformers is imported on its own, allowlisted), then of one
+    whose outputs are a pytree type of the tests, with ``--import`` naming its module (``"pair"``): per case the
+    folder and the call's exit code and output."""
+    import transformers
+
+    from tests.models.pytree_output import TwoHeads
+    from tests.test_security_io import run_many
+
+    bert, pair = tmp_path_factory.mktemp("bert"), tmp_path_factory.mktemp("pair")
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    torch.export.save(torch.export.export(model, (torch.randint(0, 64, (2, 8)),)), str(bert / "bert.pt2"))
+    torch.export.save(torch.export.export(TwoHeads().eval(), (torch.randn(3, 8),)), str(pair / "pair.pt2"))
+    calls = [["convert", bert / "bert.pt2", "-o", bert / "out.pt2"],  # first: nothing of the tests imported yet
+             ["convert", pair / "pair.pt2", "--import", "tests.models.pytree_output", "-o", pair / "out.pt2"]]
+    results = run_many(calls, cwd=tmp_path_factory.mktemp("fresh-loads"))
+    return {"bert": (bert, results[0]), "pair": (pair, results[1])}
 
 
-def test_unregistered_output_type_is_named_and_import_fixes_it(tmp_path: Path, monkeypatch) -> None:
+def test_unregistered_output_type_is_named_and_import_fixes_it(fresh_loads: dict, monkeypatch) -> None:
     """Issue 13.3: the error names the pytree class (not custom ops); `--import MODULE` (fresh process) loads it."""
     import torch.utils._pytree as pytree
 
-    from tests.models.pytree_output import TwoHeads
-
-    path = tmp_path / "pair.pt2"
-    torch.export.save(torch.export.export(TwoHeads().eval(), (torch.randn(3, 8),)), str(path))
+    folder, res = fresh_loads["pair"]
     name = "tests.models.pytree_output.Pair"
     monkeypatch.delitem(pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE, name)  # as in a process that never imported it
     with pytest.raises(LoadError) as info:
-        amplite.convert(path)
+        amplite.convert(folder / "pair.pt2")
     message = str(info.value)
     assert f"pytree type {name}" in message and "custom ops" not in message
     assert "--import tests.models.pytree_output" in message
     monkeypatch.undo()
-    res = _run_cli("convert", path, "--import", "tests.models.pytree_output", "-o", tmp_path / "out.pt2", cwd=tmp_path)
-    assert res.returncode == 0, res.stderr
-    assert (tmp_path / "out.pt2").exists()
+    assert res["rc"] == 0, res["err"]
+    assert (folder / "out.pt2").exists()
 
 
 def test_archive_cannot_make_amplite_import_a_local_module(base: Path, tmp_path: Path, monkeypatch) -> None:
@@ -359,21 +384,11 @@ def test_archive_cannot_make_amplite_import_a_local_module(base: Path, tmp_path:
     assert not marker.exists() and "evil_local" not in sys.modules
 
 
-def test_transformers_model_output_pt2_converts_in_a_fresh_process(tmp_path: Path) -> None:
+def test_transformers_model_output_pt2_converts_in_a_fresh_process(fresh_loads: dict) -> None:
     """A .pt2 of a transformers model returning a ModelOutput: transformers is imported on its own (allowlisted)."""
-    import transformers
-    config = transformers.BertConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=16,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.BertModel(config).eval()
-    ids = torch.randint(0, 64, (2, 8))
-    path = tmp_path / "bert.pt2"
-    torch.export.save(torch.export.export(model, (ids,)), str(path))
-    res = _run_cli("convert", path, "-o", tmp_path / "out.pt2", cwd=tmp_path)
-    assert res.returncode == 0, res.stderr
-    assert (tmp_path / "out.pt2").exists()
+    folder, res = fresh_loads["bert"]
+    assert res["rc"] == 0, res["err"]
+    assert (folder / "out.pt2").exists()
 
 
 class CondModel(torch.nn.Module):

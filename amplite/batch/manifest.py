@@ -24,6 +24,7 @@ from amplite.batch.keys_table import (
     conversion_problem,
     manifest_values,
 )
+from amplite.batch.manifest_lines import combined, line_index
 from amplite.errors import ConfigError
 from amplite.options import ConvertOptions
 from amplite.paths import not_a_file
@@ -98,58 +99,6 @@ class Job:
         data = dict(data)
         line = int(data.pop("line", 0) or 0)
         return make_job(data, base or Path.cwd(), lambda key: line, where="job")
-
-
-def _line_index(text: str) -> Any:
-    """``finder(model_index)``: a function key -> line number of ``key`` in ``[defaults]`` (index None) or the
-    n-th ``[[model]]``. The text is split and its section headers found once (linear in the manifest's size,
-    whatever the number of entries).
-
-    A dotted key (``tolerance.min_cosine``) is looked up in the entry's sub-table (``[model.tolerance]``)
-    when it has one, else on the line of its inline table.
-    """
-    lines = text.splitlines()
-    sections: list[tuple[str, int]] = []  # (header, 1-based line), in file order
-    for i, raw in enumerate(lines, 1):
-        m = re.match(r"^\s*\[\[?\s*([\w.\"' -]+?)\s*\]\]?", raw)
-        if m and not re.match(r"^\s*[\w\"'.-]+\s*=", raw):
-            sections.append((re.sub(r"[\"'\s]", "", m.group(1)), i))
-    starts: dict[str, list[int]] = {}  # header -> indexes into sections
-    for k, (name, _) in enumerate(sections):
-        starts.setdefault(name, []).append(k)
-
-    def search(key: str, lo: int, hi: int) -> int | None:
-        pat = re.compile(r"(^|[\s{,.])[\"']?" + re.escape(key) + r"[\"']?\s*=")
-        return next((ln for ln in range(lo, hi) if pat.search(lines[ln - 1].split("#", 1)[0])), None)
-
-    def finder(model_index: int | None) -> Any:
-        wanted = "defaults" if model_index is None else "model"
-        pick = 0 if model_index is None else model_index
-        mine = starts.get(wanted, [])
-        if pick >= len(mine):
-            return lambda key: 0
-        k = mine[pick]
-        start = sections[k][1]
-        end = sections[k + 1][1] if k + 1 < len(sections) else len(lines) + 1
-        # The entry's sub-tables ([model.tolerance]) run until the next section that is not one of them.
-        last = k + 1
-        while last < len(sections) and sections[last][0].startswith(wanted + "."):
-            last += 1
-        subs = sections[k + 1 : last]
-        entry_end = sections[last][1] if last < len(sections) else len(lines) + 1
-
-        def find(key: str) -> int:
-            head, _, sub = key.partition(".")
-            if sub:
-                table = next((ln for name, ln in subs if name == f"{wanted}.{head}" and ln < entry_end), None)
-                if table is not None:
-                    stop = next((ln for _, ln in sections if ln > table), len(lines) + 1)
-                    return search(sub, table + 1, stop) or table
-            return search(head, start + 1, end) or start
-
-        return find
-
-    return finder
 
 
 def _fail(where: str, line: int, key: str | None, problem: str, fix: str) -> ManifestError:
@@ -274,7 +223,7 @@ def parse_manifest(
     except tomllib.TOMLDecodeError as exc:
         raise ManifestError(f"{p}: invalid TOML: {exc}", "fix the syntax at that line") from None
     where = str(p)
-    index = _line_index(text)
+    index = line_index(text)
     top = index(None)
     for key in doc:
         if key not in ("defaults", "model"):
@@ -313,7 +262,7 @@ def parse_manifest(
             _refuse_code(where, shared, entry, line_of, top)
         jobs.append(
             make_job(
-                {**(defaults or {}), **shared, **entry}, base, _combined(line_of, top, entry), where=where
+                {**(defaults or {}), **shared, **entry}, base, combined(line_of, top, entry), where=where
             )
         )
     check_unique(jobs, where)
@@ -336,14 +285,6 @@ def _refuse_code(where: str, shared: Mapping[str, Any], entry: Mapping[str, Any]
                         "amplite would import and run, from the working directory too",
                         "pass --trust-code to `amplite batch` (trust_code=True) only if you trust the manifest "
                         "and the code it names")  # fmt: skip
-
-
-def _combined(entry_line: Any, defaults_line: Any, entry: Mapping[str, Any]) -> Any:
-    def line_of(key: str) -> int:
-        root = key.split(".", 1)[0]
-        return entry_line(key) if root in entry or root in ("name", "path") else defaults_line(key)
-
-    return line_of
 
 
 def check_unique(jobs: Sequence[Job], where: str = "batch") -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from amplite.checkpoint.convert import StreamedConversion, _on_meta, convert_checkpoint
+from amplite.checkpoint.convert import StreamedConversion, convert_checkpoint, on_meta
 from amplite.checkpoint.fp8 import READ_BACK, Fp8Reader
 from amplite.checkpoint.source import is_checkpoint_dir, open_checkpoint
 from amplite.errors import ConfigError
@@ -44,7 +44,7 @@ def check_checkpoint(
                                    options=opts)  # fmt: skip
     conv = convert_checkpoint(path, example_inputs, options=opts)
     tol = _tolerance(tolerance, conv)
-    real = example_inputs if example_inputs is not None and not _on_meta(example_inputs) else None
+    real = example_inputs if example_inputs is not None and not on_meta(example_inputs) else None
     conv.check_loadable()  # what is checked is the safetensors output: one from_pretrained would break is refused
     with tempfile.TemporaryDirectory(prefix=".amplite-check.") as tmp:
         out = conv.save_safetensors(Path(tmp) / "converted")
@@ -85,7 +85,7 @@ def check_converted_dir(
         raise ConfigError(f"{out} has no tensor {missing[0]!r}, which {path} holds and its model reads",
                           "check OUT against the checkpoint it was converted from")  # fmt: skip
     tol = _tolerance(tolerance, conv)
-    real = example_inputs if example_inputs is not None and not _on_meta(example_inputs) else None
+    real = example_inputs if example_inputs is not None and not on_meta(example_inputs) else None
     section = conv.verify(out, real, tolerance=tol)
     if conv.fp8 is not None:  # describe the directory checked, not a fresh plan
         described = conv.report.section(Fp8Checkpoint)

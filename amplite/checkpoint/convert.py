@@ -20,10 +20,11 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
+from amplite.checkpoint.example_inputs import on_meta, random_inputs
 from amplite.checkpoint.fp8 import calibrate, fp8_section, plan_fp8, refuse_quantized, split_fp8
 from amplite.checkpoint.keys import KeyMap, map_keys
 from amplite.checkpoint.model import build_meta_model
-from amplite.checkpoint.result import Progress, StreamedConversion, _no_progress, _on_meta, random_inputs
+from amplite.checkpoint.result import Progress, StreamedConversion, _no_progress
 from amplite.checkpoint.source import (
     PREFIX,
     Checkpoint,
@@ -44,7 +45,7 @@ from amplite.report.sections import Source, WeightRules
 from amplite.spec import RangeSpec
 from amplite.verify.data import calibration_batches
 
-__all__ = ["Progress", "StreamedConversion", "_no_progress", "_on_meta", "convert_checkpoint", "random_inputs"]
+__all__ = ["Progress", "StreamedConversion", "_no_progress", "convert_checkpoint", "on_meta", "random_inputs"]
 
 def weight_rules(ckpt: Checkpoint, keys: KeyMap, progress: Progress, rules: RangeRules) -> dict[str, str]:
     """fp16 weight rules on streamed statistics: module path -> reason, for weights fp16 cannot hold.

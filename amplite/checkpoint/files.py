@@ -14,8 +14,8 @@ from amplite.checkpoint.convert import (
     Progress,
     StreamedConversion,
     _no_progress,
-    _on_meta,
     convert_checkpoint,
+    on_meta,
     peak_rss_bytes,
 )
 from amplite.checkpoint.fp8 import split_fp8
@@ -87,7 +87,7 @@ def checkpoint_to_files(
         write_outputs(conv, targets, progress, written)
         if verify:  # from what was written: the safetensors directory when there is one, else the .pt2
             weights = next((p for f, p in targets if f == "safetensors"), targets[0][1])
-            real = example_inputs if example_inputs is not None and not _on_meta(example_inputs) else None
+            real = example_inputs if example_inputs is not None and not on_meta(example_inputs) else None
             conv.verify(weights, real, tolerance=tolerance, max_memory_gb=verify_max_memory, progress=progress)
         streamed_peak = peak_rss_bytes()  # before check_more, which may load whole models
         if verify and check_more is not None:

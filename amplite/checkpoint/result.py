@@ -18,6 +18,7 @@ import torch.fx
 from torch.export import ExportedProgram
 
 from amplite.checkpoint.blockwise import verify_blockwise
+from amplite.checkpoint.example_inputs import meta_bytes, on_meta, random_inputs
 from amplite.checkpoint.fp8 import Fp8Plan, Fp8Reader, linear_weight
 from amplite.checkpoint.keys import KeyMap
 from amplite.checkpoint.loader import check_loadable, loader_dtypes
@@ -162,7 +163,7 @@ class StreamedConversion:
             raise ConfigError("--precision fp8 writes a safetensors directory in vLLM's layout, not a .pt2",
                               "drop --format pt2 / -o X.pt2 (write -o DIR), or convert to bf16 for a .pt2")  # fmt: skip
         names = [*self.program.state_dict, *self.program.constants]
-        total, done = sum(_meta_bytes(self.program, n) for n in names), [0]
+        total, done = sum(meta_bytes(self.program, n) for n in names), [0]
 
         def step(n: int) -> None:
             done[0] += n
@@ -289,12 +290,12 @@ class StreamedConversion:
             from amplite.checkpoint.untraced import real_inputs, verify_through_loader
 
             start = perf_counter()
-            real = inputs if inputs is not None and not _on_meta(inputs) else real_inputs(self.example, vocab)
+            real = inputs if inputs is not None and not on_meta(inputs) else real_inputs(self.example, vocab)
             tol = tolerance or DEFAULT_TOLERANCES[precision]
             section = verify_through_loader(self.checkpoint, self.keys, Path(converted_dir), real, tol)
             self._verified(section, perf_counter() - start)
             return section
-        if inputs is None or _on_meta(inputs):
+        if inputs is None or on_meta(inputs):
             inputs = random_inputs(self.pipeline.original, vocab)
         converted_dir = Path(converted_dir)
         hook = None
@@ -346,28 +347,3 @@ class StreamedConversion:
             return (reader.quantize_input(src.keys[0][0], args[0]), *args[1:])
 
         return hook
-
-
-def _on_meta(inputs: Any) -> bool:
-    leaves = torch.utils._pytree.tree_leaves(inputs)
-    return any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in leaves)
-
-
-def random_inputs(program: ExportedProgram, vocab: int) -> tuple[tuple, dict[str, Any]]:
-    """Seeded inputs shaped like the traced ones: token ids below ``vocab``, masks of ones, floats ~ N(0, 1)."""
-    gen = torch.Generator().manual_seed(0)
-
-    def fake(name: str, t: torch.Tensor) -> torch.Tensor:
-        if "mask" in name:
-            return torch.ones(t.shape, dtype=t.dtype)
-        if t.dtype.is_floating_point:
-            return torch.randn(t.shape, generator=gen).to(t.dtype)
-        return torch.randint(0, max(vocab, 1), t.shape, generator=gen, dtype=t.dtype)
-
-    args, kwargs = program.example_inputs
-    return tuple(fake(f"arg{i}", a) for i, a in enumerate(args)), {k: fake(k, v) for k, v in kwargs.items()}
-
-
-def _meta_bytes(program: ExportedProgram, name: str) -> int:
-    t = program.state_dict.get(name, program.constants.get(name))
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0

@@ -20,6 +20,7 @@ from amplite.gate.settings import CheckSettings, check_signature
 from amplite.options import ConvertOptions
 from amplite.paths import guard_outputs
 from amplite.report.sections import Golden, Source, Timings, Verification
+from amplite.verify import baseline as baseline_mod
 from amplite.verify import data as data_mod
 from amplite.verify import golden as golden_mod
 from amplite.verify.compare import Tolerance, parse_tolerance
@@ -98,7 +99,7 @@ def check(
         example_inputs = (gold.batches if gold else early)[0][1]
     if s.tolerance is not None and not isinstance(s.tolerance, Tolerance):
         parse_tolerance(s.tolerance)  # fail on a bad criterion before any work
-    base_line = golden_mod.load_baseline(s.baseline)
+    base_line = baseline_mod.load_baseline(s.baseline)
     if s.tolerance and opts.tolerance is None and opts.verification().searches(opts.spec()):
         # the budget search (fp8's default) aims at the gate's criteria
         opts = ConvertOptions.of(opts, tolerance=s.tolerance)

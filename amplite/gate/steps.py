@@ -28,6 +28,7 @@ from amplite.report.sections import (
     Verification,
     Weights,
 )  # fmt: skip
+from amplite.verify import baseline as baseline_mod
 from amplite.verify import data as data_mod
 from amplite.verify import golden as golden_mod
 from amplite.verify.compare import DEFAULT_TOLERANCES, OutputMetrics, Tolerance, compare_batches
@@ -212,9 +213,9 @@ def regressions(report: ReportBuilder, base_line: dict[str, Any] | None, margin_
     if base_line is None:
         return []
     source, ver = report.section(Source), report.section(Verification)
-    golden_mod.check_baseline_matches({s.key: s.value for s in (source, ver) if s is not None}, base_line)
+    baseline_mod.check_baseline_matches({s.key: s.value for s in (source, ver) if s is not None}, base_line)
     outputs = [o.to_json() for o in (ver.outputs or ())] if ver is not None else []
-    regressions = golden_mod.compare_baseline(outputs, base_line, margin_db)
+    regressions = baseline_mod.compare_baseline(outputs, base_line, margin_db)
     report.add(Baseline.of(margin_db, regressions, base_line.get("created")))
     return [f"{r['output']}: {r['metric']} regressed from {r['baseline']} to {r['current']} (limit {r['limit']})"
             for r in regressions]  # fmt: skip

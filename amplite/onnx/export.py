@@ -4,12 +4,12 @@
   exact redundancies and stores initializers read only in low precision in that precision; on request
   :mod:`onnx_norm` runs LayerNorm islands on the low dtype (``stash_type=1``); :mod:`islands` wraps ops the
   opset lacks in the low dtype (bf16 Einsum before opset 28) in FP32.
-* ``amplite::contract`` becomes ``amplite.Contract`` (or ``amplite.ContractBias`` when it has a bias), opset
-  domain ``amplite`` version 1, each with a model-local function body (Cast → Einsum → scale/bias → Cast,
-  FP32 inside) so every runtime can run it, while a runtime with a kernel registered for the domain claims
-  the node instead. The exporter inlines model-local functions (its opset conversion and its optimizer both
-  do), so the translation emits plain custom-domain nodes and the bodies are attached afterwards; the
-  optimizer then runs with inlining off.
+* ``amplite::contract`` becomes ``amplite.Contract`` (or ``amplite.ContractBias`` when it has a bias; the
+  translation and the bodies are :mod:`amplite.onnx.contract`), opset domain ``amplite`` version 1, each
+  with a model-local function body (Cast → Einsum → scale/bias → Cast, FP32 inside) so every runtime can
+  run it, while a runtime with a kernel registered for the domain claims the node instead. The exporter
+  inlines model-local functions (its opset conversion and its optimizer both do), so the translation emits
+  plain custom-domain nodes and the bodies are attached afterwards; the optimizer then runs with inlining off.
 * Models whose weights exceed protobuf's 2 GB limit (or ``external_data=True``) are written as
   ``<name>.onnx`` plus ``<name>.onnx.data``, tensor by tensor. Weights are wrapped, not copied, by the
   exporter; casts of initializers are applied lazily while writing.
@@ -37,14 +37,13 @@ import onnx.parser
 import onnx_ir as ir
 import onnxscript.optimizer
 import torch
-from onnx import defs, helper
-from onnxscript.values import Op, Opset
 from torch.export import ExportedProgram
 
 from amplite.converter.emit import check_writable
 from amplite.errors import ConfigError, EmitError, ExportError
 from amplite.levels import precision_dtype
 from amplite.onnx.cleanup import cleanup_casts, count_casts, set_io_dtype
+from amplite.onnx.contract import DOMAIN, DOMAIN_VERSION, MIN_OPSET_CONTRACT, contract_functions, contract_translation
 from amplite.onnx.errors import export_failure
 from amplite.onnx.islands import first_opset_with, fp32_islands
 from amplite.onnx.norm import ALIASES as LAYERNORM_ALIASES
@@ -53,14 +52,28 @@ from amplite.onnx.norm import stash_layernorms
 from amplite.onnx.prepare import onnx_ready
 from amplite.onnx.registry import cached_registry
 
-DOMAIN = "amplite"
-DOMAIN_VERSION = 1
+# The ``amplite.Contract`` translation lives in ``contract``; its names stay importable from here.
+__all__ = [
+    "DEFAULT_OPSET",
+    "DEFAULT_OPSET_BF16",
+    "DOMAIN",
+    "DOMAIN_VERSION",
+    "EXTERNAL_DATA_THRESHOLD",
+    "MIN_OPSET_BF16",
+    "MIN_OPSET_CONTRACT",
+    "OnnxInfo",
+    "contract_functions",
+    "contract_translation",
+    "export_model",
+    "prepare_model",
+    "save_onnx",
+]
+
 DEFAULT_OPSET = 20
 #: ONNX added bfloat16 to Conv, GRU, LSTM, pooling and more in opset 22: the default for bf16 models.
 DEFAULT_OPSET_BF16 = 22
 #: Cast to/from bfloat16 exists from opset 13; the function bodies use CastLike (opset 15).
 MIN_OPSET_BF16 = 13
-MIN_OPSET_CONTRACT = 15
 #: Above this many bytes of initializers the model cannot be one protobuf (2 GiB hard limit).
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**27
 _LOW = {torch.float16: ir.DataType.FLOAT16, torch.bfloat16: ir.DataType.BFLOAT16}
@@ -102,57 +115,6 @@ class OnnxInfo:
         """JSON-friendly dict for the report."""
         return asdict(self)
 
-
-def _schema(name: str, bias: bool) -> defs.OpSchema:
-    fp = defs.OpSchema.FormalParameter
-    attr = defs.OpSchema.Attribute
-    inputs = [fp("A", "T"), fp("B", "T")] + ([fp("C", "T")] if bias else [])
-    attrs = [attr("equation", defs.OpSchema.AttrType.STRING, "binary einsum equation"),
-             attr("alpha", helper.make_attribute("alpha", 1.0), "scale of the contraction")]
-    if bias:
-        attrs.append(attr("beta", helper.make_attribute("beta", 1.0), "scale of C"))
-    types = ["tensor(float16)", "tensor(bfloat16)", "tensor(float)", "tensor(double)"]
-    return defs.OpSchema(name, DOMAIN, DOMAIN_VERSION, inputs=inputs, outputs=[fp("Y", "T")],
-                         type_constraints=[("T", types, "")], attributes=attrs)
-
-
-# Ops with a schema that is NOT registered in onnx's global registry: calling them records a plain node.
-_OPSET = Opset(DOMAIN, DOMAIN_VERSION)
-_CONTRACT = Op(_OPSET, "Contract", _schema("Contract", bias=False))
-_CONTRACT_BIAS = Op(_OPSET, "ContractBias", _schema("ContractBias", bias=True))
-
-
-def contract_translation(equation: str, a: Any, b: Any, c: Any = None, alpha: float = 1.0, beta: float = 1.0):
-    """ONNX translation of ``amplite::contract``: an ``amplite.Contract``/``ContractBias`` node."""
-    if c is None or beta == 0.0:
-        return _CONTRACT(a, b, equation=equation, alpha=float(alpha))
-    return _CONTRACT_BIAS(a, b, c, equation=equation, alpha=float(alpha), beta=float(beta))
-
-
-_BODY = """
-<domain: "amplite", opset_import: ["" : {opset}]>
-{name} <equation, alpha: float = 1.0{beta_attr}> (A, B{c_in}) => (Y) {{
-    a32 = Cast<to = 1>(A)
-    b32 = Cast<to = 1>(B)
-    y = Einsum<equation: string = @equation>(a32, b32)
-    alpha_t = Constant<value_float: float = @alpha>()
-    ys = Mul(y, alpha_t){bias}
-    Y = CastLike({result}, A)
-}}
-"""
-_BIAS = """
-    c32 = Cast<to = 1>(C)
-    beta_t = Constant<value_float: float = @beta>()
-    cs = Mul(c32, beta_t)
-    z = Add(ys, cs)"""
-
-
-def contract_functions(opset: int) -> list[ir.Function]:
-    """Model-local bodies of ``amplite.Contract``/``ContractBias``: FP32 einsum, scale, bias, cast back."""
-    texts = [_BODY.format(opset=opset, name="Contract", beta_attr="", c_in="", bias="", result="ys"),
-             _BODY.format(opset=opset, name="ContractBias", beta_attr=", beta: float = 1.0", c_in=", C",
-                          bias=_BIAS, result="z")]
-    return [ir.serde.deserialize_function(onnx.parser.parse_function(t)) for t in texts]
 
 @contextlib.contextmanager
 def _quiet_exporter() -> Iterator[None]:

@@ -6,8 +6,9 @@ inspect_archive` checked through the same reader, unpickles only with ``torch.lo
 deserializer ready tensors, so torch's own fallbacks to ``weights_only=False`` are never reached.
 
 Modules named in the archive (pytree types of inputs/outputs, custom-op libraries) are imported only when the
-user names them (``--import MODULE``) or they belong to :data:`SAFE_AUTO_IMPORT`, installed outside the
-working directory: importing a module runs its code, so a name taken from an untrusted file must not pick it.
+user names them (``--import MODULE``) or they belong to :data:`~amplite.reading.imports.SAFE_AUTO_IMPORT`,
+installed outside the working directory (:mod:`amplite.reading.imports`): importing a module runs its code, so
+a name taken from an untrusted file must not pick it.
 
 Nothing of the file is evaluated: size expressions are parsed by :mod:`amplite.reading.sym_expr` and handed
 to torch as sympy objects; the file's ``guards_code`` (Python torch would ``exec``) is dropped, inputs are
@@ -17,19 +18,11 @@ checked against the program's range constraints instead; every operator is check
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import importlib.util
 import io
-import json
 import math
 import operator
-import os
 import pickle
 import re
-import site
-import sys
-import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -48,7 +41,8 @@ from amplite.reading.archive import (
     check_zip_bytes,
     inspect_archive,
 )
-from amplite.reading.op_allowlist import check_program_ops, refusal, registered_ops
+from amplite.reading.imports import SAFE_AUTO_IMPORT, import_user_modules, register_pytree_types
+from amplite.reading.op_allowlist import check_program_ops, refusal
 from amplite.reading.pt2_checks import (
     build_expressions,
     check_call_graph,
@@ -58,13 +52,8 @@ from amplite.reading.pt2_checks import (
     check_symbols,
 )
 
-#: Packages whose modules amplite imports on its own when the archive names one of their pytree types (their
-#: import registers the type: transformers' ModelOutput classes). Only installed copies count: a same-named
-#: folder in the working directory is never imported on the archive's word.
-SAFE_AUTO_IMPORT = ("transformers", "diffusers")
-_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
-#: Operators registered when amplite loaded (torch's own, amplite's): a later --import adds the custom ones.
-_OPS_AT_IMPORT = registered_ops()
+# The module imports live in ``imports``; these names stay importable from here.
+__all__ = ["SAFE_AUTO_IMPORT", "import_user_modules", "load_program", "resolve_target"]
 
 
 def load_program(path: Path, *, trust_pickle: bool = False, import_modules: Sequence[str] = ()) -> ExportedProgram:
@@ -92,7 +81,7 @@ def _load(arch: Archive, trust_pickle: bool, custom: frozenset[str]) -> Exported
     path = arch.path
     _check_targets(arch, custom)
     check_payload_metadata(path, arch.program_json, arch.weights, arch.constants)
-    _register_pytree_types(arch)
+    register_pytree_types(arch)
     for entry in arch.pickled:
         if entry.kind in ("custom_obj", "opaque_obj", "legacy") and not trust_pickle:
             raise LoadError(
@@ -114,39 +103,6 @@ def _load(arch: Archive, trust_pickle: bool, custom: frozenset[str]) -> Exported
     if why is not None:
         raise LoadError(f"{str(path)!r}: {why}", "convert only programs written by torch.export.save")
     return program
-
-
-def import_user_modules(modules: Sequence[str]) -> frozenset[str]:
-    """Import what the user named with ``--import`` (custom-op libraries, pytree registrations).
-
-    Returns:
-        The custom operators (``ns::op``) the user vouches for: those registered since amplite loaded, in a
-        namespace torch did not have then, or in a namespace named like a part of an imported module.
-
-    Raises:
-        LoadError: A malformed name or an import that fails.
-    """
-    if modules and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # the user's own packages, as for --model-factory
-    for name in modules:
-        if not _MODULE.match(name):
-            raise LoadError(f"--import {name!r} is not a module name", "write e.g. --import mypkg.ops")
-        try:
-            importlib.import_module(name)
-        except Exception as exc:
-            raise LoadError(
-                f"--import {name}: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}",
-                "install the package or run from the directory that contains it",
-            ) from None
-    if not modules:
-        return frozenset()
-    parts = {part for name in modules for part in name.split(".")}
-    known = {op.split("::", 1)[0] for op in _OPS_AT_IMPORT}
-    return frozenset(
-        op
-        for op in registered_ops()
-        if op.split("::", 1)[0] in parts or (op not in _OPS_AT_IMPORT and op.split("::", 1)[0] not in known)
-    )
 
 
 def _entry(arch: Archive, kind: str) -> Pickled:
@@ -303,59 +259,3 @@ def _check_targets(arch: Archive, custom: frozenset[str]) -> None:
             f"{str(arch.path)!r} uses custom ops that are not registered: {', '.join(missing[:5])}",
             "pass --import MODULE (import_modules=[...]) naming the package that registers them",
         )
-
-
-def _treespec_types(arch: Archive) -> set[str]:
-    names: set[str] = set()
-
-    def visit(node: Any) -> None:
-        if isinstance(node, dict):
-            if isinstance(node.get("type"), str):
-                names.add(node["type"])
-            for child in node.get("children_spec") or []:
-                visit(child)
-
-    for entry in arch.program_json.get("graph_module", {}).get("module_call_graph", []) or []:
-        signature = (entry or {}).get("signature") or {}
-        for key in ("in_spec", "out_spec"):
-            try:
-                spec = json.loads(signature.get(key) or "null")
-            except ValueError:
-                continue  # torch reports it when it parses the spec
-            if isinstance(spec, list) and len(spec) == 2:
-                visit(spec[1])
-    return names
-
-
-def _register_pytree_types(arch: Archive) -> None:
-    """Make the pytree types the program's signature names known (import rule: see the module docstring)."""
-    import torch.utils._pytree as pytree
-
-    for name in sorted(_treespec_types(arch)):
-        if name in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE:
-            continue
-        module = name.rpartition(".")[0]
-        if _MODULE.match(name) and _safe_to_auto_import(module):
-            with contextlib.suppress(Exception):  # the name was the archive's: fall through to the message
-                importlib.import_module(module)
-        if name not in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE:
-            raise LoadError(
-                f"{str(arch.path)!r}: its inputs or outputs use the pytree type {name}, which is not registered "
-                "(not a custom-op problem)",
-                f"pass --import {module or 'MODULE'} (import_modules=[...]) naming the module that registers it",
-            )
-
-
-def _safe_to_auto_import(module: str) -> bool:
-    top = module.split(".", 1)[0]
-    if top not in SAFE_AUTO_IMPORT:
-        return False
-    if top in sys.modules:
-        return True
-    spec = importlib.util.find_spec(top)
-    if spec is None or not spec.origin:
-        return False
-    origin = Path(spec.origin).resolve()
-    dirs = {*site.getsitepackages(), site.getusersitepackages(), *sysconfig.get_paths().values()}
-    installed = [Path(d).resolve() for d in dirs if "site-packages" in d or "dist-packages" in d]
-    return any(origin.is_relative_to(d) for d in installed)
