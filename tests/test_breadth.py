@@ -69,3 +69,26 @@ def test_breadth_sweep(name: str) -> None:
     if name in KNOWN and missed and all(m.startswith(KNOWN[name][0]) for m in missed):
         pytest.xfail(KNOWN[name][1])
     assert not missed, row
+
+
+def test_pooled_sqnr_sums_squares_over_draws_and_the_o1_verdict_reads_it() -> None:
+    from bench.bench_breadth import other_draws, pooled_sqnr
+
+    ref = [torch.ones(4), 3 * torch.ones(4)]
+    noisy = [r + torch.tensor([0.1, -0.1, 0.1, -0.1]) for r in ref]
+    # signal 4 + 36 = 40, noise 8 × 0.01 = 0.08: 10·log10(500), not the mean of the two draws' dB
+    assert pooled_sqnr(list(zip(ref, noisy, strict=True))) == pytest.approx(26.9897, abs=1e-3)
+    assert pooled_sqnr([(ref[0], ref[0])]) == 999.0
+    draws = other_draws(((torch.zeros(2, 3), torch.arange(3)), {}), 3)
+    assert len(draws) == 2 and not torch.equal(draws[0][0][0], draws[1][0][0])
+    assert torch.equal(draws[0][0][1], torch.arange(3))  # integer inputs are kept
+    # one draw below the margin, pooled within it: the pooled figures decide
+    cell = {"converted": True, "finite": True, "passed": True, "sqnr_db": 57.9, "pooled_sqnr_db": 58.3, "draws": 4}
+    row = {"exportable": True, "fp16-O1": cell, "autocast_fp16": {"finite": True, "sqnr_db": 58.7,
+                                                                   "pooled_sqnr_db": 58.7}}
+    assert not [m for m in verdict(row) if m.startswith("fp16 O1")]
+    row["fp16-O1"] = cell | {"pooled_sqnr_db": 58.1}
+    (missed,) = [m for m in verdict(row) if m.startswith("fp16 O1")]
+    assert "58.1" in missed and "4 input draws" in missed
+    row["fp16-O1"] = {k: v for k, v in cell.items() if k not in ("pooled_sqnr_db", "draws")}
+    assert [m for m in verdict(row) if m.startswith("fp16 O1")]  # single draw: judged on the example
