@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from amplite.passes.contraction_chains import SymbolicExtents
+from amplite.passes.contraction_chains import Rejection, SymbolicExtents
 from amplite.passes.contraction_rules import (
+    AddmmRule,
     ContractionMatch,
     EinsumRule,
     FusionContext,
@@ -72,3 +73,65 @@ def test_no_match_names_the_reason_and_raises_nothing() -> None:
     refused = EinsumRule().match(_node(gm3, aten.einsum.default), _ctx(gm3))
     assert isinstance(refused, NoMatch) and refused.rejection.reason == "einsum_operands"
     assert [(n.op, n.target) for n in gm.graph.nodes] == before, "a failed match leaves the graph as it was"
+
+
+# --- Fast direct tests of match's typed fields and rejections (issue 46: mutation survivors)
+
+
+class ScaledOperands(torch.nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return ((q * 0.5) @ (k * 4.0).transpose(-1, -2)) * 0.125
+
+
+def test_match_folds_every_scaling_into_alpha_and_counts_the_kernels_and_views_it_saves() -> None:
+    q, k = torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16)
+    gm = _graph(ScaledOperands(), q, k)
+    found = MatmulRule().match(_node(gm, aten.matmul.default), _ctx(gm))
+    assert isinstance(found, ContractionMatch)
+    assert found.alpha == 0.5 * 4.0 * 0.125
+    # absorbed: q * 0.5, k * 4 and the transpose (operand chains), * 0.125 (tail); the two scalings and the
+    # tail are kernels, the transpose a free view, and the operands need no new view
+    assert (found.kernels_saved, found.views_saved, len(found.tail)) == (3, 1, 1)
+    gm = _graph(ScaledScores(), q, k)  # only the transpose and the output scaling
+    found = MatmulRule().match(_node(gm, aten.matmul.default), _ctx(gm))
+    assert (found.alpha, found.kernels_saved, found.views_saved) == (0.125, 1, 1)
+
+
+class BroadcastSum(torch.nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x[:, None].expand(3, 4) @ y[None, :].expand(4, 5)  # K = 4 summed over a constant
+
+
+def test_a_contracted_mode_both_operands_broadcast_becomes_a_factor_of_alpha() -> None:
+    x, y = torch.randn(3), torch.randn(5)
+    gm = _graph(BroadcastSum(), x, y)
+    ref = gm(x, y)
+    found = MatmulRule().match(_node(gm, aten.matmul.default, aten.mm.default), _ctx(gm))
+    assert isinstance(found, ContractionMatch) and found.equation.factor == 4.0 and found.alpha == 4.0
+    MatmulRule().rewrite(gm.graph, found, _ctx(gm))
+    gm.recompile()
+    torch.testing.assert_close(gm(x, y), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_rejections_name_the_node_the_rule_the_reason_and_the_detail() -> None:
+    class Addmm(torch.nn.Module):
+        def forward(self, b: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return torch.addmm(b, x, w, beta=0.5)
+
+    gm = _graph(Addmm(), torch.randn(5), torch.randn(3, 4), torch.randn(4, 5))
+    node = _node(gm, aten.addmm.default)
+    node.kwargs = {"beta": node.args[0]}  # a tensor scalar: the rule's own check refuses it
+    refused = AddmmRule().match(node, _ctx(gm))
+    assert isinstance(refused, NoMatch)
+    assert refused.rejection == Rejection(node.name, "addmm", "non_constant_scalar")
+    q, k = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    gm = _graph(ScaledScores(), q, k)
+    node = _node(gm, aten.matmul.default)
+    node.args[1].meta["val"] = node.args[1].meta["val"].half()  # operands of two dtypes
+    mixed = MatmulRule().match(node, _ctx(gm, torch.float16, torch.float32))
+    assert mixed.rejection == Rejection(node.name, "matmul", "dtype_mismatch", "['torch.float16', 'torch.float32']")
+    gm = _graph(ScaledScores(), q, k)
+    node = _node(gm, aten.matmul.default)
+    node.meta["val"] = torch.empty(2, 8, 9)  # a product whose recorded shape the operands cannot give
+    wrong = MatmulRule().match(node, _ctx(gm))
+    assert wrong.rejection == Rejection(node.name, "matmul", "shape_mismatch", node.name)
