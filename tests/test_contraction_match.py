@@ -135,3 +135,39 @@ def test_rejections_name_the_node_the_rule_the_reason_and_the_detail() -> None:
     node.meta["val"] = torch.empty(2, 8, 9)  # a product whose recorded shape the operands cannot give
     wrong = MatmulRule().match(node, _ctx(gm))
     assert wrong.rejection == Rejection(node.name, "matmul", "shape_mismatch", node.name)
+
+
+class BiasAdd(torch.nn.Module):
+    def __init__(self, alpha: float | None) -> None:
+        super().__init__()
+        self.alpha = alpha
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.add(x @ w, b, alpha=self.alpha) if self.alpha is not None else (x @ w) + b
+
+
+class SharedProduct(torch.nn.Module):
+    def forward(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x @ w
+        return y + b, y * 2
+
+
+def test_the_output_chain_absorbs_a_bias_add_with_its_alpha_and_notes_where_it_stops() -> None:
+    x, w, b = torch.randn(3, 4), torch.randn(4, 5), torch.randn(5)
+
+    def match(model: torch.nn.Module, bias: torch.Tensor) -> ContractionMatch:
+        gm = _graph(model, x, w, bias)
+        found = MatmulRule().match(_node(gm, aten.matmul.default, aten.mm.default), _ctx(gm))
+        assert isinstance(found, ContractionMatch)
+        return found
+
+    scaled = match(BiasAdd(2.0), b)
+    assert (scaled.beta, str(scaled.bias), len(scaled.tail)) == (2.0, "b", 1)  # add(y, b, alpha=2): beta 2
+    plain = match(BiasAdd(None), b)
+    assert (plain.beta, str(plain.bias)) == (1.0, "b")
+    other = match(BiasAdd(None), b.double())  # a bias of another dtype: the add stays, and the note says why
+    assert other.bias is None and other.notes == (
+        Rejection("add", "matmul", "bias_dtype", "add: bias b not absorbed (torch.float64 vs torch.float32)"),)
+    shared = match(SharedProduct(), b)  # the product is read twice: nothing after it is absorbed
+    assert shared.bias is None and not shared.tail
+    assert [(n.reason, n.detail) for n in shared.notes] == [("shared_intermediate", "output scaling/bias not absorbed")]
