@@ -78,21 +78,34 @@ def test_no_match_names_the_reason_and_raises_nothing() -> None:
 # --- Fast direct tests of match's typed fields and rejections (issue 46: mutation survivors)
 
 
-class ScaledOperands(torch.nn.Module):
-    def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        return ((q * 0.5) @ (k * 4.0).transpose(-1, -2)) * 0.125
+def _scores(scale_a: float | None = None, scale_b: float | None = None) -> torch.fx.GraphModule:
+    """``((q·scale_a) @ (k·scale_b).transpose(-1, -2)) * 0.125`` built by hand with its values (milliseconds, no
+    export: these tests stay within the mutation run's per-mutant budget)."""
+    g = torch.fx.Graph()
+
+    def call(target: object, args: tuple, *shape: int) -> torch.fx.Node:
+        n = g.call_function(target, args)
+        n.meta["val"] = torch.empty(*shape)
+        return n
+
+    q, k = g.placeholder("q"), g.placeholder("k")
+    q.meta["val"], k.meta["val"] = torch.empty(2, 8, 16), torch.empty(2, 8, 16)
+    a = call(aten.mul.Tensor, (q, scale_a), 2, 8, 16) if scale_a is not None else q
+    b = call(aten.mul.Tensor, (k, scale_b), 2, 8, 16) if scale_b is not None else k
+    mm = call(aten.matmul.default, (a, call(aten.transpose.int, (b, -1, -2), 2, 16, 8)), 2, 8, 8)
+    g.output(call(aten.mul.Tensor, (mm, 0.125), 2, 8, 8))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
 
 
 def test_match_folds_every_scaling_into_alpha_and_counts_the_kernels_and_views_it_saves() -> None:
-    q, k = torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16)
-    gm = _graph(ScaledOperands(), q, k)
+    gm = _scores(0.5, 4.0)
     found = MatmulRule().match(_node(gm, aten.matmul.default), _ctx(gm))
     assert isinstance(found, ContractionMatch)
     assert found.alpha == 0.5 * 4.0 * 0.125
     # absorbed: q * 0.5, k * 4 and the transpose (operand chains), * 0.125 (tail); the two scalings and the
     # tail are kernels, the transpose a free view, and the operands need no new view
     assert (found.kernels_saved, found.views_saved, len(found.tail)) == (3, 1, 1)
-    gm = _graph(ScaledScores(), q, k)  # only the transpose and the output scaling
+    gm = _scores()  # only the transpose and the output scaling
     found = MatmulRule().match(_node(gm, aten.matmul.default), _ctx(gm))
     assert (found.alpha, found.kernels_saved, found.views_saved) == (0.125, 1, 1)
 
@@ -114,23 +127,23 @@ def test_a_contracted_mode_both_operands_broadcast_becomes_a_factor_of_alpha() -
 
 
 def test_rejections_name_the_node_the_rule_the_reason_and_the_detail() -> None:
-    class Addmm(torch.nn.Module):
-        def forward(self, b: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return torch.addmm(b, x, w, beta=0.5)
-
-    gm = _graph(Addmm(), torch.randn(5), torch.randn(3, 4), torch.randn(4, 5))
-    node = _node(gm, aten.addmm.default)
-    node.kwargs = {"beta": node.args[0]}  # a tensor scalar: the rule's own check refuses it
+    g = torch.fx.Graph()
+    b, x, w = g.placeholder("b"), g.placeholder("x"), g.placeholder("w")
+    for n, shape in ((b, (5,)), (x, (3, 4)), (w, (4, 5))):
+        n.meta["val"] = torch.empty(shape)
+    node = g.call_function(aten.addmm.default, (b, x, w), {"beta": b})  # a tensor scalar: the rule refuses it
+    node.meta["val"] = torch.empty(3, 5)
+    g.output(node)
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
     refused = AddmmRule().match(node, _ctx(gm))
     assert isinstance(refused, NoMatch)
     assert refused.rejection == Rejection(node.name, "addmm", "non_constant_scalar")
-    q, k = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
-    gm = _graph(ScaledScores(), q, k)
+    gm = _scores()
     node = _node(gm, aten.matmul.default)
     node.args[1].meta["val"] = node.args[1].meta["val"].half()  # operands of two dtypes
     mixed = MatmulRule().match(node, _ctx(gm, torch.float16, torch.float32))
     assert mixed.rejection == Rejection(node.name, "matmul", "dtype_mismatch", "['torch.float16', 'torch.float32']")
-    gm = _graph(ScaledScores(), q, k)
+    gm = _scores()
     node = _node(gm, aten.matmul.default)
     node.meta["val"] = torch.empty(2, 8, 9)  # a product whose recorded shape the operands cannot give
     wrong = MatmulRule().match(node, _ctx(gm))
