@@ -318,6 +318,7 @@ class _Tree(Entry):
     ints: tuple[int, ...] | None = None
     plain: list[Any] | None = None
     num: Num | None = None
+    mixed: int | _Leaf | None = None  # the record type is not the union's first member
 
 
 def test_fields_typed_as_records_read_into_records_and_plain_json_stays_plain() -> None:
@@ -336,3 +337,31 @@ def test_fields_typed_as_records_read_into_records_and_plain_json_stays_plain() 
     assert wrong.one == [1] and wrong.many == {"name": "d"}
     assert _Tree(one=_Leaf(name="e"), many=(_Leaf(name="f"),)).to_json() == {"one": {"name": "e"},
                                                                            "many": [{"name": "f"}]}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Leaves(ListSection):
+    key = "leaves"
+    item = _Leaf
+
+
+def test_reading_keeps_what_it_cannot_type_and_writes_fields_set_after_reading() -> None:
+    assert _Tree.from_json({"mixed": {"name": "m"}}).mixed == _Leaf(name="m")
+    with pytest.raises(TypeError, match="_Tree reads a JSON object, not list"):
+        _Tree.from_json([1])
+    with pytest.raises(TypeError):
+        _Tree(rest={"a": [1]}).rest["a"].append(2)  # rest given in code is frozen too
+    read = _Tree.from_json({"num": 1.5})
+    assert dataclasses.replace(read, one=_Leaf(name="z")).to_json() == {"num": 1.5, "one": {"name": "z"}}
+    assert list(_Leaves.from_json([{"name": "a"}, 7]).items) == [_Leaf(name="a"), 7]  # a non-object entry kept
+    assert _Leaves.from_json("abc").items == "abc" and _Leaves.from_json({"a": 1}).items == {"a": 1}
+    assert _Leaves.from_json(5).items == 5  # not a list: kept for the schema check to name
+
+
+def test_the_budget_sentence_names_at_most_five_moved_nodes_by_default() -> None:
+    from amplite.report.checks import MovedNode
+
+    budget = Budget(moved_to_fp32=tuple(MovedNode(node=f"node{i}") for i in range(6)), candidates=9)
+    text = budget.summary()
+    assert "node4, …" in text and "node5" not in text and "6 of 9 candidate nodes" in text
+    assert "node5" in budget.summary(names=6)
