@@ -379,3 +379,17 @@ def test_a_get_attr_of_a_missing_attribute_is_not_a_constant() -> None:
     gm = torch.fx.GraphModule(root, graph)
     bn.args[3].target = "nowhere.mean"  # no such attribute (any more): not a constant, and nothing raised
     assert FoldBatchNorm()(gm).counters["kept:non-constant-parameters"] == 1
+
+
+def test_unit_scale_channels_are_counted_over_every_folded_batchnorm() -> None:
+    t = _tensors()
+    t["var"][:3], t["gamma"][:3] = 0.75, 1 - 5e-6  # three channels of each BatchNorm round to 1 in bf16
+    root, graph, _conv, bn = _conv_bn_graph(FULL, t)
+    t2 = {k: v.clone() for k, v in t.items()}
+    t2["w"] = torch.randn(4, 4, 3, 3, generator=torch.Generator().manual_seed(2))
+    where2 = {k: f"second.{v}" for k, v in FULL.items()}
+    relu = graph.call_function(aten.relu.default, (graph.call_function(aten.add.Tensor, (bn, bn)),))
+    _, _, _, bn2 = _conv_bn_graph(where2, t2, root=root, graph=graph, x=relu)
+    graph.output(graph.call_function(aten.relu.default, (graph.call_function(aten.add.Tensor, (bn2, bn2)),)))
+    result = FoldBatchNorm("affine", torch.bfloat16)(torch.fx.GraphModule(root, graph))
+    assert (result.counters["folded"], result.counters["scale_in_weight:channels"]) == (2, 6)
