@@ -487,6 +487,8 @@ def test_quantize_weight_per_channel_and_per_tensor() -> None:
     assert q1.float().flatten().tolist() == [112.0, -448.0, 56.0, 28.0, 0.0, 0.0]
     q0, s0 = num.quantize_weight(torch.tensor(-2.0))  # a 0-d weight has no channel: one scale
     assert s0.shape == () and q0.float().item() == -448.0
+    q1d, s1d = num.quantize_weight(torch.tensor([1.0, -4.0]))  # 1-D: one scale per element
+    assert s1d.shape == (2,) and q1d.float().tolist() == [448.0, -448.0]
     qe, se = num.quantize_weight(torch.zeros(0, 3), per_channel=False)
     assert qe.shape == (0, 3) and se.item() == pytest.approx(num.MIN_SCALE)
 
@@ -799,3 +801,25 @@ def test_fp8_matmul_without_sites_changes_nothing_and_its_contract_names_what_is
         Fp8Matmul().ensures(gm)
     conv.meta[PRECISION_KEY] = {**conv.meta[PRECISION_KEY], "dtype": FP8_DTYPE}
     Fp8Matmul().ensures(gm)
+
+
+def test_fp8_fact_on_a_hand_built_graph_names_the_addmm_it_cannot_run() -> None:
+    """The addmm refusals on a graph built by hand (milliseconds: within the mutation run's per-mutant budget)."""
+    root = nn.Module()
+    root.W, root.b, root.B = nn.Parameter(torch.randn(16, 8)), nn.Parameter(torch.randn(8)), nn.Parameter(
+        torch.randn(4, 8))  # fmt: skip
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 16)
+    w, b, big = g.get_attr("W"), g.get_attr("b"), g.get_attr("B")
+    w.meta["val"], b.meta["val"], big.meta["val"] = root.W, root.b, root.B
+    nodes = [g.call_function(torch.ops.aten.addmm.default, (bias, x, w), kw)
+             for bias, kw in ((b, {}), (big, {}), (b, {"beta": 0.5}), (b, {"alpha": 2.0}))]  # fmt: skip
+    for n in nodes:
+        n.meta["val"] = torch.empty(4, 8)
+    g.output(tuple(nodes))
+    torch.fx.GraphModule(root, g)
+    got = [fp8_fact(n, None, True) for n in nodes]
+    assert got[0] == ("", "", {"x": 1, "w": 2, "layout": "kn", "amax": None})
+    assert got[1] == ("no-fp8-kernel:addmm-bias-shape", "", None)
+    assert got[2] == got[3] == ("no-fp8-kernel:addmm-scaled", "", None)

@@ -126,6 +126,7 @@ def test_nested_regions_are_inlined_and_a_no_grad_regions_outputs_are_detached()
     detached = _calls(gm, torch.ops.aten.detach.default)
     assert len(detached) == 2  # both outputs of the no-grad region, not those of the autocast region inside it
     assert all(d.meta["val"].shape == (2, 4) and d.meta["nn_module_stack"] for d in detached)
+    assert all(d.meta["stack_trace"] and d.meta["stack_trace"] == d.args[0].meta["stack_trace"] for d in detached)
     out = gm.graph.output_node().args[0]
     assert out[1] in detached and out[0].args[0].args[0] in detached
     model.train()
