@@ -184,3 +184,15 @@ def test_the_output_chain_absorbs_a_bias_add_with_its_alpha_and_notes_where_it_s
     shared = match(SharedProduct(), b)  # the product is read twice: nothing after it is absorbed
     assert shared.bias is None and not shared.tail
     assert [(n.reason, n.detail) for n in shared.notes] == [("shared_intermediate", "output scaling/bias not absorbed")]
+
+
+def test_an_operand_view_the_graph_also_returns_stays_and_is_noted_under_the_rule() -> None:
+    gm = _scores(0.5, 4.0)
+    transpose = _node(gm, aten.transpose.int)
+    out = gm.graph.output_node()
+    out.args = ((out.args[0], transpose),)  # k's transpose is also an output of the graph
+    found = MatmulRule().match(_node(gm, aten.matmul.default), _ctx(gm))
+    assert isinstance(found, ContractionMatch) and not found.b.chain  # the chain stops before the transpose
+    assert found.alpha == 0.5 * 0.125  # so k * 4 stays in the graph, behind it
+    assert found.notes == (Rejection(transpose.name, "matmul", "intermediate_is_graph_output",
+                                     f"not absorbed into {found.node.name}"),)  # fmt: skip

@@ -823,3 +823,23 @@ def test_fp8_fact_on_a_hand_built_graph_names_the_addmm_it_cannot_run() -> None:
     assert got[0] == ("", "", {"x": 1, "w": 2, "layout": "kn", "amax": None})
     assert got[1] == ("no-fp8-kernel:addmm-bias-shape", "", None)
     assert got[2] == got[3] == ("no-fp8-kernel:addmm-scaled", "", None)
+
+
+def test_an_e4m3_copy_of_a_submodules_weight_gets_an_attribute_name_without_dots() -> None:
+    from amplite.passes.fp8_matmul import Fp8Matmul
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) + x @ self.lin.weight  # read as [out, in] and as [in, out]
+
+    torch.manual_seed(0)
+    model, x = M().eval(), torch.randn(2, 8)
+    gm = _fp8_plan(model, x)
+    Fp8Matmul()(gm)
+    assert gm.amplite_fp8_lin_weight.dtype == FP8_DTYPE and gm.amplite_fp8_lin_weight_scale.shape == (8,)
+    gm.recompile()
+    assert sqnr(model(x), gm(x).float()) > 20
