@@ -843,3 +843,24 @@ def test_an_e4m3_copy_of_a_submodules_weight_gets_an_attribute_name_without_dots
     assert gm.amplite_fp8_lin_weight.dtype == FP8_DTYPE and gm.amplite_fp8_lin_weight_scale.shape == (8,)
     gm.recompile()
     assert sqnr(model(x), gm(x).float()) > 20
+
+
+def test_a_plain_tensor_constant_read_by_one_fp8_product_is_replaced_by_its_e4m3_tensor() -> None:
+    from amplite.passes.fp8_matmul import Fp8Matmul
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.W = torch.randn(8, 8)  # neither a parameter nor a buffer: a lifted constant after export
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.W
+
+    torch.manual_seed(0)
+    model, x = M().eval(), torch.randn(2, 8)
+    gm = _fp8_plan(model, x)
+    assert Fp8Matmul()(gm).counters["bytes_saved"] == 8 * 8 * 3
+    assert gm.W.dtype == FP8_DTYPE and "W" not in gm._parameters and "W" not in gm._buffers
+    assert model.W.dtype == torch.float32  # the user's tensor is untouched
+    gm.recompile()
+    assert sqnr(model(x), gm(x).float()) > 20
