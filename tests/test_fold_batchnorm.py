@@ -313,3 +313,83 @@ def test_folded_tensors_get_static_fake_values() -> None:
     for node in folded:
         val = node.meta["val"]
         assert hasattr(val, "fake_mode") and all(isinstance(s, int) for s in val.shape), node.target
+
+
+# --- The ops after the conv (affine/shift modes) and where a BatchNorm enters a ReLU'd sum (issue 46: mutation
+# survivors)
+
+
+@pytest.mark.parametrize("mode", ["affine", "shift"])
+def test_the_ops_after_the_conv_take_the_batchnorms_value_and_source_location(mode: str) -> None:
+    root, graph, conv, bn = _conv_bn_graph(FULL, _tensors())
+    graph.output(bn)
+    bn.meta.update({"val": torch.empty(2, 4, 6, 6), "nn_module_stack": "bn", "stack_trace": "bn:1"})
+    conv.meta.update({"val": torch.empty(1), "nn_module_stack": "conv", "stack_trace": "conv:1"})
+    FoldBatchNorm(mode)(torch.fx.GraphModule(root, graph))
+    after = [n for n in graph.nodes if n.op == "call_function" and n is not conv]
+    assert [n.target for n in after] == ([aten.mul.Tensor] if mode == "affine" else []) + [aten.add.Tensor]
+    for n in after:
+        assert n.meta["val"] is bn.meta["val"] and (n.meta["nn_module_stack"], n.meta["stack_trace"]) == ("bn", "bn:1")
+    assert list(graph.nodes).index(conv) < list(graph.nodes).index(after[0])  # the conv's tensors come before it
+    del bn.meta["val"]
+    root, graph, conv, bn = _conv_bn_graph(FULL, _tensors())
+    graph.output(bn)
+    conv.meta["val"] = torch.empty(3)
+    FoldBatchNorm(mode)(torch.fx.GraphModule(root, graph))
+    assert all(n.meta["val"] is conv.meta["val"] for n in graph.nodes if n.target in (aten.mul.Tensor, aten.add.Tensor))
+    assert all("nn_module_stack" not in n.meta for n in graph.nodes if n.target is aten.add.Tensor)
+
+
+@pytest.mark.parametrize(
+    ("users", "unit"),
+    [
+        ("add-relu", True),  # the ResNet block: the scale goes into the weight
+        ("add-relu,add-relu", True),
+        ("add-relu,mul", False),  # one reader is not a sum
+        ("add-relu+mul", False),  # the sum is also read by something that is not a ReLU
+        ("add", False),  # a sum the output reads
+        ("relu", False),  # a ReLU without the residual sum
+    ],
+)
+def test_a_unit_scale_goes_into_the_weight_only_where_every_reader_is_a_relud_sum(users: str, unit: bool) -> None:
+    t = _tensors()
+    t["var"][:], t["gamma"][:] = 0.75, 1 - 5e-6  # every scale rounds to 1 in bf16 (eps = 0.25)
+    root, graph, _conv, bn = _conv_bn_graph(FULL, t)
+    outs = []
+    for chain in users.split(","):
+        first, *rest = chain.split("+")
+        node = graph.call_function(aten.add.Tensor if first.startswith("add") else aten.mul.Tensor if first == "mul"
+                                   else aten.relu.default, (bn, bn) if first != "relu" else (bn,))  # fmt: skip
+        if first == "add-relu":
+            outs.append(graph.call_function(aten.relu.default, (node,)))
+        if rest:
+            outs.append(graph.call_function(aten.mul.Tensor, (node, node)))
+        if first in ("add", "mul", "relu"):
+            outs.append(node)
+    graph.output(tuple(outs))
+    gm = torch.fx.GraphModule(root, graph)
+    result = FoldBatchNorm("affine", torch.bfloat16)(gm)
+    assert result.counters.get("scale_in_weight:channels", 0) == (4 if unit else 0), result.counters
+    assert hasattr(gm, "amplite_folded_0_scale") is not unit  # every channel in the weight: no mul
+
+
+def test_a_get_attr_of_a_missing_attribute_is_not_a_constant() -> None:
+    root, graph, _conv, bn = _conv_bn_graph(FULL, _tensors())
+    graph.output(bn)
+    gm = torch.fx.GraphModule(root, graph)
+    bn.args[3].target = "nowhere.mean"  # no such attribute (any more): not a constant, and nothing raised
+    assert FoldBatchNorm()(gm).counters["kept:non-constant-parameters"] == 1
+
+
+def test_unit_scale_channels_are_counted_over_every_folded_batchnorm() -> None:
+    t = _tensors()
+    t["var"][:3], t["gamma"][:3] = 0.75, 1 - 5e-6  # three channels of each BatchNorm round to 1 in bf16
+    root, graph, _conv, bn = _conv_bn_graph(FULL, t)
+    t2 = {k: v.clone() for k, v in t.items()}
+    t2["w"] = torch.randn(4, 4, 3, 3, generator=torch.Generator().manual_seed(2))
+    where2 = {k: f"second.{v}" for k, v in FULL.items()}
+    relu = graph.call_function(aten.relu.default, (graph.call_function(aten.add.Tensor, (bn, bn)),))
+    _, _, _, bn2 = _conv_bn_graph(where2, t2, root=root, graph=graph, x=relu)
+    graph.output(graph.call_function(aten.relu.default, (graph.call_function(aten.add.Tensor, (bn2, bn2)),)))
+    result = FoldBatchNorm("affine", torch.bfloat16)(torch.fx.GraphModule(root, graph))
+    assert (result.counters["folded"], result.counters["scale_in_weight:channels"]) == (2, 6)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import operator
 import subprocess
 import sys
 from pathlib import Path
@@ -443,3 +444,423 @@ def test_without_a_scaled_mm_kernel_the_reference_path_computes_the_same(monkeyp
     finally:
         mod._kernel_ok.cache_clear()
     assert torch.allclose(slow.float(), fast.float(), rtol=2**-7, atol=1e-3)
+
+
+# --- Fast direct tests of the FP8 passes and ops (issue 46: the mutation run's per-mutant budget of 3 s of test
+# time reaches only these; the conversions above take seconds each). Each builds a tiny graph or tensor.
+
+from amplite.ops import fp8_numerics as num  # noqa: E402
+from amplite.passes.fp8_sites import CLIP_SLACK, fp8_fact, stored_weight  # noqa: E402
+from amplite.passes.graph_utils import cast_dtype  # noqa: E402
+from amplite.passes.range_guard import ValueRange  # noqa: E402
+from tests.exported import export_eval  # noqa: E402
+
+
+def test_scale_from_amax_maps_amax_onto_448_in_fp32_and_never_below_the_floor() -> None:
+    s = num.scale_from_amax(torch.tensor([448.0, 896.0, 0.0, 1e-20], dtype=torch.float64))
+    assert s.dtype == torch.float32
+    assert s.tolist() == pytest.approx([1.0, 2.0, num.MIN_SCALE, num.MIN_SCALE], rel=1e-6)
+    assert num.scale_from_amax(224).item() == 0.5 and num.scale_from_amax(224).dtype == torch.float32
+    assert num.E4M3_MAX == 448.0 and num.FP8_DTYPE is torch.float8_e4m3fn
+
+
+def test_quantize_divides_saturates_and_rounds_to_e4m3_and_dequantize_multiplies_back() -> None:
+    x = torch.tensor([1000.0, -1000.0, 3.0, -0.75, 0.0], dtype=torch.float64)
+    q = num.quantize(x, torch.tensor(2.0, dtype=torch.float64))
+    assert q.dtype == num.FP8_DTYPE
+    assert q.float().tolist() == [448.0, -448.0, 1.5, -0.375, 0.0]  # x / 2, saturated at ±448
+    assert num.quantize(torch.tensor([3.3]), torch.tensor(1.0)).float().item() == 3.25  # e4m3's step at 2-4
+    back = num.dequantize(q, torch.tensor(2.0))
+    assert back.dtype == torch.float32 and back.tolist() == [896.0, -896.0, 3.0, -0.75, 0.0]
+    half = num.dequantize(q, torch.tensor(2.0, dtype=torch.float64), torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and half.float().tolist() == [896.0, -896.0, 3.0, -0.75, 0.0]
+
+
+def test_quantize_weight_per_channel_and_per_tensor() -> None:
+    w = torch.tensor([[1.0, -4.0], [0.5, 0.25], [0.0, 0.0]]).reshape(3, 2, 1).double()
+    q, s = num.quantize_weight(w)
+    assert s.shape == (3, 1, 1) and s.dtype == torch.float32 and q.dtype == num.FP8_DTYPE and q.shape == (3, 2, 1)
+    assert s.flatten().tolist() == pytest.approx([4 / 448, 0.5 / 448, num.MIN_SCALE], rel=1e-6)
+    assert q.float().flatten().tolist() == [112.0, -448.0, 448.0, 224.0, 0.0, 0.0]  # each channel's max on 448
+    q1, s1 = num.quantize_weight(w, per_channel=False)
+    assert s1.shape == () and s1.item() == pytest.approx(4 / 448, rel=1e-6)
+    assert q1.float().flatten().tolist() == [112.0, -448.0, 56.0, 28.0, 0.0, 0.0]
+    q0, s0 = num.quantize_weight(torch.tensor(-2.0))  # a 0-d weight has no channel: one scale
+    assert s0.shape == () and q0.float().item() == -448.0
+    q1d, s1d = num.quantize_weight(torch.tensor([1.0, -4.0]))  # 1-D: one scale per element
+    assert s1d.shape == (2,) and q1d.float().tolist() == [448.0, -448.0]
+    qe, se = num.quantize_weight(torch.zeros(0, 3), per_channel=False)
+    assert qe.shape == (0, 3) and se.item() == pytest.approx(num.MIN_SCALE)
+
+
+def test_dynamic_per_token_quantization_gives_each_row_its_own_scale() -> None:
+    x = torch.tensor([[[1.0, -2.0], [8.0, 4.0]], [[0.0, 0.0], [-0.5, 0.25]]]).double()
+    q, s = num.quantize_dynamic_per_token(x)
+    assert s.shape == (2, 2, 1) and s.dtype == torch.float32
+    assert s.flatten().tolist() == pytest.approx([2 / 448, 8 / 448, num.MIN_SCALE, 0.5 / 448], rel=1e-6)
+    assert q.float().reshape(-1).tolist() == [224.0, -448.0, 448.0, 224.0, 0.0, 0.0, -448.0, 224.0]
+
+
+def test_pad_zero_fills_to_the_shape_and_returns_the_tensor_itself_when_it_fits() -> None:
+    from amplite.ops.fp8_linear import _pad, _up
+
+    t = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    assert _pad(t, 2, 2) is t
+    assert _pad(t, 3, 4).tolist() == [[1.0, 2.0, 0.0, 0.0], [3.0, 4.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+    assert _pad(t.bfloat16(), 2, 3).dtype == torch.bfloat16
+    assert [_up(n, 16) for n in (1, 15, 16, 17, 32)] == [16, 16, 16, 32, 32] and _up(7, 1) == 7
+
+
+@pytest.mark.parametrize("rowwise", [True, False])
+def test_scaled_mm_2d_pads_to_the_granule_and_equals_the_reference(rowwise: bool) -> None:
+    torch.manual_seed(0)
+    m, k, n = 3, 5, 7
+    xq, sx = quantize_dynamic_per_token(torch.randn(m, k))
+    wq, sw = quantize_weight(torch.randn(n, k))
+    sx, sw = (sx.reshape(-1), sw.reshape(-1)) if rowwise else (sx.amax(), sw.amax())
+    bias = torch.randn(n).bfloat16()
+    want = reference(xq, wq, sx, sw, bias, torch.float32)
+    manual = (xq.float() @ wq.float().t()) * (sx.reshape(-1, 1) if rowwise else sx) * sw
+    assert torch.allclose(want, manual + bias.float(), rtol=1e-6, atol=1e-6)
+    for granule in (1, 4, 16):
+        got = scaled_mm_2d(xq, wq, sx, sw, bias, torch.float32, granule)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), granule
+    assert reference(xq, wq, sx, sw, None, torch.bfloat16).dtype == torch.bfloat16
+    # one side per tensor, the other per channel: both go row-wise (the kernel takes both one way)
+    mixed = scaled_mm_2d(xq, wq, sx.amax(), sw.reshape(-1), None, torch.float32, 16)
+    assert torch.allclose(mixed, reference(xq, wq, sx.amax(), sw.reshape(-1), None, torch.float32), rtol=1e-5)
+
+
+def test_fp8_linear_quantizes_its_input_and_picks_the_output_dtype_from_the_bias() -> None:
+    torch.manual_seed(0)
+    x, wq = torch.randn(2, 3, 8), quantize_weight(torch.randn(4, 8))[0]
+    ws = torch.full((4,), 0.01)
+    op = torch.ops.amplite.fp8_linear
+    xs = torch.tensor(0.02)
+    y = op(x, wq, ws, xs, None)
+    assert y.shape == (2, 3, 4) and y.dtype == torch.bfloat16
+    want = ((x / 0.02).clamp(-448, 448).to(FP8_DTYPE).float() * 0.02) @ (wq.float() * 0.01).t()
+    assert torch.allclose(y.float(), want, rtol=2**-7, atol=1e-4)
+    xq, sx = quantize_dynamic_per_token(x.reshape(-1, 8))
+    dyn = reference(xq, wq, sx.reshape(-1), ws, None, torch.bfloat16).reshape(2, 3, 4)
+    assert torch.equal(op(x, wq, ws, None, None), dyn)  # per token without a static scale
+    assert op(x, wq, ws, xs, torch.zeros(4, dtype=torch.float16)).dtype == torch.float16
+    assert op(x, wq, ws, xs, torch.zeros(4)).dtype == torch.bfloat16  # an FP32 bias: bf16 out
+    biased = op(x, wq, ws, xs, torch.ones(4, dtype=torch.bfloat16))
+    assert torch.allclose(biased.float(), y.float() + 1, rtol=2**-7, atol=2**-6)
+    per_tensor = op(x, wq, torch.tensor(0.01), xs, None)  # a 0-d weight scale
+    assert torch.allclose(per_tensor.float(), y.float(), rtol=2**-7, atol=1e-3)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = op(mode.from_tensor(x), mode.from_tensor(wq), mode.from_tensor(ws), None,
+                  mode.from_tensor(torch.zeros(4, dtype=torch.float16)))  # fmt: skip
+        fake_b = op(mode.from_tensor(x), mode.from_tensor(wq), mode.from_tensor(ws), None, None)
+    assert (fake.shape, fake.dtype, fake_b.dtype) == ((2, 3, 4), torch.float16, torch.bfloat16)
+
+
+def test_the_kernel_probe_says_no_without_scaled_mm_and_yes_on_this_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = importlib.import_module("amplite.ops.fp8_linear")
+    mod._kernel_ok.cache_clear()
+    try:
+        assert mod._kernel_ok("cpu") is True
+        mod._kernel_ok.cache_clear()
+        monkeypatch.delattr(torch, "_scaled_mm")
+        assert mod._kernel_ok("cpu") is False
+    finally:
+        mod._kernel_ok.cache_clear()
+
+
+class Products(nn.Module):
+    """One stored [16, 16] weight read by every product ``fp8_fact`` tells apart, plus a conv and x @ x.T."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.W, self.b, self.B = nn.Parameter(torch.randn(16, 16)), nn.Parameter(torch.randn(16)), nn.Parameter(
+            torch.randn(4, 16))  # fmt: skip
+        self.v = nn.Parameter(torch.randn(16))
+        self.W3 = nn.Parameter(torch.randn(2, 16, 16))
+        self.conv = nn.Conv1d(1, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.linear(x, self.W) + x @ self.W + torch.addmm(self.b, x, self.W) + torch.mm(x, self.W)
+        y = y + torch.addmm(self.B, x, self.W) + torch.addmm(self.b, x, self.W, beta=0.5) + x @ x.t() @ x
+        y = y + x @ self.v[:, None] + self.conv(x[:, None])[:, 0] + x[0] @ self.W
+        return y + (x @ self.W3).sum(0)
+
+
+def _facts(gm: torch.fx.GraphModule, ranges: dict | None = None, clip: bool = True) -> dict[str, tuple]:
+    return {n.name: fp8_fact(n, ranges, clip) for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def test_fp8_fact_names_why_each_product_has_no_fp8_kernel_or_where_its_site_is() -> None:
+    torch.manual_seed(0)
+    gm = export_eval(Products(), torch.randn(4, 16))
+    f = _facts(gm)
+    site = {"linear": (0, 1, "nk"), "matmul": (0, 1, "kn"), "addmm": (1, 2, "kn"), "mm": (0, 1, "kn")}
+    for name, (xi, wi, layout) in site.items():
+        assert f[name] == ("", "", {"x": xi, "w": wi, "layout": layout, "amax": None}), name
+    assert f["addmm_1"] == ("no-fp8-kernel:addmm-bias-shape", "", None)  # a [4, 16] bias: not one per column
+    assert f["addmm_2"] == ("no-fp8-kernel:addmm-scaled", "", None)  # beta=0.5
+    assert f["add"] == ("no-fp8-kernel:add", "", None)
+    conv = next(k for k in f if k.startswith("conv1d"))
+    assert f[conv] == ("no-fp8-kernel:conv1d", "", None)
+    weightless = [k for k, v in f.items() if v[0] == "no-weight-operand"]
+    assert len(weightless) == 4  # x @ x.T, (x @ x.T) @ x, x @ v[:, None] (a view), x @ W3 (3-D)
+    assert f["matmul_4"] == ("", "", {"x": 0, "w": 1, "layout": "kn", "amax": None})  # a 1-D activation
+    mm = next(n for n in gm.graph.nodes if n.name == "mm")
+    mm.args[0].meta["val"] = torch.zeros(4, 16, dtype=torch.int64)  # as if x were integer
+    assert fp8_fact(mm, None, True) == ("no-float-activation", "", None)
+    mm.args[0].meta["val"] = torch.zeros(())  # or 0-d
+    assert fp8_fact(mm, None, True) == ("no-float-activation", "", None)
+    mm.args[1].meta["val"] = torch.zeros(16, 16, dtype=torch.int8)  # an integer weight
+    assert fp8_fact(mm, None, True) == ("no-weight-operand", "", None)
+
+
+def test_fp8_fact_reads_the_weight_through_amplites_casts_only() -> None:
+    g = torch.fx.Graph()
+    w = g.get_attr("W")
+    cast = g.call_function(torch.ops.aten._to_copy.default, (w,), {"dtype": torch.bfloat16})
+    twice = g.call_function(torch.ops.aten._to_copy.default, (cast,), {"dtype": torch.float16})
+    view = g.call_function(torch.ops.aten.t.default, (w,))
+    assert stored_weight(twice) is w and stored_weight(cast) is w and stored_weight(w) is w
+    assert stored_weight(view) is None and stored_weight(g.placeholder("p")) is None
+    assert stored_weight(3) is None
+
+
+def test_a_weight_another_reader_keeps_out_of_fp8_is_a_shared_weight() -> None:
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.W, self.U = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.W + self.W.sum() + nn.functional.linear(x, self.U) + x @ self.U  # U: FP8 readers only
+
+    gm = export_eval(Shared(), torch.randn(2, 8))
+    f = _facts(gm)
+    assert f["matmul"][0] == "shared-weight"
+    assert f["linear"][0] == "" and f["matmul_1"][0] == ""
+    gm.graph.owning_module = None  # type: ignore[misc]  # a graph without its module: nothing to compare with
+    assert fp8_fact(next(n for n in gm.graph.nodes if n.name == "matmul"), None, True)[0] == ""
+
+
+def test_fp8_fact_keeps_an_overflowing_range_out_and_takes_the_measured_amax() -> None:
+    gm = export_eval(nn.Linear(4, 4), torch.randn(2, 4))
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    x = node.args[0].name
+    assert fp8_fact(node, {}, True) == ("no-calibrated-range", "", None)
+    plain = {x: ValueRange(max_abs=3.0)}
+    assert fp8_fact(node, plain, True)[2] == {"x": 0, "w": 1, "layout": "nk", "amax": 3.0}
+    measured = {x: ValueRange(max_abs=3.0, fp8_amax=2.5)}
+    assert fp8_fact(node, measured, True)[2]["amax"] == 2.5
+    edge = {x: ValueRange(max_abs=2.0 * CLIP_SLACK, percentile_abs=2.0)}  # clipped by exactly one e4m3 step
+    assert fp8_fact(node, edge, True) == ("", "", {"x": 0, "w": 1, "layout": "nk", "amax": 2.0})
+    over = {x: ValueRange(max_abs=1000.0, percentile_abs=2.0, fp8_amax=1.5)}
+    assert fp8_fact(node, over, True) == ("", "fp8-range:overflow max|x|=1000 > 448·scale=2", None)
+    assert fp8_fact(node, over, False)[2]["amax"] == 1.5  # the range rules off: the measured scale is used
+    assert CLIP_SLACK == 480 / 448
+
+
+def _fp8_plan(model: nn.Module, x: torch.Tensor, ranges: dict | None = None) -> torch.fx.GraphModule:
+    """``model`` exported and planned for FP8 up to ``fp8_matmul`` (annotate, casts), not yet rewritten."""
+    from amplite.passes.annotate_precision import AnnotatePrecision
+    from amplite.passes.cleanup_casts import CleanupCasts
+    from amplite.passes.insert_casts import InsertCasts
+    from amplite.policy import Level, PrecisionPolicy
+
+    gm = export_eval(model, x)
+    policy = PrecisionPolicy("bf16", Level.O2, fp8="static" if ranges is not None else "dynamic")
+    for p in (AnnotatePrecision(policy, ranges), InsertCasts(), CleanupCasts()):
+        p(gm)
+    return gm
+
+
+def _fp8_nodes(gm: torch.fx.GraphModule) -> dict[str, torch.fx.Node]:
+    return {n.name: n for n in gm.graph.nodes if str(n.target) == FP8_OP}
+
+
+class TwoLayouts(nn.Module):
+    """``W`` read as ``[out, in]`` by a linear and as ``[in, out]`` by a matmul; ``U`` by one matmul only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.W, self.U = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8, 4))
+        self.conv = nn.Conv1d(1, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.linear(x, self.W) + x @ self.W
+        return self.conv(h[:, None])[:, 0] @ self.U
+
+
+def test_fp8_matmul_stores_a_weight_in_e4m3_in_place_and_beside_it_when_read_in_two_layouts() -> None:
+    from amplite.passes.fp8_matmul import Fp8Matmul
+    from amplite.passes.meta import FP8_KEY, PRECISION_KEY
+
+    torch.manual_seed(0)
+    model, x = TwoLayouts().eval(), torch.randn(3, 8)
+    gm = _fp8_plan(model, x)
+    gm.register_buffer("amplite_fp8_W", torch.zeros(1))  # a name taken: the copy gets the next free one
+    res = Fp8Matmul()(gm)
+    saved = 8 * 8 * 3 + 8 * 4 * 3  # W and U leave the program in FP32 (4 bytes -> 1 per element)
+    assert res.modified and dict(res.counters) == {
+        "fp8_nodes": 3, "weights_fp8": 3, "bytes_saved": saved, "kept_low:fp8-kept:no-fp8-kernel:conv1d": 1}
+    nodes = _fp8_nodes(gm)
+    assert set(nodes) == {"linear", "matmul", "matmul_1"}  # names kept
+    assert not any(FP8_KEY in n.meta for n in gm.graph.nodes)
+    assert all(n.meta[PRECISION_KEY]["dtype"] == FP8_DTYPE for n in nodes.values())
+    # W, [out, in] for the linear (rewritten first) while the matmul still reads it as [in, out]: an e4m3 copy
+    # beside it; then the matmul is its last reader, so W itself becomes its [in, out] e4m3 tensor
+    nk, kn = gm.amplite_fp8_W_1, gm.W
+    assert nk.dtype == kn.dtype == FP8_DTYPE and nk.shape == kn.shape == (8, 8) and not hasattr(gm, "amplite_fp8_W_2")
+    assert gm.amplite_fp8_W_1_scale.shape == gm.W_scale.shape == (8,)
+    assert torch.allclose(nk.float() * gm.amplite_fp8_W_1_scale[:, None], model.W, rtol=2**-4, atol=1e-6)
+    assert torch.allclose(kn.float() * gm.W_scale[None, :], model.W, rtol=2**-4, atol=1e-6)
+    assert str(nodes["linear"].args[1].target) == "amplite_fp8_W_1" and nodes["linear"].args[3] is None
+    assert str(nodes["linear"].args[2].target) == "amplite_fp8_W_1_scale"
+    assert nodes["matmul"].args[1].target is torch.ops.aten.t.default  # [in, out] stored, [out, in] taken
+    assert nodes["matmul"].args[1].meta["val"].shape == (8, 8) and str(nodes["matmul"].args[2].target) == "W_scale"
+    # U: only this product reads it: replaced by its e4m3 tensor under its own name, scale beside it
+    assert isinstance(gm.U, nn.Parameter) and gm.U.dtype == FP8_DTYPE and gm.U.shape == (8, 4)
+    assert not gm.U.requires_grad and model.U.dtype == model.W.dtype == torch.float32  # the user's are untouched
+    assert gm.U_scale.shape == (4,) and gm.U_scale.dtype == torch.float32
+    u = nodes["matmul_1"]
+    assert str(u.args[1].args[0].target) == "U" and str(u.args[2].target) == "U_scale"
+    assert u.args[1].args[0].meta["val"].dtype == FP8_DTYPE
+    assert sum(n.op == "get_attr" and str(n.target) in ("W", "U") for n in gm.graph.nodes) == 2
+    assert sum(cast_dtype(n) is not None for n in gm.graph.nodes) == 4  # the weights' casts are gone
+    assert sum(n.op == "placeholder" for n in gm.graph.nodes) == 1
+    gm.recompile()
+    got = gm(x).float()
+    assert got.shape == (3, 4) and sqnr(model(x), got) > 20
+    Fp8Matmul().ensures(gm)
+
+
+def test_fp8_matmul_static_scales_biases_and_shared_tensors() -> None:
+    from amplite.passes.fp8_matmul import Fp8Matmul
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.a.register_buffer("weight_scale", torch.ones(1))  # taken: the scale is weight_scale_1
+            self.b, self.V = nn.Parameter(torch.randn(8)), nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.addmm(self.b, self.a(x), self.V) + self.a(x * 2)
+
+    torch.manual_seed(0)
+    model, x = M().eval(), torch.randn(3, 8)
+    gm = _fp8_plan(model, x, ranges={})
+    ranges = {}
+    for n in gm.graph.nodes:  # every activation measured: 4.0, the one feeding addmm 2.0 (its fp8_amax)
+        ranges[n.name] = ValueRange(max_abs=4.0, fp8_amax=2.0 if n.name == "linear" else None)
+    gm = _fp8_plan(model, x, ranges=ranges)
+    gm.register_buffer("amplite_fp8_input_scale_linear", torch.ones(()))
+    res = Fp8Matmul()(gm)
+    nodes = _fp8_nodes(gm)
+    assert set(nodes) == {"linear", "addmm", "linear_1"}
+    assert res.counters["fp8_nodes"] == 3
+    scales = {k: float(operator.attrgetter(str(n.args[3].target))(gm)) * E4M3_MAX for k, n in nodes.items()}
+    assert scales == pytest.approx({"linear": 4.0, "addmm": 2.0, "linear_1": 4.0})
+    assert str(nodes["linear"].args[3].target) == "amplite_fp8_input_scale_linear_1"
+    assert operator.attrgetter(str(nodes["addmm"].args[3].target))(gm).shape == ()
+    assert str(stored_weight(nodes["addmm"].args[4]).target) == "b"  # addmm's bias, cast to bf16
+    assert str(stored_weight(nodes["linear"].args[4]).target) == "a.bias"
+    # a.weight is read by both linears: quantized once, one scale; V by addmm
+    assert res.counters["weights_fp8"] == 2 and str(nodes["linear"].args[2].target) == "a.weight_scale_1"
+    assert str(nodes["linear_1"].args[2].target) == "a.weight_scale_1" and gm.a.weight.dtype == FP8_DTYPE
+    gm.recompile()
+    assert sqnr(model(x), gm(x).float()) > 20
+
+
+def test_fp8_matmul_without_sites_changes_nothing_and_its_contract_names_what_is_left() -> None:
+    from amplite.passes.base import PostconditionError, PreconditionError
+    from amplite.passes.fp8_matmul import Fp8Matmul
+    from amplite.passes.meta import FP8_KEY, PRECISION_KEY
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Conv1d(2, 2, 1), nn.ReLU()).eval(), torch.randn(1, 2, 3)
+    with pytest.raises(PreconditionError, match="no planned dtype"):
+        Fp8Matmul().requires(export_eval(model, x))
+    gm = _fp8_plan(model, x)
+    Fp8Matmul().requires(gm)
+    before = str(gm.graph)
+    res = Fp8Matmul()(gm)
+    assert not res.modified and dict(res.counters) == {"kept_low:fp8-kept:no-fp8-kernel:conv1d": 1}
+    assert str(gm.graph) == before
+    conv = next(n for n in gm.graph.nodes if str(n.target).startswith("aten.conv1d"))
+    conv.meta[FP8_KEY] = {"x": 0, "w": 1, "layout": "nk", "amax": None}
+    with pytest.raises(PostconditionError, match=f"node {conv.name} is an FP8 site that was not rewritten"):
+        Fp8Matmul().ensures(gm)
+    del conv.meta[FP8_KEY]
+    Fp8Matmul().ensures(gm)
+    conv.target = torch.ops.amplite.fp8_linear.default  # an fp8_linear the plan has in bf16
+    with pytest.raises(PostconditionError, match=f"fp8_linear {conv.name} is not planned in"):
+        Fp8Matmul().ensures(gm)
+    conv.meta[PRECISION_KEY] = {**conv.meta[PRECISION_KEY], "dtype": FP8_DTYPE}
+    Fp8Matmul().ensures(gm)
+
+
+def test_fp8_fact_on_a_hand_built_graph_names_the_addmm_it_cannot_run() -> None:
+    """The addmm refusals on a graph built by hand (milliseconds: within the mutation run's per-mutant budget)."""
+    root = nn.Module()
+    root.W, root.b, root.B = nn.Parameter(torch.randn(16, 8)), nn.Parameter(torch.randn(8)), nn.Parameter(
+        torch.randn(4, 8))  # fmt: skip
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 16)
+    w, b, big = g.get_attr("W"), g.get_attr("b"), g.get_attr("B")
+    w.meta["val"], b.meta["val"], big.meta["val"] = root.W, root.b, root.B
+    nodes = [g.call_function(torch.ops.aten.addmm.default, (bias, x, w), kw)
+             for bias, kw in ((b, {}), (big, {}), (b, {"beta": 0.5}), (b, {"alpha": 2.0}))]  # fmt: skip
+    for n in nodes:
+        n.meta["val"] = torch.empty(4, 8)
+    g.output(tuple(nodes))
+    torch.fx.GraphModule(root, g)
+    got = [fp8_fact(n, None, True) for n in nodes]
+    assert got[0] == ("", "", {"x": 1, "w": 2, "layout": "kn", "amax": None})
+    assert got[1] == ("no-fp8-kernel:addmm-bias-shape", "", None)
+    assert got[2] == got[3] == ("no-fp8-kernel:addmm-scaled", "", None)
+
+
+def test_an_e4m3_copy_of_a_submodules_weight_gets_an_attribute_name_without_dots() -> None:
+    from amplite.passes.fp8_matmul import Fp8Matmul
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) + x @ self.lin.weight  # read as [out, in] and as [in, out]
+
+    torch.manual_seed(0)
+    model, x = M().eval(), torch.randn(2, 8)
+    gm = _fp8_plan(model, x)
+    Fp8Matmul()(gm)
+    assert gm.amplite_fp8_lin_weight.dtype == FP8_DTYPE and gm.amplite_fp8_lin_weight_scale.shape == (8,)
+    gm.recompile()
+    assert sqnr(model(x), gm(x).float()) > 20
+
+
+def test_a_plain_tensor_constant_read_by_one_fp8_product_is_replaced_by_its_e4m3_tensor() -> None:
+    from amplite.passes.fp8_matmul import Fp8Matmul
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.W = torch.randn(8, 8)  # neither a parameter nor a buffer: a lifted constant after export
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.W
+
+    torch.manual_seed(0)
+    model, x = M().eval(), torch.randn(2, 8)
+    gm = _fp8_plan(model, x)
+    assert Fp8Matmul()(gm).counters["bytes_saved"] == 8 * 8 * 3
+    assert gm.W.dtype == FP8_DTYPE and "W" not in gm._parameters and "W" not in gm._buffers
+    assert model.W.dtype == torch.float32  # the user's tensor is untouched
+    gm.recompile()
+    assert sqnr(model(x), gm(x).float()) > 20

@@ -24,7 +24,7 @@ from amplite.report.entries import CriterionCheck, OutputMetricsEntry
 from amplite.report.junit import junit_xml
 from amplite.report.schema import load_schema, validate_report
 from amplite.report.sections import SECTIONS, Output, Outputs, Plan, Source, Streaming, Timings, WeightRules
-from amplite.report.typed import ListSection, MapSection, Record
+from amplite.report.typed import Entry, ListSection, MapSection, Num, Record
 from fixtures import zoo
 from tests.report_samples import SAMPLES
 
@@ -289,3 +289,79 @@ def test_the_terminal_summary_prints_the_same_budget_line(module_report: Report,
     said = " ".join(captured.get().split())
     assert report.section(Budget).summary() in said
     assert f"FP32 islands │ {len(module_report.data['fp32_nodes'])}" in said
+
+
+# --- Fast direct tests (issue 46: the mutation run's survivors in Budget.moved_where and the typed readers)
+
+
+def test_budget_says_where_the_search_moved_nodes() -> None:
+    from amplite.report.checks import MovedNode
+
+    def where(*to: str | None) -> str:
+        return Budget(moved_to_fp32=tuple(MovedNode(node=f"n{i}", to=t) for i, t in enumerate(to))).moved_where()
+
+    assert where() == "to FP32" and Budget().moved_where() == "to FP32"
+    assert where(None) == where("float32") == where(None, "float32") == "to FP32"  # no "to": FP32
+    assert where("bfloat16") == where("bfloat16", "bfloat16") == "from FP8 to bf16"
+    assert where("bfloat16", None) == where("float32", "bfloat16") == "to bf16 (FP8) / FP32"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Leaf(Entry):
+    name: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Tree(Entry):
+    one: _Leaf | None = None
+    many: tuple[_Leaf, ...] | None = None
+    ints: tuple[int, ...] | None = None
+    plain: list[Any] | None = None
+    num: Num | None = None
+    mixed: int | _Leaf | None = None  # the record type is not the union's first member
+
+
+def test_fields_typed_as_records_read_into_records_and_plain_json_stays_plain() -> None:
+    doc = {"one": {"name": "a"}, "many": [{"name": "b"}, 7], "ints": [1, 2], "plain": [{"name": "c"}],
+           "num": "inf", "extra": {"x": 1}}  # fmt: skip
+    tree = _Tree.from_json(doc)
+    assert tree.one == _Leaf(name="a") and isinstance(tree.one, _Leaf)
+    assert isinstance(tree.many, tuple) and tree.many[0] == _Leaf(name="b") and tree.many[1] == 7
+    assert tree.ints == [1, 2] and not isinstance(tree.ints, tuple)  # a tuple of plain values: plain JSON
+    assert tree.plain == [{"name": "c"}] and not isinstance(tree.plain[0], Entry)
+    with pytest.raises(TypeError):
+        tree.plain.append(1)  # plain JSON is read-only
+    assert tree.num == "inf" and dict(tree.rest) == {"extra": {"x": 1}}
+    assert tree.to_json() == doc and list(tree.to_json()) == list(doc)
+    wrong = _Tree.from_json({"one": [1], "many": {"name": "d"}})  # wrong JSON types: kept for the schema check
+    assert wrong.one == [1] and wrong.many == {"name": "d"}
+    assert _Tree(one=_Leaf(name="e"), many=(_Leaf(name="f"),)).to_json() == {"one": {"name": "e"},
+                                                                           "many": [{"name": "f"}]}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Leaves(ListSection):
+    key = "leaves"
+    item = _Leaf
+
+
+def test_reading_keeps_what_it_cannot_type_and_writes_fields_set_after_reading() -> None:
+    assert _Tree.from_json({"mixed": {"name": "m"}}).mixed == _Leaf(name="m")
+    with pytest.raises(TypeError, match="_Tree reads a JSON object, not list"):
+        _Tree.from_json([1])
+    with pytest.raises(TypeError):
+        _Tree(rest={"a": [1]}).rest["a"].append(2)  # rest given in code is frozen too
+    read = _Tree.from_json({"num": 1.5})
+    assert dataclasses.replace(read, one=_Leaf(name="z")).to_json() == {"num": 1.5, "one": {"name": "z"}}
+    assert list(_Leaves.from_json([{"name": "a"}, 7]).items) == [_Leaf(name="a"), 7]  # a non-object entry kept
+    assert _Leaves.from_json("abc").items == "abc" and _Leaves.from_json({"a": 1}).items == {"a": 1}
+    assert _Leaves.from_json(5).items == 5  # not a list: kept for the schema check to name
+
+
+def test_the_budget_sentence_names_at_most_five_moved_nodes_by_default() -> None:
+    from amplite.report.checks import MovedNode
+
+    budget = Budget(moved_to_fp32=tuple(MovedNode(node=f"node{i}") for i in range(6)), candidates=9)
+    text = budget.summary()
+    assert "node4, …" in text and "node5" not in text and "6 of 9 candidate nodes" in text
+    assert "node5" in budget.summary(names=6)

@@ -98,6 +98,9 @@ class Fp8Matmul(PassBase):
             key = (id(tensor), site["layout"])
             if key not in done:
                 done[key] = self._store(gm, node, src, tensor, site, aliases, counters)
+                # stored in place, the attribute now holds the e4m3 tensor: the next reader must find it done,
+                # not quantize the e4m3 values again (a second scale, the weight counted twice)
+                done[(id(getattr(owner, attr)), site["layout"])] = done[key]
             weight, scale_name = done[key]
             with gm.graph.inserting_before(node):
                 w_node = weight if isinstance(weight, torch.fx.Node) else self._get_attr(gm, weight, mode)

@@ -66,6 +66,7 @@ class InlineRegions(PassBase):
         if counters:
             gm.graph.eliminate_dead_code()
             gm.delete_all_unused_submodules()
+            _drop_unread_subgraphs(gm)
             gm.graph.lint()
             gm.recompile()
         return PassResult(gm, bool(counters), counters)
@@ -114,6 +115,16 @@ def _detached(gm: torch.fx.GraphModule, region: torch.fx.Node, out: Any) -> Any:
         node = gm.graph.call_function(torch.ops.aten.detach.default, (out,))
     node.meta.update({k: v for k, v in out.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
     return node
+
+
+def _drop_unread_subgraphs(gm: torch.fx.GraphModule) -> None:
+    """Delete the sub-graphs no node reads any more. ``delete_all_unused_submodules`` walks ``named_modules``,
+    which lists a module once: a nested region's sub-graph, moved onto the parent under a fresh name, is also
+    its old region's child, and deleting that region leaves it behind under the fresh name."""
+    read = {str(n.target).split(".")[0] for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
+    for name, child in list(gm._modules.items()):  # every name, aliases included (named_children lists one)
+        if isinstance(child, torch.fx.GraphModule) and name not in read:
+            gm.delete_submodule(name)
 
 
 def _fresh(gm: torch.fx.GraphModule, base: str) -> str:
