@@ -600,7 +600,7 @@ def test_fp8_fact_names_why_each_product_has_no_fp8_kernel_or_where_its_site_is(
     f = _facts(gm)
     site = {"linear": (0, 1, "nk"), "matmul": (0, 1, "kn"), "addmm": (1, 2, "kn"), "mm": (0, 1, "kn")}
     for name, (xi, wi, layout) in site.items():
-        assert f[name] == ("", "", {"x": xi, "w": wi, "layout": layout, "amax": None}), name
+        assert f[name] == ("", "", {"x": xi, "w": wi, "layout": layout, "amax": None, "w_amax": None}), name
     assert f["addmm_1"] == ("no-fp8-kernel:addmm-bias-shape", "", None)  # a [4, 16] bias: not one per column
     assert f["addmm_2"] == ("no-fp8-kernel:addmm-scaled", "", None)  # beta=0.5
     assert f["add"] == ("no-fp8-kernel:add", "", None)
@@ -608,7 +608,7 @@ def test_fp8_fact_names_why_each_product_has_no_fp8_kernel_or_where_its_site_is(
     assert f[conv] == ("no-fp8-kernel:conv1d", "", None)
     weightless = [k for k, v in f.items() if v[0] == "no-weight-operand"]
     assert len(weightless) == 4  # x @ x.T, (x @ x.T) @ x, x @ v[:, None] (a view), x @ W3 (3-D)
-    assert f["matmul_4"] == ("", "", {"x": 0, "w": 1, "layout": "kn", "amax": None})  # a 1-D activation
+    assert f["matmul_4"] == ("", "", {"x": 0, "w": 1, "layout": "kn", "amax": None, "w_amax": None})  # a 1-D activation
     mm = next(n for n in gm.graph.nodes if n.name == "mm")
     mm.args[0].meta["val"] = torch.zeros(4, 16, dtype=torch.int64)  # as if x were integer
     assert fp8_fact(mm, None, True) == ("no-float-activation", "", None)
@@ -652,11 +652,11 @@ def test_fp8_fact_keeps_an_overflowing_range_out_and_takes_the_measured_amax() -
     x = node.args[0].name
     assert fp8_fact(node, {}, True) == ("no-calibrated-range", "", None)
     plain = {x: ValueRange(max_abs=3.0)}
-    assert fp8_fact(node, plain, True)[2] == {"x": 0, "w": 1, "layout": "nk", "amax": 3.0}
+    assert fp8_fact(node, plain, True)[2] == {"x": 0, "w": 1, "layout": "nk", "amax": 3.0, "w_amax": None}
     measured = {x: ValueRange(max_abs=3.0, fp8_amax=2.5)}
     assert fp8_fact(node, measured, True)[2]["amax"] == 2.5
     edge = {x: ValueRange(max_abs=2.0 * CLIP_SLACK, percentile_abs=2.0)}  # clipped by exactly one e4m3 step
-    assert fp8_fact(node, edge, True) == ("", "", {"x": 0, "w": 1, "layout": "nk", "amax": 2.0})
+    assert fp8_fact(node, edge, True) == ("", "", {"x": 0, "w": 1, "layout": "nk", "amax": 2.0, "w_amax": None})
     over = {x: ValueRange(max_abs=1000.0, percentile_abs=2.0, fp8_amax=1.5)}
     assert fp8_fact(node, over, True) == ("", "fp8-range:overflow max|x|=1000 > 448·scale=2", None)
     assert fp8_fact(node, over, False)[2]["amax"] == 1.5  # the range rules off: the measured scale is used
@@ -704,8 +704,8 @@ def test_fp8_matmul_stores_a_weight_in_e4m3_in_place_and_beside_it_when_read_in_
     gm.register_buffer("amplite_fp8_W", torch.zeros(1))  # a name taken: the copy gets the next free one
     res = Fp8Matmul()(gm)
     saved = 8 * 8 * 3 + 8 * 4 * 3  # W and U leave the program in FP32 (4 bytes -> 1 per element)
-    assert res.modified and dict(res.counters) == {
-        "fp8_nodes": 3, "weights_fp8": 3, "bytes_saved": saved, "kept_low:fp8-kept:no-fp8-kernel:conv1d": 1}
+    assert res.modified and res.counters.items() >= {
+        "fp8_nodes": 3, "weights_fp8": 3, "bytes_saved": saved, "kept_low:fp8-kept:no-fp8-kernel:conv1d": 1}.items()
     nodes = _fp8_nodes(gm)
     assert set(nodes) == {"linear", "matmul", "matmul_1"}  # names kept
     assert not any(FP8_KEY in n.meta for n in gm.graph.nodes)
@@ -788,7 +788,8 @@ def test_fp8_matmul_without_sites_changes_nothing_and_its_contract_names_what_is
     Fp8Matmul().requires(gm)
     before = str(gm.graph)
     res = Fp8Matmul()(gm)
-    assert not res.modified and dict(res.counters) == {"kept_low:fp8-kept:no-fp8-kernel:conv1d": 1}
+    assert not res.modified and res.counters.items() >= {"kept_low:fp8-kept:no-fp8-kernel:conv1d": 1}.items()
+    assert not res.counters["fp8_nodes"] and not res.counters["weights_fp8"]
     assert str(gm.graph) == before
     conv = next(n for n in gm.graph.nodes if str(n.target).startswith("aten.conv1d"))
     conv.meta[FP8_KEY] = {"x": 0, "w": 1, "layout": "nk", "amax": None}
@@ -820,7 +821,7 @@ def test_fp8_fact_on_a_hand_built_graph_names_the_addmm_it_cannot_run() -> None:
     g.output(tuple(nodes))
     torch.fx.GraphModule(root, g)
     got = [fp8_fact(n, None, True) for n in nodes]
-    assert got[0] == ("", "", {"x": 1, "w": 2, "layout": "kn", "amax": None})
+    assert got[0] == ("", "", {"x": 1, "w": 2, "layout": "kn", "amax": None, "w_amax": None})
     assert got[1] == ("no-fp8-kernel:addmm-bias-shape", "", None)
     assert got[2] == got[3] == ("no-fp8-kernel:addmm-scaled", "", None)
 

