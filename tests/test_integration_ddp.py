@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ import amplite  # noqa: E402
 from amplite.errors import ConfigError  # noqa: E402
 from amplite.integrations.lightning import AmplitePrecision  # noqa: E402
 from amplite.integrations.transformers import AmpliteTrainer  # noqa: E402
+from tests.conftest import once_per_run  # noqa: E402
 
 B, STEPS, WORLD = 4, 6, 2  # per-rank batch, optimizer steps; the global batch is WORLD * B
 HF_B, HF_STEPS, SEQ, VOCAB = 2, 4, 16, 64
@@ -122,8 +124,12 @@ def _worker(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory):
     """Two gloo processes run both integrations (one process start-up for the module)."""
-    out = tmp_path_factory.mktemp("ddp_integrations")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    def spawn(out: Path) -> str:
+        mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+        return str(out)
+
+    # once per test run: under xdist a module fixture would spawn the two processes on each worker
+    out = Path(once_per_run(tmp_path_factory, "ddp-integrations", spawn))
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import socket
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from tests.conftest import once_per_run
 
 
 def _free_port() -> int:
@@ -54,9 +57,12 @@ LEVELS = ("O1", "O2")
 @pytest.fixture(scope="module")
 def ddp_out(tmp_path_factory: pytest.TempPathFactory):
     """Two gloo processes train every level in turn (one process start-up for all levels)."""
-    out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_worker, args=(2, _free_port(), str(out), LEVELS), nprocs=2, join=True)
-    return out
+    def spawn(out: Path) -> str:
+        mp.spawn(_worker, args=(2, _free_port(), str(out), LEVELS), nprocs=2, join=True)
+        return str(out)
+
+    # once per test run: under xdist a module fixture would spawn the two processes on each worker
+    return Path(once_per_run(tmp_path_factory, "ddp-levels", spawn))
 
 
 @pytest.mark.parametrize("level", LEVELS)

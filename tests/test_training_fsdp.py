@@ -11,6 +11,7 @@ import os
 import socket
 import warnings
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import amplite
 from amplite.errors import ConfigError
+from tests.conftest import once_per_run
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")  # a torch built without distributed has no FSDP2
 
@@ -199,11 +201,15 @@ def _after_order(x: torch.Tensor) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory):
-    out = tmp_path_factory.mktemp("fsdp")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(out)), nprocs=WORLD, join=True)
+    def spawn(out: Path) -> str:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(_worker, args=(port, str(out)), nprocs=WORLD, join=True)
+        return str(out)
+
+    # once per test run: under xdist a module fixture would spawn the two processes on each worker
+    out = Path(once_per_run(tmp_path_factory, "fsdp2-ranks", spawn))
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
