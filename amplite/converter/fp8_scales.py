@@ -97,15 +97,16 @@ def weight_amaxes(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     ``k = 0 … WEIGHT_STEPS - 1``, the one whose rounding error least changes the product's output on the
     activations ``x [rows, in]`` (``‖x (Ŵ_n − W_n)ᵀ‖²``; ties keep the smaller ``k``)."""
     w32, x32 = w.detach().float(), x.detach().float()
-    amax = w32.abs().amax(dim=1)
-    best, least = amax.clone(), None
-    for k in range(WEIGHT_STEPS):
-        cand = amax * 2.0 ** (k / 8)
+
+    def output_error(cand: torch.Tensor) -> torch.Tensor:
         scale = scale_from_amax(cand)[:, None]
-        err = (x32 @ (dequantize(quantize(w32, scale), scale) - w32).t()).double().pow(2).sum(dim=0)
-        if least is None:
-            least = err
-            continue
+        return (x32 @ (dequantize(quantize(w32, scale), scale) - w32).t()).double().pow(2).sum(dim=0)
+
+    best = w32.abs().amax(dim=1)
+    amax, least = best, output_error(best)
+    for k in range(1, WEIGHT_STEPS):
+        cand = amax * 2.0 ** (k / 8)
+        err = output_error(cand)
         better = err < least
         best, least = torch.where(better, cand, best), torch.where(better, err, least)
     return best
