@@ -130,10 +130,15 @@ class Wide(nn.Module):
         return self.b(torch.nn.functional.gelu(self.a(x)))
 
 
-def test_pt2_loads_in_a_fresh_process_on_another_batch_and_is_smaller(tmp_path: Path) -> None:
+@pytest.mark.parametrize("calibrated", [False, True], ids=["dynamic", "calibrated"])
+def test_pt2_loads_in_a_fresh_process_on_another_batch_and_is_smaller(tmp_path: Path, calibrated: bool) -> None:
     torch.manual_seed(0)
     model, x = Wide().eval(), torch.randn(4, 7, 512)
-    fp8 = amplite.convert(model, (x,), precision="fp8", dynamic_batch=True)
+    # calibrated: static activation scales and per-channel weight scales chosen by measured output error
+    calibration = [(torch.randn(4, 7, 512),) for _ in range(2)] if calibrated else None
+    fp8 = amplite.convert(model, (x,), precision="fp8", dynamic_batch=True, calibration=calibration)
+    measured = sum(p["counters"].get("weight_scales_measured", 0) for p in fp8.report.data["passes"])
+    assert measured == (2 if calibrated else 0)  # both linears' weight scales chosen on the calibration data
     bf16 = amplite.convert(model, (x,), precision="bf16", level="O2", dynamic_batch=True)
     fp8.save(tmp_path / "m.fp8.pt2")
     bf16.save(tmp_path / "m.bf16.pt2")
@@ -149,6 +154,7 @@ def test_pt2_loads_in_a_fresh_process_on_another_batch_and_is_smaller(tmp_path: 
     y = torch.load(tmp_path / "y.pt")
     assert y.shape == (9, 7, 64)
     assert sqnr(model(new), y.float()) >= 20.0
+    assert torch.equal(y, fp8.program.module()(new))  # the saved file computes what the converted program does
 
 
 def _inputs_seen(model: nn.Module, names: list[str], batches: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
