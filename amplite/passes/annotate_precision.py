@@ -1,7 +1,8 @@
 """Pass 1: decide each node's compute dtype (analysis only).
 
 The pass reads graph facts (:class:`amplite.policy.NodeFacts`: op, module, node, range flags from
-``range_guard``, FP32 readers, discrete-decision cones, island shape); :meth:`PrecisionPolicy.decide` takes
+``range_guard``, FP32 readers, discrete-decision cones, island shape; the graph walks behind them are in
+:mod:`amplite.passes.precision_facts`); :meth:`PrecisionPolicy.decide` takes
 the first answer of its layers in priority order (:data:`amplite.policy.LAYERS`).
 
 Guarantees afterwards: every ``call_function`` node that reads or produces a floating-point tensor has
@@ -39,21 +40,21 @@ from amplite.passes.meta import (
     Fp8Site,
     PrecisionAnnotation,
 )
+from amplite.passes.precision_facts import (
+    COMPUTE_BOUND,
+    bridges_fp32,
+    broadcast_by_mul,
+    discrete_cone,
+    feeds_norm,
+    tensor_inputs,
+    within_two,
+)
 from amplite.passes.range_guard import ValueRange
 from amplite.policy import Decision, Level, NodeFacts, PrecisionPolicy, RuleSource
 
-_COMPUTE_BOUND = frozenset(op_tables.LOW_PRECISION_OPS)
-_NORMS = frozenset(op_tables.FP32_OPS["norm"])
-_VIEWS = frozenset(op_tables.DATA_MOVEMENT_OPS)
 _NONE = Decision("follow", "")  # stands in for a node with no decision (not float, not call_function)
-_LOW_DEC = Decision("low", "")  # likewise, where a missing decision must not count as FP32
 _MODES = frozenset({"low", "fp32", "follow"})
 _RULES = frozenset(s.value for s in RuleSource)
-
-
-def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
-    leaves = pytree.tree_leaves((node.args, node.kwargs))
-    return [a for a in leaves if isinstance(a, torch.fx.Node) and isinstance(fake_value(a), torch.Tensor)]
 
 
 def _has_dtype_argument(node: torch.fx.Node) -> bool:
@@ -121,7 +122,7 @@ class AnnotatePrecision(PassBase):
             if node.op != "call_function" or cast_dtype(node) is not None or node.target is operator.getitem:
                 continue
             plan, leaves = node.meta.get(PRECISION_KEY), pytree.tree_leaves(fake_value(node))
-            floats = any(is_float_tensor(a) for a in _tensor_inputs(node)) or any(
+            floats = any(is_float_tensor(a) for a in tensor_inputs(node)) or any(
                 isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in leaves
             )
             if plan is None and floats:
@@ -171,12 +172,12 @@ class AnnotatePrecision(PassBase):
                 module_path(node),
                 node.name,
                 range_flag=node.meta.get(RANGE_KEY, ""),
-                feeds_norm=_feeds_norm(node),
-                broadcast_gate=op in op_tables.GATE_OPS and _broadcast_by_mul(node),
+                feeds_norm=feeds_norm(node),
+                broadcast_gate=op in op_tables.GATE_OPS and broadcast_by_mul(node),
             )
         if self.policy.level is not Level.O0:
             _refuse_unmatched(self.policy, [(f.op, f.module, f.node) for f in facts.values()])
-        for node in _discrete_cone(facts):
+        for node in discrete_cone(facts):
             facts[node] = replace(facts[node], discrete=True)
         decisions = self._decide(facts)
 
@@ -188,10 +189,10 @@ class AnnotatePrecision(PassBase):
             for n, f in facts.items()
         }
         decisions = self._decide(facts)
-        facts = {n: replace(f, feeds_fp32=fp32(_within_two(n))) for n, f in facts.items()}
+        facts = {n: replace(f, feeds_fp32=fp32(within_two(n))) for n, f in facts.items()}
         decisions = self._decide(facts)
         outputs_fp32 = not self.policy.low_precision_io
-        facts = {n: replace(f, bridges_fp32=_bridges_fp32(n, decisions, outputs_fp32)) for n, f in facts.items()}
+        facts = {n: replace(f, bridges_fp32=bridges_fp32(n, decisions, outputs_fp32)) for n, f in facts.items()}
         return self._decide(facts)
 
     def _decide(self, facts: dict[torch.fx.Node, NodeFacts]) -> dict[torch.fx.Node, Decision]:
@@ -204,7 +205,7 @@ class AnnotatePrecision(PassBase):
         if not self.policy.fp8:
             return sites
         for node, dec in list(decisions.items()):
-            if dec.mode != "low" or dec.pinned or op_tables.op_name(node.target) not in _COMPUTE_BOUND:
+            if dec.mode != "low" or dec.pinned or op_tables.op_name(node.target) not in COMPUTE_BOUND:
                 continue
             no_kernel, overflow, site = fp8_fact(node, self.fp8_ranges, self.fp8_clip_check)
             decisions[node] = self.policy.for_fp8(dec, no_kernel, overflow)
@@ -220,7 +221,7 @@ class AnnotatePrecision(PassBase):
         counters: Counter[str],
     ) -> Any:
         val = fake_value(node)
-        inputs = [a for a in _tensor_inputs(node) if isinstance(out_dtype.get(a), torch.dtype)]
+        inputs = [a for a in tensor_inputs(node) if isinstance(out_dtype.get(a), torch.dtype)]
         float_in = [out_dtype[a] for a in inputs if out_dtype[a].is_floating_point]
         produces_float = any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in pytree.tree_leaves(val))
         if decision is None or (not float_in and not produces_float):
@@ -258,65 +259,6 @@ def _op(node: torch.fx.Node) -> str:
     return op_tables.op_name(node.target) or str(node.target)
 
 
-def _discrete_cone(facts: dict[torch.fx.Node, NodeFacts]) -> set[torch.fx.Node]:
-    """Discrete decisions (topk, argmax, sort, ...) and the producers of their float operands: upstream
-    through views, elementwise and FP32 ops, up to and including the first low-list (compute-bound) op on
-    each path, at most ``DISCRETE_DECISION_DEPTH`` nodes deep; nodes with no decision stop the walk."""
-    cone: set[torch.fx.Node] = set()
-    for node in [n for n, f in facts.items() if PrecisionPolicy.is_discrete_decision(f.op)]:
-        cone.add(node)
-        frontier = [a for a in _tensor_inputs(node) if is_float_tensor(a)]
-        for _ in range(op_tables.DISCRETE_DECISION_DEPTH):
-            nxt = []
-            for prod in frontier:
-                if prod not in facts or prod in cone:
-                    continue
-                cone.add(prod)
-                if facts[prod].op not in _COMPUTE_BOUND:
-                    nxt += [a for a in _tensor_inputs(prod) if is_float_tensor(a)]
-            frontier = nxt
-    return cone
-
-
-def _within_two(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The node's readers and their readers."""
-    frontier = list(node.users)
-    for user in list(frontier):
-        frontier.extend(user.users)
-    return frontier
-
-
-def _bridges_fp32(node: torch.fx.Node, decisions: dict[torch.fx.Node, Decision], outputs_fp32: bool) -> bool:
-    """Whether ``node`` only connects FP32 ops: every floating operand comes from one and every user is one
-    (``mean(x²) + eps`` between mean and rsqrt). With ``outputs_fp32`` (graph outputs keep their dtype), for a
-    0-dim ``node`` an FP32 graph output counts as an FP32 user and an FP32 graph input as an FP32 operand: a
-    loss's last ``sum / num_items`` stays FP32 instead of a low round trip."""
-    producers = [a for a in _tensor_inputs(node) if is_float_tensor(a)]
-    if not producers or not node.users:
-        return False
-    val = fake_value(node)
-    # scalars only: a 0-dim op costs nothing in low precision's favour, only the rounding
-    outputs_fp32 = outputs_fp32 and isinstance(val, torch.Tensor) and val.dim() == 0
-    out_fp32 = outputs_fp32 and val.dtype == torch.float32
-
-    def reads_fp32(u: torch.fx.Node) -> bool:
-        return (u.op == "output" and out_fp32) or decisions.get(u, _LOW_DEC).mode == "fp32"
-
-    def gives_fp32(a: torch.fx.Node, depth: int = 3) -> bool:
-        # an FP32 graph input keeps its dtype as outputs do; an undecided FP32 node (a device move, a cast to
-        # FP32) passes on what it reads
-        if a in decisions:
-            return decisions[a].mode == "fp32"
-        if not outputs_fp32 or getattr(fake_value(a), "dtype", None) != torch.float32:
-            return False
-        if a.op == "placeholder":
-            return True
-        ins = [b for b in _tensor_inputs(a) if is_float_tensor(b)] if a.op == "call_function" else []
-        return depth > 0 and bool(ins) and all(gives_fp32(b, depth - 1) for b in ins)
-
-    return all(gives_fp32(a) for a in producers) and all(reads_fp32(u) for u in node.users)
-
-
 def _predict_out(node: torch.fx.Node, val: Any, compute: torch.dtype | None) -> Any:
     """Output dtype(s) once the node computes in ``compute``.
 
@@ -325,7 +267,7 @@ def _predict_out(node: torch.fx.Node, val: Any, compute: torch.dtype | None) -> 
     """
     if compute is None or _has_dtype_argument(node):
         return dtypes_of(val)
-    originals = [fake_value(a).dtype for a in _tensor_inputs(node) if fake_value(a).dtype.is_floating_point]
+    originals = [fake_value(a).dtype for a in tensor_inputs(node) if fake_value(a).dtype.is_floating_point]
     original_in = _widest(originals) if originals else None
 
     def one(v: Any) -> Any:
@@ -338,32 +280,3 @@ def _predict_out(node: torch.fx.Node, val: Any, compute: torch.dtype | None) -> 
         return None
 
     return one(val)
-
-
-def _feeds_norm(node: torch.fx.Node) -> bool:
-    """Whether a normalisation reads ``node``'s result, directly or through views (a residual stream)."""
-    frontier, seen = list(node.users), set()
-    while frontier:
-        user = frontier.pop()
-        if user in seen:
-            continue
-        seen.add(user)
-        op = op_tables.op_name(user.target)
-        if op in _NORMS:
-            return True
-        if op in _VIEWS:
-            frontier.extend(user.users)
-    return False
-
-
-def _broadcast_by_mul(node: torch.fx.Node) -> bool:
-    """Whether a ``mul`` reads ``node``'s result and broadcasts it over a larger tensor (a gate)."""
-    val = fake_value(node)
-    if not isinstance(val, torch.Tensor):
-        return False
-    return any(
-        op_tables.op_name(user.target) == "mul.Tensor"
-        and isinstance(fake_value(user), torch.Tensor)
-        and fake_value(user).numel() > val.numel()
-        for user in node.users
-    )
