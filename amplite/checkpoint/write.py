@@ -7,7 +7,8 @@ tensor at a time; the FP32 model is never materialised.
   saved with one-element stand-ins for its weights, then the archive is rewritten entry by entry with
   the real bytes streamed in and the weight metadata fixed.
 
-Both write to a temporary path and rename: nothing partial is left behind.
+Both write to a temporary path and rename: nothing partial is left behind. The directory's other files
+(``config.json``, the copied tokenizer and generation files) are made in :mod:`amplite.checkpoint.side_files`.
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ from torch.export import ExportedProgram
 from torch.export.passes import move_to_device_pass
 from torch.utils._pytree import tree_map_only
 
+from amplite.checkpoint.side_files import Entry, copy_side_files, output_config
 from amplite.checkpoint.source import INDEX, Checkpoint, TensorInfo
 from amplite.converter import emit
 from amplite.errors import EmitError
 from amplite.paths import check_output
 
 Progress = Callable[[int], None]  # called with bytes written
-Entry = tuple[str, torch.dtype, tuple[int, ...]]  # a written tensor: name, dtype, shape
 
 
 class Layout(Protocol):
@@ -159,55 +160,6 @@ def write_safetensors_dir(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
-
-
-#: Weight files in other formats (pickles among them): never copied into a converted output.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".h5", ".msgpack", ".npz",
-                    ".npy", ".gguf", ".onnx", ".pt2", ".joblib")  # fmt: skip
-
-
-def copy_side_files(src: Path, dest: Path) -> list[str]:
-    """Copy tokenizer and generation files: plain files inside ``src`` only (no symlinks, no subfolders), no
-    weight files (a pickled ``pytorch_model.bin`` or an FP32 copy does not belong in a converted output).
-
-    Returns:
-        The names left out, with the reason.
-    """
-    skipped = []
-    for extra in sorted(src.iterdir()):
-        if extra.name in ("config.json", INDEX) or extra.name.startswith("."):
-            continue
-        if extra.is_symlink() or not extra.is_file():
-            skipped.append(f"{extra.name} (a symlink or not a plain file)")
-        elif extra.name.lower().endswith(_WEIGHT_SUFFIXES) or ".safetensors" in extra.name:
-            if extra.suffix != ".safetensors":
-                skipped.append(f"{extra.name} (weights in another format)")
-        elif extra.name.lower().removesuffix(".index.json").endswith(_WEIGHT_SUFFIXES):
-            skipped.append(f"{extra.name} (the index of weights that are not copied)")
-        else:
-            shutil.copyfile(extra, dest / extra.name)
-    return skipped
-
-
-def output_config(
-    ckpt: Checkpoint, tensors: list[Entry], quantization: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """``config.json`` for the output: ``dtype`` is what most weight bytes are stored in (an FP8 checkpoint's
-    compute dtype, bf16, when ``quantization`` is given), and the mixed-dtype storage is recorded (``amplite``)
-    where loaders and readers see it."""
-    by_dtype: dict[str, int] = {}
-    for _name, dt, shape in tensors:
-        if dt.is_floating_point:
-            key = str(dt).removeprefix("torch.")
-            by_dtype[key] = by_dtype.get(key, 0) + dt.itemsize * math.prod(shape)
-    cfg = dict(ckpt.config)
-    if by_dtype:
-        cfg["dtype"] = "bfloat16" if quantization is not None else max(by_dtype, key=by_dtype.__getitem__)
-        cfg.pop("torch_dtype", None)
-    if quantization is not None:
-        cfg["quantization_config"] = quantization
-    cfg["amplite"] = {"storage_bytes_by_dtype": by_dtype, "plan": "amplite-plan.json"}
-    return cfg
 
 
 def write_pt2(
