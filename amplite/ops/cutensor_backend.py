@@ -8,10 +8,10 @@ failure (nvmath-python missing or older than 1.0, ``nvmath.tensor`` absent, cuTE
 a planning or execution error, a wrong result) makes :func:`probe` report the reason, which is logged
 once and shown in the report's ``contract_backend``; the op then uses the ``torch`` GEMM backend.
 
-**Per-call fallback.** A problem cuTENSOR cannot express (:func:`canonicalize`), or any exception while
-planning or executing one (unsupported shape, stride or alignment), makes :func:`contract` return None
-so the caller falls back to the ``torch`` GEMM backend; the failure is logged once per reason and the problem's
-key is remembered, so it is not planned again.
+**Per-call fallback.** A problem cuTENSOR cannot express (:func:`~amplite.ops.cutensor_problem.canonicalize`),
+or any exception while planning or executing one (unsupported shape, stride or alignment), makes
+:func:`contract` return None so the caller falls back to the ``torch`` GEMM backend; the failure is logged
+once per reason and the problem's key is remembered, so it is not planned again.
 
 **Plans.** Each distinct problem, keyed by (equation, shapes, strides, dtype, device, pointer alignments),
 gets one planned ``nvmath.tensor.BinaryContraction``; later calls rebind the operands with
@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from amplite.ops.cutensor_problem import canonicalize
 
 log = logging.getLogger("amplite.contract")
 
@@ -208,33 +210,6 @@ def _alignment(t: torch.Tensor) -> int:
     # nvmath records the operand pointer alignment at planning and refuses rebinding to a different one.
     ptr = t.data_ptr()
     return 256 if ptr == 0 else min(ptr & -ptr, 256)
-
-
-def canonicalize(
-    equation: str, a: torch.Tensor, b: torch.Tensor
-) -> tuple[str, torch.Tensor, torch.Tensor] | None:
-    """Rewrite a problem into one cuTENSOR accepts, or None when it cannot be.
-
-    Size-1 modes found in exactly one input (and not in the output) are squeezed out of that input.
-    """
-    lhs, out = equation.split("->")
-    sa, sb = lhs.split(",")
-    keep: list[str] = []
-    views: list[torch.Tensor] = []
-    for subs, t, other in ((sa, a, sb), (sb, b, sa)):
-        kept = ""
-        dims = []
-        for ch, n, st in zip(subs, t.shape, t.stride(), strict=True):
-            alone = ch not in other and ch not in out
-            if alone and n == 1:
-                continue
-            if alone or n == 0 or (st == 0 and n > 1):
-                return None
-            kept += ch
-            dims.append(n)
-        keep.append(kept)
-        views.append(t.reshape(dims) if kept != subs else t)
-    return f"{keep[0]},{keep[1]}->{out}", views[0], views[1]
 
 
 def _key(eq: str, tensors: dict[str, torch.Tensor | None]) -> tuple:
