@@ -14,7 +14,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import amplite.ops
 from amplite.ops import cutensor_backend
-from amplite.ops.contract import active_backend, backend_description, output_shape, parse_equation
+from amplite.ops.contract import (
+    active_backend,
+    backend_description,
+    output_shape,
+    parse_equation,
+    reference_contract,
+)
+from amplite.ops.gemm_lowering import gemm_contract
 
 CONTRACT = torch.ops.amplite.contract.default
 #: One rounding of the result to the dtype (the inputs are exact in it and the reference is fp64).
@@ -345,3 +352,88 @@ def test_gpu_bench_dry_run(capsys):
 
 def test_contract_is_registered() -> None:
     assert amplite.ops is not None and hasattr(torch.ops.amplite, "contract")
+
+
+# --- reference_contract and the torch backend's GEMM, called directly (survivors of the full mutation run) ---
+
+H = torch.float16
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "c", "alpha", "beta", "want"),
+    [
+        # -120000 is beyond fp16; 2 * 60000 too: both must be FP32 for the sum to come back to 0
+        (300.0, -400.0, 60000.0, 1.0, 2.0, 0.0),
+        # alpha scales the FP32 product into range, then the bias (beta = 1) is added: -60000 + 1056
+        (300.0, -400.0, 1056.0, 0.5, 1.0, -58944.0),
+        # alpha = 2 is applied; a beta without a bias adds nothing
+        (3.0, 5.0, None, 2.0, 1.5, 30.0),
+        # beta = 0 drops the bias
+        (3.0, 5.0, 7.0, 1.0, 0.0, 15.0),
+    ],
+)
+def test_reference_contract_scales_and_adds_in_fp32_then_rounds_once(a, b, c, alpha, beta, want) -> None:
+    """alpha * einsum + beta * c on FP32-upcast operands, one rounding to the operands' dtype at the end."""
+    ta, tb = torch.tensor([[a]], dtype=H), torch.tensor([[b]], dtype=H)
+    tc = None if c is None else torch.tensor([[c]], dtype=H)
+    out = reference_contract("ij,jk->ik", ta, tb, tc, alpha, beta)
+    assert out.dtype == H and out.is_contiguous() and out.shape == (1, 1)
+    assert out.item() == want
+    assert gemm_contract("ij,jk->ik", ta, tb, tc, alpha, beta).item() == want, "the torch backend agrees"
+
+
+def test_reference_contract_follows_the_equation() -> None:
+    """A transposed output and a mode summed alone: the same numbers as torch.einsum in FP64."""
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(2, 3, 4, generator=g).to(H), torch.randn(4, 5, generator=g).to(H)
+    out = reference_contract("ijk,kl->li", a, b, None, 0.5, 0.0)
+    want = 0.5 * torch.einsum("ijk,kl->li", a.double(), b.double())
+    assert out.shape == (5, 2) and out.dtype == H
+    torch.testing.assert_close(out.double(), want, rtol=1e-3, atol=1e-3)
+
+
+def test_gemm_contract_reads_an_equation_with_spaces() -> None:
+    """Spaces around the subscripts are ignored, also for the output order (a permuted, batched result)."""
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(2, 3, 4, generator=g), torch.randn(2, 4, 5, generator=g)
+    out = gemm_contract("bij, bjk -> kbi", a, b, None, 1.0, 0.0)
+    torch.testing.assert_close(out, torch.einsum("bij,bjk->kbi", a, b))
+
+
+@pytest.mark.parametrize("eq", ["bij,bjk->bik", "ij,jk->ik"])
+def test_gemm_contract_scales_by_alpha_without_a_bias(eq: str) -> None:
+    """alpha = 2 without a bias scales the product, batched (baddbmm) or not (addmm)."""
+    g = torch.Generator().manual_seed(3)
+    lead = (2,) if eq.startswith("b") else ()
+    a, b = torch.randn(*lead, 3, 4, generator=g), torch.randn(*lead, 4, 5, generator=g)
+    torch.testing.assert_close(gemm_contract(eq, a, b, None, 2.0, 0.0), 2.0 * torch.einsum(eq, a, b))
+
+
+@pytest.mark.parametrize("eq", ["bij,bjk->bik", "ij,jk->ik"])
+def test_gemm_contract_scaled_zero_keeps_its_sign_as_alpha_times_the_product(eq: str) -> None:
+    """alpha * (1 * 0) with alpha = -2 is -0.0, as the reference gives: no zero bias is added to it."""
+    lead = (1,) if eq.startswith("b") else ()
+    a, b = torch.ones(*lead, 1, 1, dtype=H), torch.zeros(*lead, 1, 1, dtype=H)
+    out = gemm_contract(eq, a, b, None, -2.0, 0.0)
+    assert torch.signbit(reference_contract(eq, a, b, None, -2.0, 0.0)).all()
+    assert out.item() == 0.0 and torch.signbit(out).all()
+
+
+@pytest.mark.parametrize(
+    ("sb", "sc"),
+    [((4, 5), (3, 1)), ((4, 1), (3, 1)), ((4, 5), (1, 5)), ((4, 5), ())],
+    ids=["bias-per-row", "full-bias-one-column", "bias-per-column", "scalar-bias"],
+)
+def test_gemm_contract_adds_a_broadcast_bias_per_row_or_column(sb, sc) -> None:
+    """Without batch modes (addmm) a bias of any broadcast shape gives reference numbers."""
+    g = torch.Generator().manual_seed(4)
+    a, b, c = torch.randn(3, 4, generator=g), torch.randn(sb, generator=g), torch.randn(sc, generator=g)
+    out = gemm_contract("mk,kn->mn", a, b, c, 0.5, -1.5)
+    torch.testing.assert_close(out, reference_contract("mk,kn->mn", a, b, c, 0.5, -1.5))
+
+
+@pytest.mark.parametrize(("sa", "sb"), [((3, 4, 5), (4, 6)), ((4,), (4, 6)), ((3, 4), (4, 6, 1)), ((3, 4), (4,))])
+def test_gemm_contract_refuses_operands_whose_rank_is_not_the_equations(sa, sb) -> None:
+    """A rank that does not match the subscripts is a ValueError, never a silently truncated contraction."""
+    with pytest.raises(ValueError):
+        gemm_contract("mk,kn->mn", torch.randn(sa), torch.randn(sb), None, 1.0, 0.0)

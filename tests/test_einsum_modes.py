@@ -212,3 +212,22 @@ def test_unify_rejects_groups_of_different_extents(a: tuple[int, ...], b: tuple[
     with pytest.raises(NotFusable) as info:
         eqn.unify(t, [t.new(n) for n in a], [t.new(n) for n in b])
     assert (info.value.reason, info.value.detail) == ("incompatible_factorization", "extents differ")
+
+
+# --- survivors of the full mutation run: exact division of a symbol with no assumptions, the exhausted view -----
+
+
+def test_exact_div_divides_a_symbolic_extent_by_an_int_whatever_the_symbols_assumptions() -> None:
+    """128*s / 128 is s for a plain symbol too (sympy cannot prove Mod(128*s, 128) == 0 for it)."""
+    s = sympy.Symbol("s")
+    assert exact_div(128 * s, 128) == s and exact_div(128 * s, s) == 128
+    assert exact_div(6 * s * _A, 3) == 2 * s * _A and exact_div(s, 2) is None
+
+
+def test_view_that_no_regrouping_reaches_is_an_irregular_reshape_naming_both_shapes() -> None:
+    """The modes run out before a target dimension is filled ([1] -> [-1, -1]): 'irregular_reshape', no crash."""
+    t = ModeTable()
+    o = Operand.from_shape(t, [1])
+    with pytest.raises(NotFusable) as e:
+        o.view(t, [-1, -1])
+    assert (e.value.reason, e.value.detail) == ("irregular_reshape", "[1] -> [-1, -1]")

@@ -654,3 +654,66 @@ def test_bias_add_after_a_contraction_is_absorbed_or_says_why(kind: str, bias_fu
     else:
         assert reason in reasons, f"{kind}: the rejection must name {reason}, got {res.rejections}"
     torch.testing.assert_close(gm(*args), ref, rtol=1e-3, atol=1e-3)
+
+
+# --- FuseContractions.ensures on hand-built contract nodes (survivors of the full mutation run) ------------
+
+
+def _contracts(*specs: tuple) -> torch.fx.GraphModule:
+    """One amplite::contract per ``(equation, a, b, c, out)``: each a (shape, dtype) value or None (no value)."""
+    g = torch.fx.Graph()
+    outs = []
+    for i, (equation, *vals) in enumerate(specs):
+        nodes = []
+        for name, v in zip("abco", vals, strict=True):
+            if name == "c" and v is None:
+                nodes.append(None)
+                continue
+            n = g.placeholder(f"{name}{i}") if name != "o" else None
+            if n is not None and v is not None:
+                n.meta["val"] = torch.empty(v[0], dtype=v[1])
+            nodes.append(n)
+        a, b, c, _ = nodes
+        node = g.call_function(CONTRACT, (equation, a, b, c, 1.0, 1.0 if c is not None else 0.0))
+        node.meta["val"] = torch.empty(vals[3][0], dtype=vals[3][1])
+        outs.append(node)
+    g.output(tuple(outs))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+F32, F16 = torch.float32, torch.float16
+
+
+def _broken(gm: torch.fx.GraphModule) -> str:
+    from amplite.passes.base import PostconditionError
+
+    with pytest.raises(PostconditionError) as e:
+        FuseContractions().ensures(gm)
+    assert e.value.pass_name == "fuse_contractions"
+    return e.value.condition
+
+
+def test_ensures_holds_for_consistent_contracts_with_a_bias() -> None:
+    ok = ("ij,jk->ik", ((2, 3), F16), ((3, 4), F16), ((4,), F16), ((2, 4), F16))
+    assert FuseContractions().ensures(_contracts(ok)) is None
+
+
+def test_ensures_names_a_mode_whose_static_sizes_disagree() -> None:
+    """'j' is 3 in a and 4 in b: the condition names the mode, the equation and both sizes."""
+    gm = _contracts(("ij,jk->ik", ((2, 3), F32), ((4, 5), F32), None, ((2, 5), F32)))
+    cond = _broken(gm)
+    assert "mode 'j' of 'ij,jk->ik' has sizes 3, 4" in cond and cond.startswith("contract ")
+
+
+def test_ensures_names_the_dtypes_a_contract_mixes_including_its_bias() -> None:
+    """fp16 operands with an fp32 bias: 'mixes dtypes' listing both."""
+    gm = _contracts(("ij,jk->ik", ((2, 3), F16), ((3, 4), F16), ((2, 4), F32), ((2, 4), F16)))
+    assert "mixes dtypes ['torch.float16', 'torch.float32']" in _broken(gm)
+
+
+def test_ensures_checks_the_contracts_after_one_without_values() -> None:
+    """A contract whose operand has no recorded value is skipped, not the end of the check."""
+    unknown = ("ij,jk->ik", None, ((3, 4), F32), None, ((2, 4), F32))
+    bad = ("ij,jk->ik", ((2, 3), F32), ((5, 4), F32), None, ((2, 4), F32))
+    assert FuseContractions().ensures(_contracts(unknown)) is None
+    assert "mode 'j'" in _broken(_contracts(unknown, bad))

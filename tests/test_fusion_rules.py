@@ -687,3 +687,169 @@ def test_fake_call_runs_under_the_inputs_fake_mode() -> None:
     out = cc.fake_call(lambda v: v + torch.ones(3), x)
     assert isinstance(out, FakeTensor) and out.fake_mode is mode and tuple(out.shape) == (2, 3)
     assert isinstance(cc.fake_call(lambda v: v * 2, 3), int), "no tensor input: runs as is"
+
+
+# --- survivors of the full mutation run: output_chain's stops, match's second try and notes, rewrite's casts ---
+
+
+def _assert_meta(g: G, x: torch.fx.Node) -> torch.fx.Node:
+    """The dtype check export puts before a ``.to()``: a user of ``x`` that reads nothing else."""
+    return g.g.call_function(aten._assert_tensor_metadata.default, (x,), {"dtype": x.meta["val"].dtype})
+
+
+def test_output_chain_a_bias_add_whose_alpha_is_not_a_constant_is_not_absorbed() -> None:
+    """add(mm, c, alpha=<a graph value>): 'bias_kwargs' is noted and nothing is absorbed."""
+    g = G()
+    a, b, c, s = g.inp("a", 2, 3), g.inp("b", 3, 4), g.inp("c", 2, 4), g.g.placeholder("s")
+    s.meta["val"] = 2
+    mm = g.op(aten.mm.default, a, b)
+    add = g.g.call_function(aten.add.Tensor, (mm, c), {"alpha": s})
+    add.meta["val"] = mm.meta["val"] + 2 * c.meta["val"]
+    g.out(add)
+    notes: list[Rejection] = []
+    assert cc.output_chain(mm, "matmul", (1.0, 1.0, None), torch.float32, notes) == (None, 1.0, 1.0, [], mm)
+    assert notes == [Rejection(add.name, "matmul", "bias_kwargs", f"{add.name}: bias c not absorbed")]
+
+
+def test_output_chain_an_intrinsic_bias_of_another_dtype_is_bias_dtype_naming_it() -> None:
+    """linear's own bias in fp16 on an fp32 contraction cannot be the contract's c: 'bias_dtype', its dtype."""
+    g = G()
+    x, w, bias = g.inp("x", 2, 3), g.inp("w", 4, 3), g.inp("bias", 4, dtype=torch.float16)
+    lin = g.op(aten.linear.default, x, w)
+    g.out(lin)
+    args = (lin, "linear", (1.0, 1.0, bias), torch.float32, [])
+    assert reason_of(cc.output_chain, *args) == ("bias_dtype", "torch.float16")
+
+
+def test_output_chain_two_users_that_are_neither_scaling_nor_bias_are_no_shared_stop() -> None:
+    """A product read by relu and neg ends the chain silently; one of them a scaling is 'shared_intermediate'."""
+    g = G()
+    a, b = g.inp("a", 2, 3), g.inp("b", 3, 4)
+    mm = g.op(aten.mm.default, a, b)
+    g.out(g.op(aten.relu.default, mm), g.op(aten.neg.default, mm))
+    notes: list[Rejection] = []
+    assert cc.output_chain(mm, "matmul", (1.0, 1.0, None), torch.float32, notes)[3:] == ([], mm)
+    assert notes == []
+    g = G()
+    a, b = g.inp("a", 2, 3), g.inp("b", 3, 4)
+    mm = g.op(aten.mm.default, a, b)
+    g.out(g.op(aten.relu.default, mm), g.op(aten.mul.Tensor, mm, 2.0))
+    cc.output_chain(mm, "matmul", (1.0, 1.0, None), torch.float32, notes)
+    assert [(n.node, n.reason) for n in notes] == [(mm.name, "shared_intermediate")]
+
+
+def test_output_chain_notes_why_an_add_after_a_metadata_assert_is_not_absorbed() -> None:
+    """mm read by an export metadata assert and one add: the add's own reason (bias dtype, a second bias)."""
+    g = G()
+    a, b, c = g.inp("a", 2, 3), g.inp("b", 3, 4), g.inp("c", 2, 4, dtype=torch.float16)
+    mm = g.op(aten.mm.default, a, b)
+    _assert_meta(g, mm)
+    add = g.g.call_function(aten.add.Tensor, (mm, c))
+    add.meta["val"] = mm.meta["val"] + c.meta["val"].float()
+    g.out(add)
+    notes: list[Rejection] = []
+    cc.output_chain(mm, "matmul", (1.0, 1.0, None), torch.float32, notes)
+    detail = f"{add.name}: bias c not absorbed (torch.float16 vs torch.float32)"
+    assert notes == [Rejection(add.name, "matmul", "bias_dtype", detail)]
+
+    g = G()
+    x, w, bias, c = g.inp("x", 2, 3), g.inp("w", 4, 3), g.inp("bias", 4), g.inp("c", 2, 4)
+    lin = g.op(aten.linear.default, x, w, bias)
+    _assert_meta(g, lin)
+    add = g.op(aten.add.Tensor, lin, c)
+    g.out(add)
+    notes = []
+    got = cc.output_chain(lin, "linear", (1.0, 1.0, bias), torch.float32, notes)
+    assert got == (bias, 1.0, 1.0, [], lin)
+    assert notes == [Rejection(add.name, "linear", "second_bias", f"{add.name}: bias c not absorbed")]
+
+
+def _ctx(g: G, *dtypes: torch.dtype) -> cr.FusionContext:
+    from amplite.passes.graph_utils import SymbolicExtents
+
+    return cr.FusionContext(dtypes or (torch.float32,), SymbolicExtents(g.g))
+
+
+def test_match_retries_with_the_second_operands_expand_kept_as_its_source() -> None:
+    """a[3,4] @ b[1,4,5].expand(2,4,5): the batch mode exists only through b's expand, so the second try
+    keeps that expand as b's source (noted 'broadcast_only_mode') and matches."""
+    g = G()
+    a, b = g.inp("a", 3, 4), g.inp("b", 1, 4, 5)
+    be = g.op(aten.expand.default, b, [2, 4, 5])
+    mm = g.op(aten.matmul.default, a, be)
+    g.out(mm)
+    m = cr.MatmulRule().match(mm, _ctx(g))
+    assert isinstance(m, cr.ContractionMatch), m
+    assert (m.a.source, m.b.source, m.b.chain) == (a, be, [])
+    assert [(n.node, n.reason) for n in m.notes] == [(be.name, "broadcast_only_mode")]
+
+
+def test_a_failed_match_keeps_the_notes_taken_before_the_failure() -> None:
+    """x.t() is a graph output (noted), then the vector operand fails the match: the NoMatch has both."""
+    g = G()
+    x, v = g.inp("x", 3, 2), g.inp("v", 3)
+    xt = g.op(aten.t.default, x)
+    mm = g.op(aten.matmul.default, xt, v)
+    g.out(mm, xt)
+    found = cr.MatmulRule().match(mm, _ctx(g))
+    assert isinstance(found, cr.NoMatch)
+    assert (found.rejection.node, found.rejection.reason) == (mm.name, "vector_operand")
+    assert found.notes == (
+        Rejection(xt.name, "matmul", "intermediate_is_graph_output", f"not absorbed into {mm.name}"),
+    )
+
+
+@pytest.fixture(scope="module")
+def shape_env_mode():
+    """A fake mode whose shape env makes unbacked sizes (one per module: the first use is slow)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    env = ShapeEnv()
+    return env, FakeTensorMode(shape_env=env)
+
+
+@pytest.mark.parametrize("which", ["a", "b"])
+def test_match_rejects_a_view_extent_that_is_no_product_of_input_sizes_naming_the_operand(
+    shape_env_mode, which: str
+) -> None:
+    """An operand of extent u0 + 1 (no product of input sizes) cannot be viewed: 'symbolic_view' names it."""
+    env, mode = shape_env_mode
+    u = env.create_unbacked_symint()
+    with mode:
+        shapes = {"a": ((u + 1, 3), (3, 4)), "b": ((4, 3), (3, u + 1))}[which]
+        va, vb = torch.empty(shapes[0]), torch.empty(shapes[1])
+        out = torch.mm(va, vb)
+    g = G()
+    a, b = g.g.placeholder("a"), g.g.placeholder("b")
+    a.meta["val"], b.meta["val"] = va, vb
+    mm = g.g.call_function(aten.mm.default, (a, b))
+    mm.meta["val"] = out
+    g.out(mm)
+    found = cr.MatmulRule().match(mm, _ctx(g))
+    assert isinstance(found, cr.NoMatch)
+    r = found.rejection
+    assert (r.node, r.rule, r.reason) == (mm.name, "matmul", "symbolic_view")
+    assert r.detail == f"{which} view extent {u.node.expr + 1} is not a product of input sizes"
+
+
+def test_rewrite_casts_the_second_operands_source_and_erases_each_node_once() -> None:
+    """a @ x.t().half(): the contract reads a cast of x (the pending cast), t and the cast are erased, once."""
+    g = G()
+    a, x = g.inp("a", 2, 3, dtype=torch.float16), g.inp("x", 4, 3)
+    xt = g.op(aten.t.default, x)
+    xh = g.op(aten.to.dtype, xt, torch.float16)
+    mm = g.op(aten.mm.default, a, xh)
+    g.out(mm)
+    ctx = _ctx(g, torch.float16)
+    m = cr.MatmulRule().match(mm, ctx)
+    assert isinstance(m, cr.ContractionMatch) and (m.b.source, m.b.cast) == (x, torch.float16)
+    fusion, erased = cr.MatmulRule().rewrite(g.g, m, ctx)
+    assert sorted(n.name for n in erased) == sorted([mm.name, xt.name, xh.name])
+    (contract,) = [n for n in g.g.nodes if n.target is cr.CONTRACT]
+    src_b = contract.args[2]
+    assert (src_b.args[0], src_b.kwargs.get("dtype")) == (x, torch.float16)
+    assert fusion.equation == contract.args[0]
+    g.g.lint()
+    gm = torch.fx.GraphModule(torch.nn.Module(), g.g)
+    av, xv = a.meta["val"], x.meta["val"]
+    torch.testing.assert_close(gm(av, xv), (av.float() @ xv.t()).half(), rtol=2e-3, atol=2e-3)
