@@ -17,7 +17,8 @@ import amplite.ops  # registers amplite::contract
 from amplite.converter import emit
 from amplite.converter.calibration import collect_ranges
 from amplite.converter.pipeline import strip_export_checks
-from amplite.errors import EmitError
+from amplite.errors import ConfigError, EmitError
+from amplite.levels import precision_dtype, resolve_level, split_precision
 from amplite.passes.annotate_precision import AnnotatePrecision
 from amplite.passes.base import PassManager
 from amplite.passes.cleanup_casts import CleanupCasts
@@ -331,3 +332,37 @@ def test_sqnr_of_a_small_error_on_a_big_signal_and_its_verdict() -> None:
     zeros = tensor_metrics("o", ref * 0, noise, DEFAULT_TOLERANCES["fp16"])
     assert zeros.sqnr_db == -math.inf, "a zero reference with a non-zero error has no SQNR above -inf"
     assert not zeros.passed
+
+
+def test_low_precision_names_resolve_and_fp32_is_refused_naming_the_choices() -> None:
+    assert precision_dtype(" BF16 ") is torch.bfloat16 and precision_dtype(torch.float16) is torch.float16
+    with pytest.raises(ConfigError) as info:
+        precision_dtype(torch.float32)
+    assert "torch.float32" in info.value.problem, "FP32 is not a low precision, even given as a dtype"
+    assert info.value.fix.startswith("use one of: ") and info.value.fix.endswith(" fp16, bf16"), info.value.fix
+
+
+def test_fp8_is_bf16_with_fp8_products_and_an_unknown_name_lists_all_three() -> None:
+    assert split_precision(" FP8") == (torch.bfloat16, True)
+    assert split_precision(torch.float16) == (torch.float16, False)
+    with pytest.raises(ConfigError) as info:
+        split_precision("int8")
+    assert "'int8'" in info.value.problem, "the problem names the value given"
+    assert info.value.fix.startswith("use one of: ") and info.value.fix.endswith(" fp16, bf16, fp8"), info.value.fix
+
+
+def test_unknown_level_names_the_cli_flag_unless_told_another_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AMPLITE_LEVEL", raising=False)
+    with pytest.raises(ConfigError) as info:
+        resolve_level("O7")
+    assert "'O7'" in info.value.problem and "(from --level)" in info.value.problem, info.value.problem
+    with pytest.raises(ConfigError) as info:
+        resolve_level("O7", source="level=")
+    assert "(from level=)" in info.value.problem, info.value.problem
+
+
+def test_default_level_is_o2_for_fp8_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AMPLITE_LEVEL", raising=False)
+    assert resolve_level(None, " FP8 ") is Level.O2, "fp8 stores its weights in e4m3, as O2 stores them low"
+    assert resolve_level(None, "bf16") is Level.O1 and resolve_level(None, torch.float16) is Level.O1
+    assert resolve_level(None) is Level.O1

@@ -8,12 +8,14 @@ import pytest
 import torch
 from torch import nn
 
+from amplite import op_tables
 from amplite.converter.calibration import collect_ranges
 from amplite.converter.pipeline import strip_export_checks
 from amplite.passes.annotate_precision import AnnotatePrecision
 from amplite.passes.meta import OUT_DTYPE_KEY, PRECISION_KEY, RANGE_KEY, RANGE_LOW_KEY
+from amplite.passes.precision_facts import bridges_fp32, broadcast_by_mul, discrete_cone, feeds_norm, tensor_inputs
 from amplite.passes.range_guard import SMALL_POW, RangeGuard, RangeRules, ValueRange, weight_reason
-from amplite.policy import Level, PrecisionPolicy, make_overrides
+from amplite.policy import Decision, Level, NodeFacts, PrecisionPolicy, make_overrides
 from tests.exported import export_eval
 
 aten = torch.ops.aten
@@ -789,3 +791,133 @@ def test_annotation_covers_float_nodes_only_and_in_place_ops_follow() -> None:
 
 def _precision(gm: torch.fx.GraphModule) -> dict[str, dict]:
     return {n.name: n.meta[PRECISION_KEY] for n in gm.graph.nodes if PRECISION_KEY in n.meta}
+
+
+# --- the graph facts of passes/precision_facts.py, on hand-built FX graphs (no export: well under 10 ms each) ---
+
+
+class _Graph:
+    """An FX graph built by hand whose nodes carry an example value in ``meta['val']``, as torch.export's do."""
+
+    def __init__(self) -> None:
+        self.graph = torch.fx.Graph()
+
+    def input(self, name: str, *shape: int, dtype: torch.dtype = torch.float32) -> torch.fx.Node:
+        node = self.graph.placeholder(name)
+        node.meta["val"] = torch.empty(shape, dtype=dtype)
+        return node
+
+    def op(self, target: object, *args: object, shape: tuple = (2, 4), val: object = None) -> torch.fx.Node:
+        node = self.graph.call_function(target, args)
+        node.meta["val"] = torch.empty(shape) if val is None else val
+        return node
+
+
+def test_tensor_inputs_are_the_tensor_valued_nodes_among_nested_arguments() -> None:
+    g = _Graph()
+    x, y = g.input("x", 2, 4), g.input("y", 2, 4)
+    size = g.op(aten.sym_size.int, x, 0, val=2)  # a node whose value is a (Sym)int, not a tensor
+    view = g.op(aten.view.default, x, [size, 4])
+    cat = g.op(aten.cat.default, [x, y], 0, shape=(4, 4))
+    assert tensor_inputs(view) == [x], "a size node among the arguments is not a tensor input"
+    assert tensor_inputs(cat) == [x, y], "tensors nested in a list argument are inputs"
+
+
+def test_discrete_cone_walks_every_float_operand_up_to_the_first_compute_bound_op() -> None:
+    g = _Graph()
+    x, w = g.input("x", 2, 4), g.input("w", 4, 4)
+    pre = g.op(aten.relu.default, x)
+    mm1, mm2 = g.op(aten.mm.default, pre, w), g.op(aten.mm.default, x, w)
+    left, right = g.op(aten.relu.default, mm1), g.op(aten.neg.default, mm2)
+    both = g.op(aten.add.Tensor, left, right)
+    # the graph input comes first among the operands: it has no facts and must not end the walk of the others
+    total = g.op(aten.add.Tensor, x, both)
+    pick = g.op(aten.argmax.default, total, -1, shape=(2,))
+    facts = {n: NodeFacts(op_tables.op_name(n.target)) for n in g.graph.nodes if n.op == "call_function"}
+    cone = discrete_cone(facts)
+    assert cone == {pick, total, both, left, right, mm1, mm2}, sorted(n.name for n in cone)
+    assert pre not in cone, "the walk stops at the first compute-bound op on each path (mm), which it includes"
+
+
+def test_feeds_norm_follows_views_only_and_every_path() -> None:
+    g = _Graph()
+    x = g.input("x", 2, 4)
+    h = g.op(aten.relu.default, x)
+    to_norm = g.op(aten.view.default, h, [2, 4])  # h's first reader: popped last
+    norm = g.op(aten.layer_norm.default, to_norm, [4])
+    alias = g.op(aten.view.default, h, [2, 4])
+    g.op(aten.add.Tensor, h, alias)  # reached twice: directly and through the alias
+    assert feeds_norm(to_norm), "a normalisation reading the value directly"
+    assert feeds_norm(h), "through a view, after a reader already seen on another path"
+    assert not feeds_norm(norm), "no reader"
+    other = g.op(aten.relu.default, x)
+    g.op(aten.layer_norm.default, g.op(aten.neg.default, other), [4])
+    assert not feeds_norm(other), "an elementwise op between the value and the norm is not a view"
+
+
+def test_broadcast_by_mul_needs_a_mul_whose_result_is_larger() -> None:
+    g = _Graph()
+    x, p, y = g.input("x", 2, 4, 8, 8), g.input("p", 2, 4, 1, 1), g.input("y", 2, 4)
+    gate = g.op(aten.sigmoid.default, p, shape=(2, 4, 1, 1))
+    g.op(aten.mul.Tensor, x, gate, shape=(2, 4, 8, 8))
+    same = g.op(aten.sigmoid.default, y)
+    g.op(aten.mul.Tensor, same, y)
+    added = g.op(aten.sigmoid.default, p, shape=(2, 4, 1, 1))
+    g.op(aten.add.Tensor, x, added, shape=(2, 4, 8, 8))
+    pair = g.op(aten.max.dim, p, 1, val=(torch.empty(2, 1, 1), torch.empty(2, 1, 1, dtype=torch.long)))
+    assert broadcast_by_mul(gate), "a squeeze-excitation gate: mul broadcasts it over the feature map"
+    assert not broadcast_by_mul(same), "a mul of the same size broadcasts nothing"
+    assert not broadcast_by_mul(added), "a broadcasting add is not a gate"
+    assert not broadcast_by_mul(pair), "a node whose value is not a tensor"
+
+
+_FP32, _FOLLOW, _LOW = Decision("fp32", "fp32-list:x"), Decision("follow", "follow-inputs"), Decision("low", "level:O2")
+
+
+def test_bridges_fp32_between_fp32_ops_only() -> None:
+    g = _Graph()
+    x = g.input("x", 2, 4)
+    mean = g.op(aten.mean.dim, x, [-1], True, shape=(2, 1))
+    eps = g.op(aten.add.Tensor, mean, 1e-6, shape=(2, 1))
+    rsqrt = g.op(aten.rsqrt.default, eps, shape=(2, 1))
+    g.op(aten.mul.Tensor, x, rsqrt)
+    unread = g.op(aten.add.Tensor, mean, 2.0, shape=(2, 1))
+    decisions = {mean: _FP32, eps: _FOLLOW, rsqrt: _FP32, unread: _FOLLOW}
+    assert bridges_fp32(eps, decisions, outputs_fp32=False), "mean(x) + eps between mean and rsqrt"
+    assert not bridges_fp32(rsqrt, decisions, outputs_fp32=False), "its operand is not FP32"
+    assert not bridges_fp32(unread, decisions, outputs_fp32=True), "a node nobody reads bridges nothing"
+    assert not bridges_fp32(x, decisions, outputs_fp32=True), "a node with no float operand bridges nothing"
+
+
+def _scalar_loss(count: str = "fp32", casts: int = 0, shape: tuple = ()) -> tuple[torch.fx.Node, dict]:
+    """``sum(x) / n`` read by the graph output, ``n`` an input (fp32/fp16) behind ``casts`` undecided casts."""
+    g = _Graph()
+    x = g.input("x", 8, 3)
+    n = g.input("n", *shape, dtype=torch.float16 if count == "fp16" else torch.float32)
+    if count == "module":  # an opaque call: its body is unseen, so it passes nothing on
+        n = g.graph.call_module("scale", (n,))
+        n.meta["val"] = torch.empty(shape)
+    for _ in range(casts):
+        n = g.op(aten.to.dtype, n, torch.float32, shape=shape)
+    total = g.op(aten.sum.dim_IntList, x, [0] if shape else [0, 1], shape=shape)
+    loss = g.op(aten.div.Tensor, total, n, shape=shape)
+    g.graph.output(loss)
+    return loss, {total: _FP32, loss: _FOLLOW}
+
+
+def test_bridges_fp32_scalar_between_an_fp32_op_and_the_output_when_outputs_keep_their_dtype() -> None:
+    loss, decisions = _scalar_loss()
+    assert bridges_fp32(loss, decisions, outputs_fp32=True), "sum / num_items of a loss stays FP32"
+    assert not bridges_fp32(loss, decisions, outputs_fp32=False), "low graph outputs: the output is no FP32 reader"
+    loss, decisions = _scalar_loss(shape=(3,))
+    assert not bridges_fp32(loss, decisions, outputs_fp32=True), "scalars only: a 1-dim value is not one"
+    loss, decisions = _scalar_loss("fp16")
+    assert not bridges_fp32(loss, decisions, outputs_fp32=True), "an fp16 graph input is not an FP32 operand"
+    loss, decisions = _scalar_loss("module")
+    assert not bridges_fp32(loss, decisions, outputs_fp32=True), "an undecided call_module passes nothing on"
+
+
+@pytest.mark.parametrize(("casts", "bridges"), [(1, True), (3, True), (4, False)])
+def test_bridges_fp32_looks_through_up_to_three_undecided_fp32_nodes(casts: int, bridges: bool) -> None:
+    loss, decisions = _scalar_loss(casts=casts)
+    assert bridges_fp32(loss, decisions, outputs_fp32=True) is bridges
