@@ -5,6 +5,7 @@ sequence is what ``rewrite()`` runs, holding every contract on the test models."
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -34,8 +35,8 @@ from amplite.passes.graph_utils import make_cast
 from amplite.passes.guard_constants import GuardConstants, SaturateFills
 from amplite.passes.inline_regions import InlineRegions
 from amplite.passes.insert_casts import InsertCasts
-from amplite.passes.meta import FP8_KEY, PRECISION_KEY, RANGE_KEY, RANGE_LOW_KEY, SATURATE_KEY
-from amplite.passes.range_guard import RangeGuard, RangeRules
+from amplite.passes.meta import FP8_KEY, OUT_DTYPE_KEY, PRECISION_KEY, RANGE_KEY, RANGE_LOW_KEY, SATURATE_KEY
+from amplite.passes.range_guard import RangeGuard, RangeRules, ValueRange
 from amplite.passes.store_low_params import StoreLowPrecisionParams
 from amplite.policy import Level, PrecisionPolicy
 from amplite.spec import ConvertSpec
@@ -398,3 +399,107 @@ def test_a_given_range_map_skips_calibration_and_is_what_the_range_rules_read() 
     assert "calibrate" in [r.name for r in first.records] and "calibrate" not in [r.name for r in again.records]
     assert again.ranges == first.ranges and again.plan == first.plan
     assert "calibration" in first.timings and "calibration" not in again.timings
+
+
+# --- annotate_precision on graphs built by hand (milliseconds: within the mutation run's per-mutant budget) ---
+
+
+def _call(graph: torch.fx.Graph, target: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
+    """A ``call_function`` node whose value is ``target`` run on its arguments' values."""
+    node = graph.call_function(target, args, kwargs)
+    a, k = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+    node.meta["val"] = target(*a, **k)
+    return node
+
+
+def _value(graph: torch.fx.Graph, name: str, value: torch.Tensor, op: str = "placeholder") -> torch.fx.Node:
+    node = graph.placeholder(name) if op == "placeholder" else graph.get_attr(name)
+    node.meta["val"] = value
+    return node
+
+
+def halve(x: torch.Tensor) -> torch.Tensor:
+    return x / 2
+
+
+@pytest.mark.parametrize(
+    ("low", "level", "build"),
+    [
+        # a 0-dim FP32 operand does not widen a float16 product (type promotion): the product takes the compute dtype
+        ("bf16", Level.O2, lambda g: _call(g, aten.mul.Tensor, _value(g, "x", torch.randn(4, 8, dtype=torch.float16)),
+                                           _value(g, "s", torch.tensor(2.0)))),
+        # a norm's FP32 statistics of a bf16 input stay FP32 in float16 too; its result takes the compute dtype
+        ("fp16", Level.O3, lambda g: _call(g, aten._fused_rms_norm.default,
+                                           _value(g, "x", torch.randn(2, 8, dtype=torch.bfloat16)), [8],
+                                           _value(g, "w", torch.randn(8, dtype=torch.bfloat16)), 1e-5)),
+        # an explicit dtype= keeps its dtype
+        ("fp16", Level.O3, lambda g: _call(g, aten.sum.dim_IntList, _value(g, "x", torch.randn(2, 8)), [1],
+                                           dtype=torch.float32)),
+    ],
+    ids=["half-times-fp32-scalar", "rms-norm-fp32-statistics", "explicit-dtype"],
+)  # fmt: skip
+def test_the_planned_dtype_is_what_the_op_gives_on_operands_cast_to_its_compute_dtype(
+    low: str, level: Level, build: Any
+) -> None:
+    g = torch.fx.Graph()
+    node = build(g)
+    g.output(node)
+    AnnotatePrecision(PrecisionPolicy(low, level))(torch.fx.GraphModule(nn.Module(), g))
+    compute = node.meta[PRECISION_KEY]["dtype"]
+    assert compute is not None and compute != torch.float32, node.meta[PRECISION_KEY]
+
+    def cast(a: torch.fx.Node) -> Any:
+        v = a.meta["val"]
+        return v.to(compute) if v.dtype.is_floating_point else v
+
+    a, k = torch.fx.node.map_arg((node.args, node.kwargs), cast)
+    out = node.target(*a, **k)
+    actual = tuple(t.dtype for t in out) if isinstance(out, tuple) else out.dtype
+    assert node.meta[OUT_DTYPE_KEY] == actual
+
+
+def test_annotate_precision_ensures_every_op_reading_or_producing_a_float_has_a_decision() -> None:
+    g = torch.fx.Graph()
+    x = _value(g, "x", torch.randn(2, 8))
+    arg, zeros, third = (_call(g, aten.argmax.default, x, 1), _call(g, aten.zeros.default, [2, 8]),
+                         _call(g, halve, x))  # fmt: skip
+    g.output((arg, zeros, third))
+    gm = torch.fx.GraphModule(nn.Module(), g)
+    check = AnnotatePrecision(FP16)
+    check(gm)
+    check.ensures(gm)
+    # a float operand and an integer result, no operand and a float result, a Python function
+    for node, op in ((arg, "argmax.default"), (zeros, "zeros.default"), (third, str(halve))):
+        plan = node.meta.pop(PRECISION_KEY)
+        words = f"node {node.name} ({op}) touches a float"
+        _refuses(PostconditionError, "annotate_precision", check.ensures, gm, words)
+        node.meta[PRECISION_KEY] = plan
+    del zeros.meta[OUT_DTYPE_KEY]
+    _refuses(PostconditionError, "annotate_precision", check.ensures, gm, f"node {zeros.name} has no planned dtype")
+
+
+def test_fp8_keeps_an_activation_that_overflows_e4m3_out_unless_the_clip_check_is_off() -> None:
+    """The overflow rule is on by default; only low products run in FP8, other low ops keep their reason."""
+    root = nn.Module()
+    root.W = nn.Parameter(torch.randn(8, 16))
+
+    def planned(**kw: Any) -> dict[str, torch.fx.Node]:
+        g = torch.fx.Graph()
+        x = _value(g, "x", torch.randn(4, 16))
+        linear = _call(g, aten.linear.default, x, _value(g, "W", root.W, op="get_attr"))
+        g.output(_call(g, aten.add.Tensor, linear, linear))
+        gm = torch.fx.GraphModule(root, g)
+        ranges = {"x": ValueRange(max_abs=1000.0, percentile_abs=1.0)}  # max far beyond 448 x its scale
+        AnnotatePrecision(PrecisionPolicy("bf16", Level.O2, fp8="static"), ranges, **kw)(gm)
+        return {n.name: n for n in gm.graph.nodes}
+
+    nodes = planned()
+    linear = next(n for n in nodes.values() if n.target is aten.linear.default)
+    add = next(n for n in nodes.values() if n.target is aten.add.Tensor)
+    assert linear.meta[PRECISION_KEY]["reason"].startswith("fp8-range:overflow max|x|=1000")
+    assert FP8_KEY not in linear.meta and add.meta[PRECISION_KEY]["reason"] == "level:O2"
+    nodes = planned(fp8_clip_check=False)
+    linear = next(n for n in nodes.values() if n.target is aten.linear.default)
+    add = next(n for n in nodes.values() if n.target is aten.add.Tensor)
+    assert linear.meta[PRECISION_KEY]["reason"] == "fp8:static" and linear.meta[FP8_KEY]["amax"] == 1.0
+    assert FP8_KEY not in add.meta and add.meta[PRECISION_KEY]["reason"] == "level:O2"

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import operator
+from typing import Any
+
 import pytest
+import torch
+import torch.fx
+from torch import nn
 
 from amplite.errors import ConfigError
 from amplite.levels import resolve_level
+from amplite.passes.annotate_precision import AnnotatePrecision
+from amplite.passes.meta import PRECISION_KEY
 from amplite.policy import (
     BROADCAST_GATE,
     RESIDUAL_STREAM,
@@ -257,3 +265,108 @@ def test_for_fp8_runs_only_unpinned_low_products_in_fp8(
 ) -> None:
     d = PrecisionPolicy("fp16", Level.O2, fp8=fp8).for_fp8(decision, no_kernel, overflow)
     assert (d.mode, d.reason, d.source, d.fp8) == want
+
+
+# --- the pass that reads the facts: overrides that match nothing, the structure facts ---------------------
+# Graphs built by hand (milliseconds, no export): within the mutation run's per-mutant test budget.
+
+aten = torch.ops.aten
+
+
+def _call(graph: torch.fx.Graph, target: Any, *args: Any, module: str = "", **kwargs: Any) -> torch.fx.Node:
+    """A ``call_function`` node whose value is ``target`` run on its arguments' values, from ``module``."""
+    node = graph.call_function(target, args, kwargs)
+    a, k = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+    node.meta["val"] = target(*a, **k)
+    if module:
+        node.meta["nn_module_stack"] = {module: (module, nn.Module)}
+    return node
+
+
+def _input(graph: torch.fx.Graph, name: str, value: torch.Tensor) -> torch.fx.Node:
+    node = graph.placeholder(name)
+    node.meta["val"] = value
+    return node
+
+
+def triple(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+def _model_of_many_names() -> torch.fx.GraphModule:
+    """Seven ops (one a plain Python function) under seven module paths (the root, a private one, one outside
+    the prefix ``lm.``), a cast and a ``getitem`` (neither is a site a pattern can name)."""
+    g = torch.fx.Graph()
+    x = _input(g, "x", torch.randn(2, 8))
+    half = _call(g, aten._to_copy.default, x, dtype=torch.float16)
+    top = _call(g, aten.max.dim, x, 1, module="lm.enc.0")
+    r = _call(g, aten.relu.default, _call(g, operator.getitem, top, 0), module="lm.dec")
+    t = _call(g, triple, r, module="lm._hidden")
+    m = _call(g, aten.mul.Tensor, _call(g, aten.add.Tensor, t, r, module="lm"), r, module="other")
+    sig = _call(g, aten.sigmoid.default, m, module="lm.a.b")
+    g.output((_call(g, aten.tanh.default, sig, module="lm.dec.attn.q"), half))
+    return torch.fx.GraphModule(nn.Module(), g)
+
+
+def test_an_override_no_node_matches_is_refused_naming_the_models_modules_and_ops() -> None:
+    rules = make_overrides(["module:nope.*"], ["op:nada"])
+    with pytest.raises(ConfigError) as info:
+        AnnotatePrecision(PrecisionPolicy("fp16", Level.O1, rules, module_prefix="lm."))(_model_of_many_names())
+    problem, fix = info.value.problem, info.value.fix
+    assert problem.startswith("--keep-fp32 'module:nope.*' matches no node of this model")
+    assert problem.endswith(" (nor do 1 more patterns)"), problem
+    assert fix.startswith("name what the model has (") and fix.endswith("; `amplite inspect MODEL` lists every node")
+    # the user's names (prefix stripped; not the root's '' nor a private '_hidden'), shallowest first, at most 4
+    assert "(modules dec, other, a.b, enc.0; " in fix, fix
+    # the ops by name without overload, a Python function's own name; no cast, no getitem; at most 6
+    assert "; ops add, max, mul, relu, sigmoid, tanh), " in fix, fix
+    assert "e.g. module:dec.*; " in fix, fix
+    planned = _model_of_many_names()
+    AnnotatePrecision(PrecisionPolicy("fp16", Level.O0, rules, module_prefix="lm."))(planned)  # O0 ignores them
+    assert {n.meta[PRECISION_KEY]["reason"] for n in planned.graph.nodes if PRECISION_KEY in n.meta} == {"level:O0"}
+
+
+def test_a_force_low_pattern_on_a_model_without_modules_suggests_an_op_or_linear_without_ops() -> None:
+    g = torch.fx.Graph()
+    x = _input(g, "x", torch.randn(2, 8))
+    g.output(_call(g, aten.add.Tensor, _call(g, aten.relu.default, x), x))
+    with pytest.raises(ConfigError) as info:
+        AnnotatePrecision(policy("O2", low=("op:nada",)))(torch.fx.GraphModule(nn.Module(), g))
+    problem, fix = info.value.problem, info.value.fix
+    assert problem.startswith("--force-low 'op:nada' ") and problem.endswith("matches no node of this model"), problem
+    assert fix.startswith("name what the model has (ops add, relu), e.g. op:add; "), fix
+    g = torch.fx.Graph()
+    g.output(_input(g, "x", torch.randn(2, 8)))
+    with pytest.raises(ConfigError) as info:
+        AnnotatePrecision(policy("O2", keep=("op:gelu",)))(torch.fx.GraphModule(nn.Module(), g))
+    assert info.value.fix.startswith("name what the model has (ops ), e.g. op:linear; "), info.value.fix
+
+
+def _decide(level: Level, build: Any, **kw: Any) -> dict[Any, Any]:
+    """The plan (op -> mode, reason) of the graph ``build(graph)`` outputs."""
+    g = torch.fx.Graph()
+    g.output(build(g))
+    gm = torch.fx.GraphModule(nn.Module(), g)
+    AnnotatePrecision(PrecisionPolicy("fp16", level, **kw))(gm)
+    return {n.target: (n.meta[PRECISION_KEY]["mode"], n.meta[PRECISION_KEY]["reason"]) for n in gm.graph.nodes
+            if PRECISION_KEY in n.meta}  # fmt: skip
+
+
+def test_the_pass_reads_the_residual_stream_gate_and_scalar_bridge_facts_off_the_graph() -> None:
+    def residual(g: torch.fx.Graph) -> torch.fx.Node:
+        x = _input(g, "x", torch.randn(2, 8))
+        return _call(g, aten.layer_norm.default, _call(g, aten.add.Tensor, x, x), [8])
+
+    def gate(g: torch.fx.Graph) -> torch.fx.Node:
+        x = _input(g, "x", torch.randn(2, 4, 3, 3))
+        pooled = _call(g, aten.mean.dim, x, [2, 3], True)
+        return _call(g, aten.mul.Tensor, x, _call(g, aten.sigmoid.default, pooled))
+
+    def loss(g: torch.fx.Graph) -> torch.fx.Node:
+        return _call(g, aten.div.Tensor, _call(g, aten.sum.default, _input(g, "x", torch.randn(4))), 4.0)
+
+    assert _decide(Level.O2, residual)[aten.add.Tensor] == ("fp32", RESIDUAL_STREAM)
+    assert _decide(Level.O1, gate)[aten.sigmoid.default] == ("fp32", BROADCAST_GATE)
+    # a 0-dim op between an FP32 reduction and an FP32 graph output stays FP32, unless outputs may go low
+    assert _decide(Level.O2, loss)[aten.div.Tensor] == ("fp32", "fp32-island-bridge")
+    assert _decide(Level.O2, loss, low_precision_io=True)[aten.div.Tensor] == ("low", "level:O2")

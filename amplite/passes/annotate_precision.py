@@ -263,11 +263,14 @@ def _predict_out(node: torch.fx.Node, val: Any, compute: torch.dtype | None) -> 
     """Output dtype(s) once the node computes in ``compute``.
 
     A float output that had the op's original input dtype takes the compute dtype; outputs of another
-    dtype (integer results, an explicit ``dtype=`` argument) keep theirs.
+    dtype (integer results, an explicit ``dtype=`` argument, a norm's FP32 statistics) keep theirs. The
+    original input dtype is the one type promotion gives: 0-dim operands count only without dimensioned
+    ones (``x_f16 * scale_f32_0dim`` is float16, and takes the compute dtype once its operands are cast).
     """
     if compute is None or _has_dtype_argument(node):
         return dtypes_of(val)
-    originals = [fake_value(a).dtype for a in tensor_inputs(node) if fake_value(a).dtype.is_floating_point]
+    floats = [v for v in map(fake_value, tensor_inputs(node)) if v.dtype.is_floating_point]
+    originals = [v.dtype for v in floats if v.dim()] or [v.dtype for v in floats]
     original_in = _widest(originals) if originals else None
 
     def one(v: Any) -> Any:
