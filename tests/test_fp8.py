@@ -1122,11 +1122,9 @@ def test_fp8_fact_without_a_positional_or_tensor_weight_or_an_aten_op() -> None:
     assert fp8_fact(traced, None, True) == (f"no-fp8-kernel:{op.matmul}", "", None)
 
 
-def test_quantize_saturates_infinities_and_the_pad_stays_on_the_operands_device() -> None:
+def test_the_pad_stays_on_the_operands_device() -> None:
     from amplite.ops.fp8_linear import _pad
 
-    q = num.quantize(torch.tensor([math.inf, -math.inf, 1e30, -1e30]), torch.tensor(1.0))
-    assert q.float().tolist() == [448.0, -448.0, 448.0, -448.0]
     meta = _pad(torch.ones(2, 2, device="meta"), 3, 4)
     assert meta.device.type == "meta" and meta.shape == (3, 4)
 
