@@ -871,3 +871,292 @@ def test_a_plain_tensor_constant_read_by_one_fp8_product_is_replaced_by_its_e4m3
     assert model.W.dtype == torch.float32  # the user's tensor is untouched
     gm.recompile()
     assert sqnr(model(x), gm(x).float()) > 20
+
+
+# --- Full run 7's survivors (issue 46): the FP8 pass, sites and ops on graphs built node by node, each with a
+# fake value and a plan entry as annotate_precision and insert_casts leave them (no export: milliseconds each,
+# within the mutation run's per-mutant budget).
+
+from amplite.passes.fp8_matmul import Fp8Matmul  # noqa: E402
+from amplite.passes.graph_utils import fake_value  # noqa: E402
+from amplite.passes.meta import FP8_KEY, PRECISION_KEY  # noqa: E402
+
+aten = torch.ops.aten
+
+
+class HandGraph:
+    """A graph built node by node over ``tensors`` (module attributes), each node with a fake value."""
+
+    def __init__(self, **tensors: torch.Tensor) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.root, self.graph, self.mode = nn.Module(), torch.fx.Graph(), FakeTensorMode()
+        for name, t in tensors.items():
+            setattr(self.root, name, t)
+
+    def add(self, op: str, target: object, args: tuple = (), kwargs: dict | None = None, *, like: torch.Tensor,
+            plan: str | None = None, reason: str = "fp8:dynamic", site: dict | None = None,
+            ) -> torch.fx.Node:  # fmt: skip
+        """A node whose fake value is ``like``'s; ``plan`` its mode (``low``/``fp32``), ``site`` its Fp8Site."""
+        n = self.graph.create_node(op, target, args, kwargs or {})
+        n.meta["val"] = self.mode.from_tensor(like)
+        if plan is not None:
+            dtype = torch.bfloat16 if plan == "low" else torch.float32
+            n.meta[PRECISION_KEY] = {"mode": plan, "dtype": dtype, "reason": reason, "rule": "level"}
+        if site is not None:
+            n.meta[FP8_KEY] = site
+        return n
+
+    def read(self, target: str) -> torch.fx.Node:
+        return self.add("get_attr", target, like=operator.attrgetter(target)(self.root))
+
+    def product(self, target: object, args: tuple, kwargs: dict | None = None, *, out: tuple[int, ...],
+                site: dict | None = None, plan: str = "low", reason: str = "fp8:dynamic") -> torch.fx.Node:  # fmt: skip
+        return self.add("call_function", target, args, kwargs, like=torch.empty(out, dtype=torch.bfloat16), plan=plan,
+                        reason=reason, site=site)  # fmt: skip
+
+    def module(self, *outputs: torch.fx.Node, **taken: torch.Tensor) -> torch.fx.GraphModule:
+        """The GraphModule (it copies only the attributes a node reads), with the buffers ``taken`` added."""
+        self.graph.output(outputs)
+        gm = torch.fx.GraphModule(self.root, self.graph)
+        for name, t in taken.items():
+            gm.register_buffer(name, t)
+        return gm
+
+
+def _site(layout: str, amax: float | None = None, w_amax: torch.Tensor | None = None, x: int = 0, w: int = 1) -> dict:
+    return {"x": x, "w": w, "layout": layout, "amax": amax, "w_amax": w_amax}
+
+
+def _tensor_of(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.Tensor:
+    """The stored tensor a ``get_attr`` reads, through a transpose (``kn`` weights)."""
+    if node.op == "call_function":
+        return operator.attrgetter(str(node.args[0].target))(gm).t()
+    return operator.attrgetter(str(node.target))(gm)
+
+
+def test_fp8_matmul_takes_the_calibrated_weight_amax_a_keyword_bias_and_every_tied_name() -> None:
+    torch.manual_seed(0)
+    W, U, V, b = (nn.Parameter(torch.randn(*s), requires_grad=False) for s in ((4, 8), (8, 4), (8, 4), (4,)))
+    h = HandGraph(W=W, U=U, V=V, b=b, gone=torch.zeros(1))
+    x, y = h.add("placeholder", "x", like=torch.empty(3, 8, dtype=torch.bfloat16)), h.add(
+        "placeholder", "y", like=torch.empty(8, 2, dtype=torch.bfloat16))  # fmt: skip
+    w_amax = W.abs().amax(1) * 2, U.abs().amax(0) * 3  # calibration chose 2x / 3x each channel's own maximum
+    w_bf16 = h.add("call_function", aten._to_copy.default, (h.read("W"),), {"dtype": torch.bfloat16},
+                   like=W.bfloat16())  # fmt: skip
+    lin = h.product(aten.linear.default, (x, w_bf16), {"bias": h.read("b")}, out=(3, 4),
+                    site=_site("nk", None, w_amax[0]))  # fmt: skip
+    mm = h.product(aten.mm.default, (x, h.read("U")), out=(3, 4), site=_site("kn", 2.0, w_amax[1]), reason="fp8:static")
+    mv = h.product(aten.mm.default, (x, h.read("V")), out=(3, 4), site=_site("kn"))
+    kept = h.product(aten.mm.default, (x, y), out=(3, 2), plan="fp32", reason="user:keep op:mm")
+    dangling = h.read("gone")  # its attribute is deleted below: a get_attr that reads nothing is no reader of W
+    gm = h.module(lin, mm, mv, kept)
+    del gm.gone
+    gm.head = nn.Module()
+    gm.head.weight = gm.U  # U tied under a second name that no node reads
+    res = Fp8Matmul()(gm)
+    assert res.modified and res.graph_module is gm
+    c = res.counters
+    assert (c["fp8_nodes"], c["weights_fp8"], c["weight_scales_measured"]) == (3, 3, 2)
+    assert not [k for k in c if k.startswith("kept_low:")]  # an FP8 product or an FP32 one is not "kept low"
+    # the calibrated amax of each channel maps onto 448; V, uncalibrated, maps its own maximum
+    for name, amax in (("W", w_amax[0]), ("U", w_amax[1]), ("V", V.abs().amax(0))):
+        scale = getattr(gm, f"{name}_scale")
+        assert scale.dtype == torch.float32 and torch.equal(scale, num.scale_from_amax(amax)), name
+        q = getattr(gm, name)
+        codes = num.quantize(h.root.get_parameter(name).float(), scale[:, None] if name == "W" else scale)
+        assert q.dtype == FP8_DTYPE and torch.equal(q.float(), codes.float()), name
+    assert gm.head.weight is gm.U and W.dtype == U.dtype == torch.float32  # every name of U; the user's untouched
+    assert lin.target is mm.target is torch.ops.amplite.fp8_linear.default and lin.args[4].target == "b"
+    assert mm.args[4] is None and not lin.kwargs  # the keyword bias moved into the op's bias argument
+    x_scale = operator.attrgetter(str(mm.args[3].target))(gm)
+    assert x_scale.shape == () and x_scale.item() == pytest.approx(2.0 / E4M3_MAX)
+    for n in (lin, mm, mv):  # every operand the rewrite added carries the fake value of what it reads
+        for a in n.args[1:4]:
+            if a is not None:
+                val, real = fake_value(a), _tensor_of(gm, a)
+                assert (val.shape, val.dtype) == (real.shape, real.dtype), (n.name, a.name)
+    gm.graph.erase_node(dangling)
+    gm.recompile()
+    xs, ys = torch.randn(3, 8).bfloat16(), torch.randn(8, 2).bfloat16()
+    got = gm(xs, ys)
+    assert sqnr(nn.functional.linear(xs.float(), W, b), got[0].float()) > 20
+    assert sqnr(xs.float() @ U, got[1].float()) > 20 and sqnr(xs.float() @ V, got[2].float()) > 20
+
+
+def test_fp8_matmul_quantizes_each_layout_from_the_fp32_weight_once() -> None:
+    """``T`` read as [out, in], then [in, out], then [out, in]: each layout's e4m3 tensor is quantized from the
+    FP32 weight (never from an earlier e4m3 copy), and the copies take the next free names."""
+    torch.manual_seed(0)
+    T = nn.Parameter(torch.randn(8, 8), requires_grad=False)
+    h = HandGraph(T=T)
+    x = h.add("placeholder", "x", like=torch.empty(3, 8, dtype=torch.bfloat16))
+    t = h.read("T")
+    first = h.product(aten.linear.default, (x, t), out=(3, 8), site=_site("nk"))
+    second = h.product(aten.mm.default, (x, t), out=(3, 8), site=_site("kn"))
+    third = h.product(aten.linear.default, (x, t), out=(3, 8), site=_site("nk"))
+    gm = h.module(first, second, third, amplite_fp8_T=torch.zeros(1))  # a name taken: the copies are _1 and _2
+    res = Fp8Matmul()(gm)
+    assert res.counters["weights_fp8"] == 2 and res.counters["fp8_nodes"] == 3
+    nk, kn = num.quantize_weight(T)[0], num.quantize_weight(T.t())[0]
+    assert [str(n.args[1].target) for n in (first, third)] == ["amplite_fp8_T_1"] * 2
+    assert str(second.args[1].args[0].target) == "amplite_fp8_T_2"
+    assert torch.equal(gm.amplite_fp8_T_1.float(), nk.float())
+    assert torch.equal(gm.amplite_fp8_T_2.float(), kn.t().float())
+    assert not any(n.op == "get_attr" and n.target == "T" for n in gm.graph.nodes)  # its last read is dropped
+
+
+def test_fp8_matmul_drops_the_weight_reads_a_copy_replaced() -> None:
+    """Two ``get_attr`` nodes read one tensor (so it is copied, not replaced): both reads are erased."""
+    torch.manual_seed(0)
+    h = HandGraph(W=nn.Parameter(torch.randn(4, 8), requires_grad=False))
+    x = h.add("placeholder", "x", like=torch.empty(3, 8, dtype=torch.bfloat16))
+    a = h.product(aten.linear.default, (x, h.read("W")), out=(3, 4), site=_site("nk"))
+    cast = h.add("call_function", aten._to_copy.default, (h.read("W"),), {"dtype": torch.bfloat16},
+                 like=torch.empty(4, 8, dtype=torch.bfloat16))  # fmt: skip
+    b = h.product(aten.linear.default, (x, cast), out=(3, 4), site=_site("nk"))
+    gm = h.module(a, b)
+    res = Fp8Matmul()(gm)
+    assert res.counters["weights_fp8"] == 1 and gm.W.dtype == torch.float32  # two readers: an e4m3 copy
+    assert str(a.args[1].target) == str(b.args[1].target) == "amplite_fp8_W"
+    assert [n.op for n in gm.graph.nodes].count("get_attr") == 4  # the copy and its scale, read by each product
+    assert not any(n.target == "W" or cast_dtype(n) is not None for n in gm.graph.nodes)
+
+
+def test_fp8_matmul_replaces_the_weight_in_the_slot_that_holds_it() -> None:
+    """A plain tensor in a parameter slot stays in that slot, a Parameter registered as a buffer stays a buffer,
+    and a plain tensor attribute named as symbolic tracing names constants (``_tensor_constant0``) is replaced."""
+    torch.manual_seed(0)
+    plain, param, const = torch.randn(4, 8), nn.Parameter(torch.randn(4, 8), requires_grad=False), torch.randn(4, 8)
+    h = HandGraph(P=plain, B=param, _tensor_constant0=const)
+    x = h.add("placeholder", "x", like=torch.empty(3, 8, dtype=torch.bfloat16))
+    outs = [h.product(aten.linear.default, (x, h.read(name)), out=(3, 4), site=_site("nk"))
+            for name in ("P", "B", "_tensor_constant0")]  # fmt: skip
+    gm = h.module(*outs)
+    del gm.P, gm.B, gm._tensor_constant0  # GraphModule registers every tensor it copies as a buffer or parameter
+    gm._parameters["P"] = plain  # nn.Module keeps what is put in its slots
+    gm.register_buffer("B", param)
+    gm._tensor_constant0 = const  # a plain attribute, neither parameter nor buffer
+    Fp8Matmul()(gm)
+    assert gm._parameters["P"].dtype == FP8_DTYPE and not isinstance(gm._parameters["P"], nn.Parameter)
+    assert "B" in gm._buffers and "B" not in gm._parameters and isinstance(gm.B, nn.Parameter)
+    assert gm.B.dtype == FP8_DTYPE and plain.dtype == param.dtype == const.dtype == torch.float32
+    c = gm._tensor_constant0
+    assert "_tensor_constant0" not in gm._buffers and "_tensor_constant0" not in gm._parameters
+    assert c.dtype == FP8_DTYPE and torch.equal(c.float(), num.quantize_weight(const)[0].float())
+    assert [str(a.target) for a in outs[2].args[1:3]] == ["_tensor_constant0", "_tensor_constant0_scale"]
+
+
+def test_fp8_matmul_without_a_site_returns_the_module_unmodified() -> None:
+    h = HandGraph(W=nn.Parameter(torch.randn(4, 8), requires_grad=False))
+    x = h.add("placeholder", "x", like=torch.empty(3, 8, dtype=torch.bfloat16))
+    kept = h.product(aten.linear.default, (x, h.read("W")), out=(3, 4), plan="fp32", reason="user:keep op:linear")
+    gm = h.module(kept)
+    res = Fp8Matmul()(gm)
+    assert res.graph_module is gm and res.modified is False and not res.counters
+
+
+def _fact_graph(**tensors: torch.Tensor) -> tuple[torch.fx.Graph, nn.Module, torch.fx.Node]:
+    root, g = nn.Module(), torch.fx.Graph()
+    for name, t in tensors.items():
+        setattr(root, name, t)
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(3, 8)
+    return g, root, x
+
+
+def _read(g: torch.fx.Graph, root: nn.Module, target: str) -> torch.fx.Node:
+    n = g.get_attr(target)
+    n.meta["val"] = operator.attrgetter(target)(root)
+    return n
+
+
+def test_fp8_fact_takes_the_products_own_calibrated_weight_amax() -> None:
+    g, root, x = _fact_graph(W=nn.Parameter(torch.randn(4, 8)))
+    lin = g.call_function(aten.linear.default, (x, _read(g, root, "W")))
+    g.output(lin)
+    torch.fx.GraphModule(root, g)
+    w_amax = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    ranges = {"x": ValueRange(max_abs=2.0), lin.name: ValueRange(max_abs=5.0, fp8_weight_amax=w_amax)}
+    no_kernel, overflow, site = fp8_fact(lin, ranges, True)
+    assert (no_kernel, overflow, site["amax"]) == ("", "", 2.0) and site["w_amax"] is w_amax
+    assert fp8_fact(lin, {"x": ValueRange(max_abs=2.0), lin.name: ValueRange(max_abs=5.0)}, True)[2]["w_amax"] is None
+
+
+def test_fp8_fact_finds_every_reader_that_keeps_a_weight_out_of_fp8() -> None:
+    """Readers of the same tensor under another node or name, as an activation, or a product without the weight
+    positional: each makes the weight shared; an unread-by-others weight is not."""
+    W = nn.Parameter(torch.randn(8, 8))
+    cases = {
+        "another get_attr, summed": lambda g, w, x, root: g.call_function(aten.sum.default, (_read(g, root, "W2"),)),
+        "an activation operand": lambda g, w, x, root: g.call_function(aten.mm.default, (w, x)),
+        "a linear given it by keyword": lambda g, w, x, root: g.call_function(
+            aten.linear.default, (w,), {"weight": _read(g, root, "U")}),
+        "nothing else": lambda g, w, x, root: None,
+    }
+    for what, other in cases.items():
+        g, root, x = _fact_graph(W=W, W2=W, U=nn.Parameter(torch.randn(8, 8)))
+        w = _read(g, root, "W")
+        lin = g.call_function(aten.linear.default, (x, w))
+        more = other(g, w, x, root)
+        g.output((lin, more) if more is not None else (lin,))
+        torch.fx.GraphModule(root, g)
+        want = ("", "", _site("nk")) if what == "nothing else" else ("shared-weight", "", None)
+        assert fp8_fact(lin, None, True) == want, what
+
+
+def test_fp8_fact_without_a_positional_or_tensor_weight_or_an_aten_op() -> None:
+    import operator as op
+
+    g, root, x = _fact_graph(W=nn.Parameter(torch.randn(4, 8)))
+    w = _read(g, root, "W")
+    by_keyword = g.call_function(aten.linear.default, (x,), {"weight": w})
+    unknown = g.get_attr("W")  # a get_attr with no recorded value: nothing says it is a 2-D float tensor
+    no_value = g.call_function(aten.linear.default, (x, unknown))
+    traced = g.call_function(op.matmul, (x, w))  # symbolic tracing's x @ W: no ATen overload
+    g.output((by_keyword, no_value, traced))
+    torch.fx.GraphModule(root, g)
+    kw = fp8_fact(by_keyword, None, True)
+    assert kw[0].startswith("no-fp8-kernel:linear") and kw[1:] == ("", None)
+    assert fp8_fact(no_value, None, True) == ("no-weight-operand", "", None)
+    assert fp8_fact(traced, None, True) == (f"no-fp8-kernel:{op.matmul}", "", None)
+
+
+def test_the_pad_stays_on_the_operands_device() -> None:
+    from amplite.ops.fp8_linear import _pad
+
+    meta = _pad(torch.ones(2, 2, device="meta"), 3, 4)
+    assert meta.device.type == "meta" and meta.shape == (3, 4)
+
+
+def test_scaled_mm_2d_hands_the_kernel_the_operands_and_scales_cuda_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``torch._scaled_mm`` receives: unpadded operands at the default granule, per-tensor scales only when
+    both are, else [M, 1] / [1, N]; padded to the granule with scale 1 on the padding and the bias in the
+    output dtype."""
+    real, calls = torch._scaled_mm, []
+
+    def spy(a: torch.Tensor, b: torch.Tensor, **kw: torch.Tensor) -> torch.Tensor:
+        calls.append((a.shape, b.shape, kw))
+        return real(a, b, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    torch.manual_seed(0)
+    m, k, n = 3, 5, 7
+    xq, sx = quantize_dynamic_per_token(torch.randn(m, k))
+    wq, sw = quantize_weight(torch.randn(n, k))
+    sx, sw = sx.reshape(-1), sw.reshape(-1)
+    scaled_mm_2d(xq, wq, sx.amax(), sw.amax(), None, torch.bfloat16)
+    a, b, kw = calls[-1]
+    assert (a, b, kw["scale_a"].shape, kw["scale_b"].shape) == ((m, k), (k, n), (), ())
+    got = scaled_mm_2d(xq, wq, sx, sw.amax(), None, torch.float32)
+    assert (calls[-1][2]["scale_a"].shape, calls[-1][2]["scale_b"].shape) == ((m, 1), (1, n))
+    assert torch.allclose(got, reference(xq, wq, sx, sw.amax(), None, torch.float32), rtol=1e-5, atol=1e-5)
+    bias = torch.randn(n)
+    got = scaled_mm_2d(xq, wq, sx, sw, bias, torch.bfloat16, 16)
+    a, b, kw = calls[-1]
+    assert (a, b, kw["scale_a"].shape, kw["scale_b"].shape) == ((16, 16), (16, 16), (16, 1), (1, 16))
+    assert torch.equal(kw["scale_a"][:m, 0], sx) and torch.equal(kw["scale_a"][m:], torch.ones(16 - m, 1))
+    assert torch.equal(kw["scale_b"][0, :n], sw) and torch.equal(kw["scale_b"][:, n:], torch.ones(1, 16 - n))
+    assert kw["bias"].dtype == torch.bfloat16 and torch.equal(kw["bias"][:n], bias.bfloat16())
+    want = reference(xq, wq, sx, sw, bias.bfloat16(), torch.bfloat16)
+    assert got.shape == (m, n) and torch.allclose(got.float(), want.float(), rtol=2**-7, atol=1e-2)
