@@ -16,6 +16,7 @@ from amplite import op_tables
 from amplite.checkpoint import StreamedConversion
 from amplite.checkpoint.source import LogitsOnly, open_checkpoint
 from amplite.errors import AmpliteError
+from tests.conftest import Cli
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 256
@@ -43,6 +44,8 @@ def _ids(seed: int) -> torch.Tensor:
 
 
 def _run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """``python -m amplite`` in a fresh interpreter: kept for the one end-to-end ``convert DIR`` below (the
+    module's outputs come from the command as a user runs it); refusals run in-process (``cli``)."""
     return subprocess.run([sys.executable, "-m", "amplite", *args], capture_output=True, text=True, cwd=cwd,
                           timeout=600)  # fmt: skip
 
@@ -148,7 +151,8 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 @pytest.mark.parametrize("defect", ["no-config", "missing-shard", "truncated-shard", "bad-config", "bad-index"])
-def test_bad_checkpoints_exit_2_naming_the_file_and_leave_nothing(ckpt: Path, tmp_path: Path, defect: str) -> None:
+def test_bad_checkpoints_exit_2_naming_the_file_and_leave_nothing(ckpt: Path, tmp_path: Path, defect: str,
+                                                                   cli: Cli) -> None:
     bad = _copy(ckpt, tmp_path / "bad")
     shards = sorted(bad.glob("*.safetensors"))
     if defect == "no-config":
@@ -170,11 +174,11 @@ def test_bad_checkpoints_exit_2_naming_the_file_and_leave_nothing(ckpt: Path, tm
         expect = "index"
     out = tmp_path / "out"
     out.mkdir()
-    if defect in ("no-config", "missing-shard"):  # the CLI: one line, exit 2
-        proc = _run("convert", str(bad), "-o", str(out / "m"), "--format", "safetensors,pt2")
-        assert proc.returncode == 2, proc.stdout + proc.stderr
-        assert expect in proc.stderr and "Traceback" not in proc.stderr
-        assert len(proc.stderr.strip().splitlines()) == 1
+    if defect in ("no-config", "missing-shard"):  # the CLI (in-process: the same handler): one line, exit 2
+        res = cli("convert", bad, "-o", out / "m", "--format", "safetensors,pt2")
+        assert res.exit_code == 2, res.stdout + res.stderr
+        assert expect in res.stderr and "Traceback" not in res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1
     else:  # the library: the same errors, in-process (faster)
         from amplite.save import convert_to_files
 
@@ -243,7 +247,7 @@ def _replace(path: Path, name: str, value: torch.Tensor | None) -> Path:
     ("lm_head.weight", lambda t: None, r"needs 'lm_head.weight' \(256, 32\), which no shard holds"),
 ])  # fmt: skip
 def test_wrong_weights_exit_2_naming_tensor_and_shard_before_writing(
-    ckpt: Path, tmp_path: Path, name: str, make: object, match: str
+    ckpt: Path, tmp_path: Path, name: str, make: object, match: str, cli: Cli
 ) -> None:
     bad = _copy(ckpt, tmp_path / "bad")
     from safetensors.torch import load_file
@@ -251,11 +255,11 @@ def test_wrong_weights_exit_2_naming_tensor_and_shard_before_writing(
     _replace(bad, name, make(load_file(_shard_of(bad, name))[name]))  # type: ignore[operator]
     import re
 
-    if "250" in match:  # the CLI once: one line, exit 2, even with --no-verify
-        proc = _run("convert", str(bad), "-o", str(tmp_path / "m"), "--no-verify")
-        assert proc.returncode == 2, proc.stdout + proc.stderr
-        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
-        assert re.search(match, proc.stderr), proc.stderr
+    if "250" in match:  # the CLI once (in-process: the same handler): one line, exit 2, even with --no-verify
+        res = cli("convert", bad, "-o", tmp_path / "m", "--no-verify")
+        assert res.exit_code == 2, res.stdout + res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+        assert re.search(match, res.stderr), res.stderr
     else:
         from amplite.save import convert_to_files
 
