@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,11 +23,28 @@ CASES = [("llama", "bf16", "O2"), ("gpt2", "fp16", "O1"), ("mixtral", "bf16", "O
          ("falcon", "bf16", "O2")]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str, str], tuple[dict[str, Any], Path]]:
+    """``run_one`` once per (architecture, precision, level) in the module, in one folder: a conversion the
+    parametrized test and a test of its outputs both read is done once, and an architecture's checkpoint is
+    built once for both of its configurations. Returns the row and the folder holding the outputs."""
+    work = tmp_path_factory.mktemp("archs")
+    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+
+    def run(name: str, precision: str, level: str) -> tuple[dict[str, Any], Path]:
+        key = (name, precision, level)
+        if key not in rows:
+            rows[key] = run_one(name, precision, level, work)
+        return rows[key], work
+
+    return run
+
+
 @pytest.mark.parametrize(("name", "precision", "level"), CASES)
 def test_architecture_converts_verifies_and_loads_with_from_pretrained(
-    tmp_path: Path, name: str, precision: str, level: str
+    runs: Callable, name: str, precision: str, level: str
 ) -> None:
-    row = run_one(name, precision, level, tmp_path)
+    row, _ = runs(name, precision, level)
     assert row["exit"] == 0, row.get("error")
     assert row["sqnr_db"] >= (35 if level == "O2" else 55), row
     fp = row["from_pretrained"]
@@ -38,21 +57,23 @@ def test_architecture_converts_verifies_and_loads_with_from_pretrained(
         assert fp["sqnr_db"] > 100  # the weights are the source's, unchanged
 
 
-def test_moe_experts_are_stored_low_at_o2(tmp_path: Path) -> None:
+def test_moe_experts_are_stored_low_at_o2(runs: Callable) -> None:
     """transformers 5 fuses per-expert weights on load: amplite maps them the same way and stores them low."""
     from safetensors.torch import load_file
 
-    run_one("mixtral", "bf16", "O2", tmp_path)
-    out = tmp_path / "mixtral.bf16.O2"
+    row, work = runs("mixtral", "bf16", "O2")  # the conversion of the parametrized case above
+    assert row["exit"] == 0, row.get("error")
+    out = work / "mixtral.bf16.O2"
     state = {k: v for s in out.glob("*.safetensors") for k, v in load_file(s).items()}
     experts = [k for k in state if ".experts." in k]
     assert len(experts) == 2 * 4 * 3  # layers x experts x (w1, w2, w3), in the source's layout
     assert {state[k].dtype for k in experts} == {torch.bfloat16}
 
 
-def test_tied_weights_are_stored_once_in_the_pt2(tmp_path: Path) -> None:
-    run_one("gpt2", "bf16", "O2", tmp_path)
-    pt2 = tmp_path / "gpt2.bf16.O2.pt2"
+def test_tied_weights_are_stored_once_in_the_pt2(runs: Callable) -> None:
+    row, work = runs("gpt2", "bf16", "O2")  # the gpt2 checkpoint of the fp16 O1 case above
+    assert row["exit"] == 0, row.get("error")
+    pt2 = work / "gpt2.bf16.O2.pt2"
     with zipfile.ZipFile(pt2) as zf:
         cfg_name = next(n for n in zf.namelist() if n.endswith("weights_config.json"))
         entries = json.loads(zf.read(cfg_name))["config"]
