@@ -269,18 +269,31 @@ def test_wrong_weights_exit_2_naming_tensor_and_shard_before_writing(
     assert not (tmp_path / "m").exists() and not (tmp_path / "m.report.json").exists()
 
 
-def test_default_conversion_stores_low_precision_and_says_what_it_did(ckpt: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def default_converted(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[object, Path, list[tuple]]:
+    """``convert_to_files(ckpt)`` with the defaults, verified, once for the module: (the saved result, its
+    folder, the progress calls it made). The default-options test and the progress test read the same run."""
+    from amplite.save import convert_to_files
+
+    out = tmp_path_factory.mktemp("default") / "d"
+    seen: list[tuple[str, int, int]] = []
+    saved = convert_to_files(ckpt, output=out, progress=lambda *a: seen.append(a))
+    return saved, out, seen
+
+
+def test_default_conversion_stores_low_precision_and_says_what_it_did(ckpt: Path, tmp_path: Path,
+                                                                       default_converted: tuple) -> None:
     from safetensors.torch import load_file
 
     from amplite.save import convert_to_files
 
-    saved = convert_to_files(ckpt, output=tmp_path / "d")  # the default: fp16, and O2 for a checkpoint
+    saved, out, _ = default_converted  # the default: fp16, and O2 for a checkpoint
     assert saved.result.data["config"]["level"] == "O2" and saved.exit_code == 0
-    state = {k: v for s in (tmp_path / "d").glob("*.safetensors") for k, v in load_file(s).items()}
+    state = {k: v for s in out.glob("*.safetensors") for k, v in load_file(s).items()}
     assert {v.dtype for v in state.values()} == {torch.float16}
-    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    cfg = json.loads((out / "config.json").read_text())
     assert cfg["dtype"] == "float16" and cfg["amplite"]["storage_bytes_by_dtype"].keys() == {"float16"}
-    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "d")
+    loaded = transformers.LlamaForCausalLM.from_pretrained(out)
     assert loaded.dtype == torch.float16
     o1 = convert_to_files(ckpt, output=tmp_path / "o1", level="O1", verify=False)
     assert any("stores every weight in its source dtype" in w for w in o1.result.data["warnings"])
@@ -354,11 +367,8 @@ def test_check_dir_gates_on_the_streamed_conversion(ckpt: Path, tmp_path: Path) 
         check(ckpt, golden=tmp_path / "g")
 
 
-def test_verification_reports_progress(ckpt: Path, tmp_path: Path) -> None:
-    from amplite.save import convert_to_files
-
-    seen: list[tuple[str, int, int]] = []
-    convert_to_files(ckpt, output=tmp_path / "o", progress=lambda *a: seen.append(a))
+def test_verification_reports_progress(default_converted: tuple) -> None:
+    _, _, seen = default_converted
     verifying = [(d, t) for s, d, t in seen if s == "verifying"]
     assert len(verifying) > 10 and verifying[-1][0] == verifying[-1][1] > 0
     assert [d for d, _ in verifying] == sorted(d for d, _ in verifying)
