@@ -8,6 +8,7 @@ the two configurations, and the refusal of a constant the meta trace cannot give
 from __future__ import annotations
 
 import json
+import shutil
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -24,11 +25,21 @@ CASES = [("llama", "bf16", "O2"), ("gpt2", "fp16", "O1"), ("mixtral", "bf16", "O
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str, str], tuple[dict[str, Any], Path]]:
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's folder of tiny checkpoints (``run_one`` builds ``work / name`` once) and their outputs."""
+    return tmp_path_factory.mktemp("archs")
+
+
+def _source(work: Path, name: str) -> Path:
+    """``name``'s tiny checkpoint in ``work``, built if no test of the module has built it yet (read only)."""
+    return work / name if (work / name).exists() else make_checkpoint(name, work / name)
+
+
+@pytest.fixture(scope="module")
+def runs(work: Path) -> Callable[[str, str, str], tuple[dict[str, Any], Path]]:
     """``run_one`` once per (architecture, precision, level) in the module, in one folder: a conversion the
     parametrized test and a test of its outputs both read is done once, and an architecture's checkpoint is
     built once for both of its configurations. Returns the row and the folder holding the outputs."""
-    work = tmp_path_factory.mktemp("archs")
     rows: dict[tuple[str, str, str], dict[str, Any]] = {}
 
     def run(name: str, precision: str, level: str) -> tuple[dict[str, Any], Path]:
@@ -86,7 +97,7 @@ def test_tied_weights_are_stored_once_in_the_pt2(runs: Callable) -> None:
 
 
 def test_a_constant_made_from_python_data_leaves_no_pt2_but_the_safetensors_output_is_converted(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, work: Path
 ) -> None:
     """A tensor the forward builds from Python data (GPT-Neo, GraniteMoE; Falcon before transformers 5.25) is
     traced on meta and loses its values: no .pt2 can be written (the warning names the constant), but the
@@ -100,6 +111,7 @@ def test_a_constant_made_from_python_data_leaves_no_pt2_but_the_safetensors_outp
         return norm(self, hidden) * torch.tensor([1.0], device=hidden.device, dtype=hidden.dtype)
 
     monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", with_constant)
+    shutil.copytree(_source(work, "llama"), tmp_path / "llama")  # the module's llama (run_one reads tmp_path/llama)
     row = run_one("llama", "bf16", "O2", tmp_path)
     assert row["exit"] == 0, row
     assert any("no .pt2" in w and "constant tensor" in w and "lifted_tensor" in w for w in row["warnings"]), row
@@ -109,6 +121,6 @@ def test_a_constant_made_from_python_data_leaves_no_pt2_but_the_safetensors_outp
     assert row["ratio"] == pytest.approx(0.5, abs=0.02)
 
 
-def test_sharded_checkpoints_have_several_shards(tmp_path: Path) -> None:
-    src = make_checkpoint("t5", tmp_path / "t5")
+def test_sharded_checkpoints_have_several_shards(work: Path) -> None:
+    src = _source(work, "t5")  # the t5 case's checkpoint
     assert len(list(src.glob("*.safetensors"))) >= 3
