@@ -20,7 +20,7 @@ from fixtures.write_fixtures import write
 from fixtures.zoo import make
 from tests.batch_models.broken import INPUTS, write_state_dict
 
-HANG_TIMEOUT = 6  # seconds; only the hanging model gets it, the others keep the default
+HANG_TIMEOUT = 3  # seconds; only the hanging model gets it (it sleeps 600 s), the others keep the default
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from amplite import op_tables
 from amplite.checkpoint import StreamedConversion
 from amplite.checkpoint.source import LogitsOnly, open_checkpoint
 from amplite.errors import AmpliteError
+from tests.conftest import Cli
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 256
@@ -43,6 +44,8 @@ def _ids(seed: int) -> torch.Tensor:
 
 
 def _run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """``python -m amplite`` in a fresh interpreter: kept for the one end-to-end ``convert DIR`` below (the
+    module's outputs come from the command as a user runs it); refusals run in-process (``cli``)."""
     return subprocess.run([sys.executable, "-m", "amplite", *args], capture_output=True, text=True, cwd=cwd,
                           timeout=600)  # fmt: skip
 
@@ -148,7 +151,8 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 @pytest.mark.parametrize("defect", ["no-config", "missing-shard", "truncated-shard", "bad-config", "bad-index"])
-def test_bad_checkpoints_exit_2_naming_the_file_and_leave_nothing(ckpt: Path, tmp_path: Path, defect: str) -> None:
+def test_bad_checkpoints_exit_2_naming_the_file_and_leave_nothing(ckpt: Path, tmp_path: Path, defect: str,
+                                                                   cli: Cli) -> None:
     bad = _copy(ckpt, tmp_path / "bad")
     shards = sorted(bad.glob("*.safetensors"))
     if defect == "no-config":
@@ -170,11 +174,11 @@ def test_bad_checkpoints_exit_2_naming_the_file_and_leave_nothing(ckpt: Path, tm
         expect = "index"
     out = tmp_path / "out"
     out.mkdir()
-    if defect in ("no-config", "missing-shard"):  # the CLI: one line, exit 2
-        proc = _run("convert", str(bad), "-o", str(out / "m"), "--format", "safetensors,pt2")
-        assert proc.returncode == 2, proc.stdout + proc.stderr
-        assert expect in proc.stderr and "Traceback" not in proc.stderr
-        assert len(proc.stderr.strip().splitlines()) == 1
+    if defect in ("no-config", "missing-shard"):  # the CLI (in-process: the same handler): one line, exit 2
+        res = cli("convert", bad, "-o", out / "m", "--format", "safetensors,pt2")
+        assert res.exit_code == 2, res.stdout + res.stderr
+        assert expect in res.stderr and "Traceback" not in res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1
     else:  # the library: the same errors, in-process (faster)
         from amplite.save import convert_to_files
 
@@ -243,7 +247,7 @@ def _replace(path: Path, name: str, value: torch.Tensor | None) -> Path:
     ("lm_head.weight", lambda t: None, r"needs 'lm_head.weight' \(256, 32\), which no shard holds"),
 ])  # fmt: skip
 def test_wrong_weights_exit_2_naming_tensor_and_shard_before_writing(
-    ckpt: Path, tmp_path: Path, name: str, make: object, match: str
+    ckpt: Path, tmp_path: Path, name: str, make: object, match: str, cli: Cli
 ) -> None:
     bad = _copy(ckpt, tmp_path / "bad")
     from safetensors.torch import load_file
@@ -251,11 +255,11 @@ def test_wrong_weights_exit_2_naming_tensor_and_shard_before_writing(
     _replace(bad, name, make(load_file(_shard_of(bad, name))[name]))  # type: ignore[operator]
     import re
 
-    if "250" in match:  # the CLI once: one line, exit 2, even with --no-verify
-        proc = _run("convert", str(bad), "-o", str(tmp_path / "m"), "--no-verify")
-        assert proc.returncode == 2, proc.stdout + proc.stderr
-        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
-        assert re.search(match, proc.stderr), proc.stderr
+    if "250" in match:  # the CLI once (in-process: the same handler): one line, exit 2, even with --no-verify
+        res = cli("convert", bad, "-o", tmp_path / "m", "--no-verify")
+        assert res.exit_code == 2, res.stdout + res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+        assert re.search(match, res.stderr), res.stderr
     else:
         from amplite.save import convert_to_files
 
@@ -265,18 +269,31 @@ def test_wrong_weights_exit_2_naming_tensor_and_shard_before_writing(
     assert not (tmp_path / "m").exists() and not (tmp_path / "m.report.json").exists()
 
 
-def test_default_conversion_stores_low_precision_and_says_what_it_did(ckpt: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def default_converted(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[object, Path, list[tuple]]:
+    """``convert_to_files(ckpt)`` with the defaults, verified, once for the module: (the saved result, its
+    folder, the progress calls it made). The default-options test and the progress test read the same run."""
+    from amplite.save import convert_to_files
+
+    out = tmp_path_factory.mktemp("default") / "d"
+    seen: list[tuple[str, int, int]] = []
+    saved = convert_to_files(ckpt, output=out, progress=lambda *a: seen.append(a))
+    return saved, out, seen
+
+
+def test_default_conversion_stores_low_precision_and_says_what_it_did(ckpt: Path, tmp_path: Path,
+                                                                       default_converted: tuple) -> None:
     from safetensors.torch import load_file
 
     from amplite.save import convert_to_files
 
-    saved = convert_to_files(ckpt, output=tmp_path / "d")  # the default: fp16, and O2 for a checkpoint
+    saved, out, _ = default_converted  # the default: fp16, and O2 for a checkpoint
     assert saved.result.data["config"]["level"] == "O2" and saved.exit_code == 0
-    state = {k: v for s in (tmp_path / "d").glob("*.safetensors") for k, v in load_file(s).items()}
+    state = {k: v for s in out.glob("*.safetensors") for k, v in load_file(s).items()}
     assert {v.dtype for v in state.values()} == {torch.float16}
-    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    cfg = json.loads((out / "config.json").read_text())
     assert cfg["dtype"] == "float16" and cfg["amplite"]["storage_bytes_by_dtype"].keys() == {"float16"}
-    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "d")
+    loaded = transformers.LlamaForCausalLM.from_pretrained(out)
     assert loaded.dtype == torch.float16
     o1 = convert_to_files(ckpt, output=tmp_path / "o1", level="O1", verify=False)
     assert any("stores every weight in its source dtype" in w for w in o1.result.data["warnings"])
@@ -350,11 +367,8 @@ def test_check_dir_gates_on_the_streamed_conversion(ckpt: Path, tmp_path: Path) 
         check(ckpt, golden=tmp_path / "g")
 
 
-def test_verification_reports_progress(ckpt: Path, tmp_path: Path) -> None:
-    from amplite.save import convert_to_files
-
-    seen: list[tuple[str, int, int]] = []
-    convert_to_files(ckpt, output=tmp_path / "o", progress=lambda *a: seen.append(a))
+def test_verification_reports_progress(default_converted: tuple) -> None:
+    _, _, seen = default_converted
     verifying = [(d, t) for s, d, t in seen if s == "verifying"]
     assert len(verifying) > 10 and verifying[-1][0] == verifying[-1][1] > 0
     assert [d for d, _ in verifying] == sorted(d for d, _ in verifying)

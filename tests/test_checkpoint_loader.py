@@ -37,6 +37,7 @@ def _llama(path: Path, dtype: torch.dtype = torch.float32, tie: bool = False, se
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The FP32 untied tiny Llama (seed 0), built once: tests that need another variant edit a copy."""
     return _llama(tmp_path_factory.mktemp("llama") / "tiny-llama")
 
 
@@ -105,11 +106,11 @@ def test_the_index_of_weights_that_are_not_copied_is_not_copied(ckpt: Path, tmp_
     assert any(s.startswith("pytorch_model.bin.index.json") for s in skipped), skipped
 
 
-def test_a_bf16_source_at_bf16_o2_is_not_told_to_use_o2(tmp_path: Path) -> None:
+def test_a_bf16_source_at_bf16_o2_is_not_told_to_use_o2(ckpt: Path, tmp_path: Path) -> None:
     src = _llama(tmp_path / "bf16", torch.bfloat16)
     res = amplite.convert(src, precision="bf16", level="O2")
     assert not any("--level O2" in w for w in res.data.get("warnings", [])), res.data["warnings"]
-    fp32 = amplite.convert(_llama(tmp_path / "fp32"), precision="bf16", level="O1")  # still said where it applies
+    fp32 = amplite.convert(ckpt, precision="bf16", level="O1")  # still said where it applies (ckpt: the FP32 one)
     assert any("--level O2" in w for w in fp32.data["warnings"])
 
 
@@ -167,10 +168,11 @@ def test_verification_reads_the_directory_as_from_pretrained_loads_it(overflow: 
 # --- item 2: ties resolved as transformers resolves them ----------------------------------------------------------
 
 
-def test_a_distinct_stored_head_under_tie_word_embeddings_is_used_as_transformers_does(tmp_path: Path) -> None:
+def test_a_distinct_stored_head_under_tie_word_embeddings_is_used_as_transformers_does(ckpt: Path,
+                                                                                       tmp_path: Path) -> None:
     """config says tie, the shards hold a different lm_head: transformers unties and uses the stored head. The
     safetensors output and the .pt2 must compute that function, and verification must compare against it."""
-    src = _llama(tmp_path / "tied")  # saved untied: lm_head differs from the embedding
+    src = _copy(ckpt, tmp_path / "tied")  # saved untied: lm_head differs from the embedding
     cfg = json.loads((src / "config.json").read_text())
     cfg["tie_word_embeddings"] = True
     (src / "config.json").write_text(json.dumps(cfg))
@@ -191,10 +193,10 @@ def test_a_distinct_stored_head_under_tie_word_embeddings_is_used_as_transformer
     assert sqnr(from_dir) > 30 and sqnr(from_pt2) > 30, (sqnr(from_dir), sqnr(from_pt2))
 
 
-def test_an_equal_stored_twin_stays_tied_and_is_stored_like_its_origin(tmp_path: Path) -> None:
+def test_an_equal_stored_twin_stays_tied_and_is_stored_like_its_origin(ckpt: Path, tmp_path: Path) -> None:
     from safetensors import safe_open
 
-    src = _llama(tmp_path / "twin")
+    src = _copy(ckpt, tmp_path / "twin")
     emb = load_file(_shard_of(src, "model.embed_tokens.weight"))["model.embed_tokens.weight"]
     _edit(src, "lm_head.weight", emb.clone())
     cfg = json.loads((src / "config.json").read_text())

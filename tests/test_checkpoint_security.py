@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from amplite.errors import AmpliteError
 from amplite.save import convert_to_files
 from bench.checkpoint_archs import make_checkpoint
+from tests.conftest import Cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,6 +58,8 @@ def _refused(src: Path, out: Path, match: str, monkeypatch: pytest.MonkeyPatch |
 
 
 def _cli(*args: str, limit_gb: float | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m amplite`` in a fresh process: for the refusals under a memory limit (RLIMIT_DATA applies to a
+    whole process, which must not be the test runner)."""
     def limit() -> None:
         if limit_gb is not None:
             size = int(limit_gb * 2**30)
@@ -66,13 +69,15 @@ def _cli(*args: str, limit_gb: float | None = None, timeout: float = 120) -> sub
                           stdin=subprocess.DEVNULL, timeout=timeout, preexec_fn=limit)  # fmt: skip
 
 
-def test_auto_map_is_refused_without_a_prompt(ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_map_is_refused_without_a_prompt(ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              cli: Cli) -> None:
     marker = tmp_path / "ran"
     (ckpt / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').write('x')\n")
     _cfg(ckpt, auto_map={"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}, architectures=["EvilForCausalLM"])
     _refused(ckpt, tmp_path / "out", "auto_map", monkeypatch)
-    proc = _cli("convert", str(ckpt), "-o", str(tmp_path / "cli"))  # stdin closed: a prompt would fail
-    assert proc.returncode == 2 and "auto_map" in proc.stderr, proc.stderr
+    # The CLI in-process: ``input`` still raises (monkeypatched by _refused), so a prompt would be exit 3
+    proc = cli("convert", ckpt, "-o", tmp_path / "cli")
+    assert proc.exit_code == 2 and "auto_map" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     assert not marker.exists() and not (tmp_path / "cli").exists()
 
