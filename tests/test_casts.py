@@ -959,27 +959,36 @@ def test_cleanup_moves_a_cast_below_a_slice_after_skipping_casts_it_must_keep() 
 
 
 def test_cleanup_moves_a_cast_above_an_expand_after_skipping_casts_it_must_keep() -> None:
-    """A dead cast, the cast of an expand that another op also reads (that op needs the FP32 expand) and a
-    permute's cast with no cast of its source to merge with all stay (the dead one goes as dead code, not
-    counted as a move); a later expand still takes its cast above it."""
+    """A cast of the graph input (no data movement before it), a dead cast, the cast of an expand that another op
+    also reads (that op needs the FP32 expand) and a permute's cast with no cast of its source to merge with all
+    stay (the dead one goes as dead code, not counted as a move); a later expand still takes its cast above it."""
     col = torch.zeros(2, 1)
 
     def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        first = _cast(g, x, torch.bfloat16)
         cols = [_call(g, aten.slice.Tensor, (x, 1, i, i + 1), val=col) for i in range(3)]
         _cast(g, _call(g, aten.expand.default, (cols[0], [2, 3])), torch.float16)  # dead: nothing reads it
         shared = _call(g, aten.expand.default, (cols[1], [2, 3]))
         kept = (_cast(g, shared, torch.float16), _call(g, aten.relu.default, (shared,)))
         p = _call(g, aten.permute.default, (_call(g, aten.neg.default, (x,)), [1, 0]), val=torch.zeros(3, 2))
         kept += (_cast(g, p, torch.float16),)
-        return (*kept, _cast(g, _call(g, aten.expand.default, (cols[2], [2, 3])), torch.float16))
+        return (first, *kept, _cast(g, _call(g, aten.expand.default, (cols[2], [2, 3])), torch.float16))
 
-    gm, result, lines = _cleanup(build)
-    assert "expand_1=expand(slice_2,[2, 3])" in lines and "relu=relu(expand_1)" in lines
-    assert "_to_copy_1=_to_copy(expand_1)->torch.float16" in lines
-    assert "permute=permute(neg,[1, 0])" in lines and "_to_copy_2=_to_copy(permute)->torch.float16" in lines
-    assert lines[-3:] == ["_to_copy_4=_to_copy(slice_3)->torch.float16", "expand_2=expand(_to_copy_4,[2, 3])",
-                          "out:_to_copy_1,relu,_to_copy_2,expand_2"]  # fmt: skip
-    assert not any(n.target is aten.expand.default and n.args[0].name == "slice_1" for n in gm.graph.nodes)
+    _, result, lines = _cleanup(build)
+    assert lines == [
+        "_to_copy=_to_copy(x)->torch.bfloat16",
+        "slice_2=slice(x,1,1,2)",
+        "slice_3=slice(x,1,2,3)",
+        "expand_1=expand(slice_2,[2, 3])",  # read by the relu too: stays FP32
+        "_to_copy_2=_to_copy(expand_1)->torch.float16",
+        "relu=relu(expand_1)",
+        "neg=neg(x)",
+        "permute=permute(neg,[1, 0])",
+        "_to_copy_3=_to_copy(permute)->torch.float16",
+        "_to_copy_5=_to_copy(slice_3)->torch.float16",  # moved above the last expand
+        "expand_2=expand(_to_copy_5,[2, 3])",
+        "out:_to_copy,_to_copy_2,relu,_to_copy_3,expand_2",
+    ]
     assert result.counters["moved_above_data_movement"] == 1
 
 
