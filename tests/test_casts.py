@@ -1031,8 +1031,8 @@ def test_insert_casts_reports_modified_only_when_it_inserted_a_cast() -> None:
 
 
 def test_insert_casts_records_the_planned_dtype_of_inputs_and_constants() -> None:
-    """Graph inputs and constants planned in fp16 (as with low-precision I/O) carry an fp16 value afterwards,
-    like every computed node: the plan, not the export, says what they hold."""
+    """A graph input and a constant planned in fp16 while their recorded values are FP32 carry an fp16 value
+    afterwards, like every computed node: the plan, not the export, says what each node holds."""
 
     def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
         x.meta[OUT_DTYPE_KEY] = torch.float16
