@@ -1171,3 +1171,32 @@ def test_store_low_counts_no_tied_alias_for_a_plain_constant_of_a_shared_module(
     result = StoreLowPrecisionParams()(gm)
     assert result.counters.items() >= {"tensors_stored_low": 1, "aliases_kept_tied": 0}.items()
     assert gm.s2.lifted_tensor_0.dtype == torch.float16 and "lifted_tensor_0" not in shared._buffers
+
+
+def test_store_low_postcondition_names_a_tensor_stored_in_another_dtype_than_planned() -> None:
+    """A weight stored in fp16 whose node still records an FP32 value breaks the postcondition, which names the
+    weight and both dtypes."""
+    from amplite.passes.base import PostconditionError
+
+    root = torch.nn.Module()
+    root.register_buffer("w", torch.ones(3, dtype=torch.float16))
+    gm = _store_graph(["w"], root)
+    next(n for n in gm.graph.nodes if n.op == "get_attr").meta["val"] = torch.ones(3)
+    with pytest.raises(PostconditionError) as info:
+        StoreLowPrecisionParams().ensures(gm)
+    assert info.value.condition == "w is stored in torch.float16 but planned in torch.float32"
+
+
+def test_insert_casts_counts_each_shared_read_and_leaves_operands_of_unknown_dtype() -> None:
+    """Three fp16 ops reading x share one cast (two shared reads); an operand with no recorded value is read as
+    it is, by the pass and by its postcondition."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        ops = [_planned(_call(g, op, (x,)), torch.float16) for op in (aten.relu.default, aten.neg.default)]
+        unknown = _call(g, aten.abs.default, (x,), val=None)
+        return (*ops, _planned(_call(g, aten.mul.Tensor, (x, unknown)), torch.float16))
+
+    gm, result, lines = _insert(build, low_precision_io=True)
+    assert "mul=mul(_to_copy,abs_1)" in lines
+    assert result.counters.items() >= {"casts_inserted": 1, "casts_shared": 2}.items()
+    assert InsertCasts().ensures(gm) is None
