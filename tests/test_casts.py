@@ -806,3 +806,397 @@ def test_two_movable_casts_in_one_graph_both_move() -> None:
     assert result.counters["moved_above_data_movement"] == 2, result.counters
     assert len([n for n in gm.graph.nodes if cast_dtype(n) is not None]) == 2
     assert torch.equal(gm(x, y)[3], y.t().half() * 2)
+
+
+# --- CleanupCasts: the rounds, the order of skipped casts, exact counters, its postcondition ----------------
+
+
+def _bare_cast(g: torch.fx.Graph, value: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
+    """A cast with no recorded example value (as another pass may leave one): its dtype is known, its size not."""
+    return g.call_function(aten._to_copy.default, (value,), {"dtype": dtype})
+
+
+def test_cleanup_repeats_its_rules_until_a_cast_moved_above_an_expand_folds() -> None:
+    """cast16(expand(cast32(h))) with h fp16: moving the fp16 cast above the expand (the only change of the
+    first round) leaves an exact round trip fp16 -> fp32 -> fp16, which the next round folds: the expand reads
+    h. The moved cast is counted once, as a move (the cast it replaces is not also an identity removal)."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        col = _call(g, aten.slice.Tensor, (x, 1, 0, 1), val=torch.zeros(2, 1))
+        h = _cast(g, col, torch.float16)
+        e = _call(g, aten.expand.default, (_cast(g, h, torch.float32), [2, 3]))
+        return _cast(g, e, torch.float16)
+
+    gm, result, lines = _cleanup(build)
+    assert lines == [
+        "slice_1=slice(x,1,0,1)",
+        "_to_copy=_to_copy(slice_1)->torch.float16",
+        "expand=expand(_to_copy,[2, 3])",
+        "out:expand",
+    ]
+    assert result.counters.items() >= {"moved_above_data_movement": 1, "round_trips_folded": 1}.items()
+    assert result.counters["identity_removed"] == 0
+    assert _node(gm, "expand").meta["val"].dtype == torch.float16
+
+
+def test_cleanup_repeats_its_rules_until_a_cast_moved_below_a_slice_folds() -> None:
+    """cast16(slice(cast32(h))) with h fp16: moving the exact fp32 cast below the slice (the only change of the
+    first round) leaves slice(h) -> fp32 -> fp16, an exact round trip the next round folds; h's cast, now read
+    only by the slice, then moves below it too."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        h = _cast(g, x, torch.float16)
+        s = _call(g, aten.slice.Tensor, (_cast(g, h, torch.float32), 0, 0, 1), val=torch.zeros(1, 3))
+        return _cast(g, s, torch.float16)
+
+    gm, result, lines = _cleanup(build)
+    assert lines == ["slice_1=slice(x,0,0,1)", "_to_copy_4=_to_copy(slice_1)->torch.float16", "out:_to_copy_4"]
+    assert result.counters.items() >= {"moved_below_data_movement": 2, "round_trips_folded": 1}.items()
+    assert _node(gm, "slice_1").meta["val"].dtype == torch.float32
+
+
+def test_cleanup_repeats_its_rules_after_an_identity_cast_goes() -> None:
+    """A cast whose source has no recorded value is left alone (its source dtype is unknown) until an earlier
+    round shows it: removing the identity cast it reads makes it an identity cast of x, removed next round."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        return _cast(g, _bare_cast(g, x, torch.float32), torch.float32)
+
+    _, result, lines = _cleanup(build)
+    assert lines == ["out:x"]
+    assert result.counters["identity_removed"] == 2
+
+
+def test_cleanup_repeats_its_rules_after_duplicates_merge() -> None:
+    """Three fp16 casts of x are one after merging (counted twice); a cast of the second, whose source had no
+    recorded value, then reads the kept fp16 cast: an identity cast, removed in the next round."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        first = _cast(g, x, torch.float16)
+        twice = _cast(g, _bare_cast(g, x, torch.float16), torch.float16)
+        third = _cast(g, x, torch.float16)
+        return (_call(g, aten.neg.default, (first,)), twice, _call(g, aten.relu.default, (third,)))
+
+    _, result, lines = _cleanup(build)
+    assert lines == ["_to_copy=_to_copy(x)->torch.float16", "neg=neg(_to_copy)", "relu=relu(_to_copy)",
+                     "out:neg,_to_copy,relu"]  # fmt: skip
+    assert result.counters.items() >= {"duplicates_merged": 2, "identity_removed": 1}.items()
+
+
+def test_cleanup_repeats_its_rules_after_a_round_trip_folds() -> None:
+    """fp16 -> fp32 -> fp16 (the last step without a recorded value) folds to the fp16 value; the cast that read
+    that last step is then an identity cast of it, removed in the next round."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        h = _cast(g, x, torch.float16)
+        return _cast(g, _bare_cast(g, _cast(g, h, torch.float32), torch.float16), torch.float16)
+
+    _, result, lines = _cleanup(build)
+    assert lines == ["_to_copy=_to_copy(x)->torch.float16", "out:_to_copy"]
+    assert result.counters.items() >= {"round_trips_folded": 1, "identity_removed": 1}.items()
+
+
+def test_cleanup_counts_every_fold_and_keeps_a_positional_dtype_when_shortening() -> None:
+    """Two exact round trips fold (counted twice), two shrinking slices take their casts below them (counted
+    twice), and a chain whose last cast names its dtype positionally (prims.convert_element_type) keeps it."""
+    h16 = torch.zeros(2, 3, dtype=torch.float16)
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        h = _cast(g, x, torch.float16)
+        n = _call(g, aten.neg.default, (h,), val=h16)
+        trips = [_cast(g, _cast(g, v, torch.float32), torch.float16) for v in (h, n)]
+        bf = _call(g, torch.ops.prims.convert_element_type.default, (_cast(g, n, torch.float32), torch.bfloat16),
+                   val=torch.zeros(2, 3, dtype=torch.bfloat16))  # fmt: skip
+        y = _call(g, aten.relu.default, (x,))
+        one16 = torch.zeros(1, 3, dtype=torch.float16)
+        slices = [
+            _call(g, aten.slice.Tensor, (_cast(g, v, torch.float16), 0, 0, 1), val=one16)
+            for v in (y, _call(g, aten.abs.default, (x,)))
+        ]
+        return (*trips, bf, *slices)
+
+    gm, result, lines = _cleanup(build)
+    bf = next(n for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default)
+    assert bf.args == (_node(gm, "neg"), torch.bfloat16) and cast_dtype(bf) == torch.bfloat16
+    assert result.counters.items() >= {"round_trips_folded": 2, "chains_shortened": 1,
+                                       "moved_below_data_movement": 2}.items()  # fmt: skip
+    assert lines[-1] == "out:_to_copy,neg,convert_element_type,_to_copy_8,_to_copy_9"
+
+
+def test_cleanup_moves_a_cast_below_a_slice_after_skipping_casts_it_must_keep() -> None:
+    """Casts read twice, read by a reduction (fewer elements, but a reduction is no data movement: the sum must
+    stay fp16), read by a slice that keeps every element, or of unknown size stay; a later cast still moves
+    below its shrinking slice."""
+    h16, one16 = torch.zeros(2, 3, dtype=torch.float16), torch.zeros(1, 3, dtype=torch.float16)
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        twice = _cast(g, x, torch.float16)
+        summed = _cast(g, _call(g, aten.neg.default, (x,)), torch.float16)
+        full = _cast(g, _call(g, aten.relu.default, (x,)), torch.float16)
+        unknown = _bare_cast(g, _call(g, aten.abs.default, (x,)), torch.float16)
+        moved = _cast(g, _call(g, aten.exp.default, (x,)), torch.float16)
+        return (
+            _call(g, aten.neg.default, (twice,), val=h16),
+            _call(g, aten.relu.default, (twice,), val=h16),
+            _call(g, aten.sum.default, (summed,), val=torch.zeros((), dtype=torch.float16)),
+            _call(g, aten.slice.Tensor, (full, 0, 0, 2), val=h16),
+            _call(g, aten.slice.Tensor, (unknown, 0, 0, 1), val=one16),
+            _call(g, aten.slice.Tensor, (moved, 0, 0, 1), val=one16),
+        )
+
+    _, result, lines = _cleanup(build)
+    assert lines[-8:] == [
+        "neg_1=neg(_to_copy)",
+        "relu_1=relu(_to_copy)",
+        "sum_1=sum(_to_copy_1)",  # the sum still reads the fp16 cast
+        "slice_1=slice(_to_copy_2,0,0,2)",
+        "slice_2=slice(_to_copy_3,0,0,1)",
+        "slice_3=slice(exp,0,0,1)",
+        "_to_copy_5=_to_copy(slice_3)->torch.float16",
+        "out:neg_1,relu_1,sum_1,slice_1,slice_2,_to_copy_5",
+    ]
+    assert result.counters["moved_below_data_movement"] == 1
+
+
+def test_cleanup_moves_a_cast_above_an_expand_after_skipping_casts_it_must_keep() -> None:
+    """A cast of the graph input (no data movement before it), a dead cast, the cast of an expand that another op
+    also reads (that op needs the FP32 expand) and a permute's cast with no cast of its source to merge with all
+    stay (the dead one goes as dead code, not counted as a move); a later expand still takes its cast above it."""
+    col = torch.zeros(2, 1)
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        first = _cast(g, x, torch.bfloat16)
+        cols = [_call(g, aten.slice.Tensor, (x, 1, i, i + 1), val=col) for i in range(3)]
+        _cast(g, _call(g, aten.expand.default, (cols[0], [2, 3])), torch.float16)  # dead: nothing reads it
+        shared = _call(g, aten.expand.default, (cols[1], [2, 3]))
+        kept = (_cast(g, shared, torch.float16), _call(g, aten.relu.default, (shared,)))
+        p = _call(g, aten.permute.default, (_call(g, aten.neg.default, (x,)), [1, 0]), val=torch.zeros(3, 2))
+        kept += (_cast(g, p, torch.float16),)
+        return (first, *kept, _cast(g, _call(g, aten.expand.default, (cols[2], [2, 3])), torch.float16))
+
+    _, result, lines = _cleanup(build)
+    assert lines == [
+        "_to_copy=_to_copy(x)->torch.bfloat16",
+        "slice_2=slice(x,1,1,2)",
+        "slice_3=slice(x,1,2,3)",
+        "expand_1=expand(slice_2,[2, 3])",  # read by the relu too: stays FP32
+        "_to_copy_2=_to_copy(expand_1)->torch.float16",
+        "relu=relu(expand_1)",
+        "neg=neg(x)",
+        "permute=permute(neg,[1, 0])",
+        "_to_copy_3=_to_copy(permute)->torch.float16",
+        "_to_copy_5=_to_copy(slice_3)->torch.float16",  # moved above the last expand
+        "expand_2=expand(_to_copy_5,[2, 3])",
+        "out:_to_copy,_to_copy_2,relu,_to_copy_3,expand_2",
+    ]
+    assert result.counters["moved_above_data_movement"] == 1
+
+
+def test_cleanup_postcondition_names_each_broken_guarantee() -> None:
+    """ensures() accepts what the pass leaves (a lossy round trip is the plan's rounding) and names an identity
+    cast, a second cast of one value to one dtype (the dtype without 'torch.') and a skippable exact step."""
+    from amplite.passes.base import PostconditionError
+
+    def check(build: Build) -> str | None:
+        try:
+            CleanupCasts().ensures(_gm(build))
+        except PostconditionError as err:
+            return err.condition
+        return None
+
+    assert check(lambda g, x, r: _cast(g, _cast(g, x, torch.float16), torch.float32)) is None
+    assert check(lambda g, x, r: _cast(g, x, torch.float32)) == (
+        "cast _to_copy_default converts x to the dtype it already has"
+    )
+    assert check(lambda g, x, r: (_cast(g, x, torch.bfloat16), _cast(g, x, torch.bfloat16))) == (
+        "x is cast to bfloat16 more than once"
+    )
+    h = check(lambda g, x, r: _cast(g, _cast(g, _cast(g, x, torch.float16), torch.float32), torch.bfloat16))
+    assert h == "cast _to_copy_default_2 reads cast _to_copy_default_1, an exact conversion it could skip"
+
+
+# --- InsertCasts: what it reports, outputs that keep their dtype, every node retyped, its postcondition ------
+
+
+def test_insert_casts_reports_modified_only_when_it_inserted_a_cast() -> None:
+    """An FP32 plan needs no cast: modified False, and an output that keeps its dtype is not cast back. One
+    inserted cast is a modification."""
+    _, result, lines = _insert(lambda g, x, r: _planned(_call(g, aten.relu.default, (x,)), torch.float32))
+    assert lines == ["relu=relu(x)", "out:relu"]
+    assert result.modified is False and result.counters["casts_inserted"] == 0
+    _, result, _ = _insert(
+        lambda g, x, r: _planned(_call(g, aten.relu.default, (x,)), torch.float16), low_precision_io=True
+    )
+    assert result.modified is True and result.counters["casts_inserted"] == 1
+
+
+def test_insert_casts_records_the_planned_dtype_of_inputs_and_constants() -> None:
+    """A graph input and a constant planned in fp16 while their recorded values are FP32 carry an fp16 value
+    afterwards, like every computed node: the plan, not the export, says what each node holds."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        x.meta[OUT_DTYPE_KEY] = torch.float16
+        w = _attr(g, "w", r.w)
+        w.meta[OUT_DTYPE_KEY] = torch.float16
+        return _planned(_call(g, aten.mul.Tensor, (x, w)), torch.float16)
+
+    gm = _gm(build, w=torch.ones(2, 3))
+    InsertCasts(low_precision_io=True)(gm)
+    assert [n.meta["val"].dtype for n in gm.graph.nodes if n.op != "output"] == [torch.float16] * 3
+    assert not any(cast_dtype(n) is not None for n in gm.graph.nodes), "nothing to cast: both are fp16 already"
+
+
+def _scalar(g: torch.fx.Graph, x: torch.fx.Node) -> torch.fx.Node:
+    """A 0-dim FP32 value computed from x: ``select(sum(x, 1), 0, 0)``."""
+    row_sums = _call(g, aten.sum.dim_IntList, (x, [1]), val=torch.zeros(2))
+    return _call(g, aten.select.int, (row_sums, 0, 0), val=torch.zeros(()))
+
+
+@pytest.mark.parametrize(
+    ("op", "mode", "operands", "culprit"),
+    [
+        (aten.add.Tensor, "compute", ("h", "x"), "x"),  # add promotes in the kernel only as an FP32 follow op
+        (aten.div.Tensor, "follow", ("h", "x"), "x"),  # a follow op planned fp16 reads fp16 too
+        (aten.mul.Tensor, "compute", ("h", "s"), "select"),  # a 0-dim operand is exempt for follow ops only
+        (aten.add.Tensor, "follow", ("s", "x"), "x"),  # after an exempt 0-dim operand, the next one is checked
+    ],
+)
+def test_insert_casts_postcondition_names_the_operand_read_in_the_wrong_dtype(
+    op: Any, mode: str, operands: tuple[str, ...], culprit: str
+) -> None:
+    """Without the casts, a node planned in fp16 that reads an FP32 operand breaks the postcondition, which
+    names the node, its dtype, the operand and the operand's dtype."""
+    from amplite.passes.base import PostconditionError
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        values = {
+            "x": x,
+            "h": _cast(g, x, torch.float16),
+            "s": _scalar(g, x),
+        }
+        node = _planned(_call(g, op, tuple(values[o] for o in operands)), torch.float16, mode=mode)
+        node.name = "node"
+        return node
+
+    with pytest.raises(PostconditionError) as info:
+        InsertCasts().ensures(_gm(build))
+    assert info.value.condition == f"node node is planned in float16 but reads {culprit} in float32"
+
+
+def test_insert_casts_postcondition_accepts_its_exceptions() -> None:
+    """An FP32 follow add reading fp16 promotes in the kernel, a 0-dim FP32 operand of an fp16 follow op and an
+    fp64 operand are read as they are: the postcondition holds."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        h = _cast(g, x, torch.float16)
+        s = _scalar(g, x)
+        d = _cast(g, x, torch.float64)
+        return (
+            _planned(_call(g, aten.add.Tensor, (h, x)), torch.float32, mode="follow"),
+            _planned(_call(g, aten.mul.Tensor, (h, s)), torch.float16, mode="follow"),
+            _planned(_call(g, aten.mul.Tensor, (h, d)), torch.float16),
+        )
+
+    assert InsertCasts().ensures(_gm(build)) is None
+
+
+# --- StoreLowPrecisionParams: its postcondition, mixed low readers, a shared holder of a plain constant ------
+
+
+def test_store_low_postcondition_names_an_fp32_tensor_read_only_in_a_low_dtype() -> None:
+    """Before the pass, a weight read only through fp16 casts breaks its postcondition, which names the weight
+    (after the graph input and a get_attr of a module, which are no tensors to check); with a prefix, only
+    matching tensors are checked."""
+    from amplite.passes.base import PostconditionError
+
+    root, sub = torch.nn.Module(), torch.nn.Module()
+    root.add_module("sub", sub)
+    sub.register_buffer("w", torch.ones(2, 3))
+    gm = _store_graph(["sub.w"], root)
+    with gm.graph.inserting_before(next(iter(gm.graph.nodes))):
+        gm.graph.placeholder("x")
+        gm.graph.get_attr("sub")  # a module, not a tensor
+    with pytest.raises(PostconditionError) as info:
+        StoreLowPrecisionParams().ensures(gm)
+    assert info.value.condition == "sub.w is only read as torch.float16 but stored in FP32"
+    with pytest.raises(PostconditionError):
+        StoreLowPrecisionParams(prefix="sub.").ensures(gm)
+    assert StoreLowPrecisionParams(prefix="other.").ensures(gm) is None
+
+
+def test_store_low_postcondition_holds_for_a_tied_tensor_read_in_fp32_under_another_name() -> None:
+    """One tensor under two names, read in FP32 through the first and through an fp16 cast through the second,
+    must stay FP32: the postcondition holds (and the pass leaves it)."""
+    root, a, b = torch.nn.Module(), torch.nn.Module(), torch.nn.Module()
+    w = torch.nn.Parameter(torch.ones(3))
+    root.add_module("a", a)
+    root.add_module("b", b)
+    a.register_parameter("w", w)
+    b.register_parameter("w", w)
+    g = torch.fx.Graph()
+    first, second = g.get_attr("a.w"), g.get_attr("b.w")
+    first.meta["val"] = second.meta["val"] = w
+    fp32 = g.call_function(aten.neg.default, (first,))
+    low = g.call_function(aten._to_copy.default, (second,), {"dtype": torch.float16})
+    g.output((fp32, low))
+    gm = torch.fx.GraphModule(root, g)
+    assert StoreLowPrecisionParams().ensures(gm) is None
+    result = StoreLowPrecisionParams()(gm)
+    assert result.modified is False and gm.a.w.dtype == torch.float32
+
+
+def test_store_low_keeps_fp32_a_tensor_cast_to_two_low_dtypes() -> None:
+    """A weight cast to fp16 by one reader and to bf16 by another has no one low dtype to be stored in."""
+    root = torch.nn.Module()
+    root.register_buffer("w", torch.ones(3))
+    g = torch.fx.Graph()
+    w = g.get_attr("w")
+    w.meta["val"] = root.w
+    casts = tuple(g.call_function(aten._to_copy.default, (w,), {"dtype": dt}) for dt in (torch.float16, torch.bfloat16))
+    g.output(casts)
+    gm = torch.fx.GraphModule(root, g)
+    result = StoreLowPrecisionParams()(gm)
+    assert result.modified is False and gm.w.dtype == torch.float32
+    assert [cast_dtype(n) for n in gm.graph.nodes if n.op == "call_function"] == [torch.float16, torch.bfloat16]
+
+
+def test_store_low_counts_no_tied_alias_for_a_plain_constant_of_a_shared_module() -> None:
+    """A plain tensor constant of a submodule reachable under two names is one holder: stored low once, no
+    tied alias counted."""
+    root, shared = torch.nn.Module(), torch.nn.Module()
+    shared.lifted_tensor_0 = torch.full((3,), 2.0)
+    root.add_module("s1", shared)
+    root.add_module("s2", shared)
+    gm = _store_graph(["s1.lifted_tensor_0"], root)
+    result = StoreLowPrecisionParams()(gm)
+    assert result.counters.items() >= {"tensors_stored_low": 1, "aliases_kept_tied": 0}.items()
+    assert gm.s2.lifted_tensor_0.dtype == torch.float16 and "lifted_tensor_0" not in shared._buffers
+
+
+def test_store_low_postcondition_names_a_tensor_stored_in_another_dtype_than_planned() -> None:
+    """A weight stored in fp16 whose node still records an FP32 value breaks the postcondition, which names the
+    weight and both dtypes."""
+    from amplite.passes.base import PostconditionError
+
+    root = torch.nn.Module()
+    root.register_buffer("w", torch.ones(3, dtype=torch.float16))
+    gm = _store_graph(["w"], root)
+    next(n for n in gm.graph.nodes if n.op == "get_attr").meta["val"] = torch.ones(3)
+    with pytest.raises(PostconditionError) as info:
+        StoreLowPrecisionParams().ensures(gm)
+    assert info.value.condition == "w is stored in torch.float16 but planned in torch.float32"
+
+
+def test_insert_casts_counts_each_shared_read_and_leaves_operands_of_unknown_dtype() -> None:
+    """Three fp16 ops reading x share one cast (two shared reads); an operand with no recorded value is read as
+    it is, by the pass and by its postcondition."""
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node, r: torch.nn.Module) -> Any:
+        ops = [_planned(_call(g, op, (x,)), torch.float16) for op in (aten.relu.default, aten.neg.default)]
+        unknown = _call(g, aten.abs.default, (x,), val=None)
+        return (*ops, _planned(_call(g, aten.mul.Tensor, (x, unknown)), torch.float16))
+
+    gm, result, lines = _insert(build, low_precision_io=True)
+    assert "mul=mul(_to_copy,abs_1)" in lines
+    assert result.counters.items() >= {"casts_inserted": 1, "casts_shared": 2}.items()
+    assert InsertCasts().ensures(gm) is None

@@ -320,3 +320,34 @@ def test_retype_of_tuples_and_same_dtype() -> None:
     assert isinstance(pair, tuple) and pair[0].dtype == torch.float16 and pair[1] is t
     assert retype([t], (torch.float16,))[0].dtype == torch.float16
     assert retype((t, t), None) == (t, t) and retype((t, t), (torch.float16,)) == (t, t)  # no or mismatched dtypes
+
+
+def test_cast_dtype_is_none_when_the_dtype_argument_is_no_dtype() -> None:
+    """A cast whose dtype argument is not a torch.dtype (an int code, a missing one) is not a pure cast."""
+    g = torch.fx.Graph()
+    x = _node(g, torch.zeros(2))
+    for target, args, kwargs in [
+        (aten.to.dtype, (x, 5), {}),
+        (torch.ops.prims.convert_element_type.default, (x, 5), {}),
+        (aten._to_copy.default, (x,), {"dtype": 5}),
+        (aten.to.dtype, (x,), {}),
+    ]:
+        assert gu.cast_dtype(g.call_function(target, args, kwargs)) is None, (target, args, kwargs)
+
+
+def test_an_exponential_extent_is_not_a_product_of_input_sizes() -> None:
+    """2**s0 is no product of input sizes (its base, 2, is no input size): check() refuses it."""
+    g, _x, _y = _sym_graph()
+    with pytest.raises(NotFusable) as info:
+        gu.SymbolicExtents(g).check([2**S0], "left operand")
+    assert info.value.reason == "symbolic_view"
+
+
+def test_retype_of_an_expanded_fake_value_keeps_its_zero_strides() -> None:
+    """A broadcast (expanded) value keeps its stride-0 layout when retyped, as a transposed one keeps its strides:
+    the retyped value describes the same node's output, not a contiguous copy of it."""
+    mode = FakeTensorMode()
+    wide = mode.from_tensor(torch.zeros(3, 1).expand(3, 4))
+    out = gu.retype(wide, torch.bfloat16)
+    assert (out.dtype, tuple(out.shape), out.stride()) == (torch.bfloat16, (3, 4), (1, 0))
+    assert out.fake_mode is mode

@@ -157,3 +157,107 @@ def test_pass_manager_keeps_a_results_details_for_the_report() -> None:
     _, (kept, empty) = PassManager([_Detailed(details), _Detailed(None)])(_traced())
     assert kept.details == details and kept.details is not details
     assert (empty.details, empty.counters) == ({}, {"n": 2})
+
+
+class _Check(PassBase):
+    """A postcondition check: raises ``exc`` when given one, else reports a counter."""
+
+    name = "check"
+
+    def __init__(self, exc: Exception | None = None) -> None:
+        self.exc = exc
+
+    def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+        if self.exc is not None:
+            raise self.exc
+        return PassResult(gm, True, Counter({"checked": 1}))
+
+
+def test_a_postconditions_record_follows_the_passes_and_never_says_modified() -> None:
+    """The check's record comes last, with its counters and modified False whatever its result says (a check
+    does not rewrite); names() and describe() list it last, and leave it out when there is none."""
+    manager = PassManager([_Noop()], name="seq", postcondition=_Check())
+    _, records = manager(_traced())
+    assert [(r.name, r.modified, r.counters) for r in records] == [
+        ("noop", False, {}),
+        ("check", False, {"checked": 1}),
+    ]
+    assert manager.names() == ["noop", "check"] and manager.describe() == "seq: noop; ensures check"
+    plain = PassManager([_Noop(), _Rewrite()])
+    assert plain.names() == ["noop", "rewrite"] and plain.describe() == "passes: noop → rewrite"
+
+
+def test_a_postconditions_finding_is_the_sequences_postcondition_error() -> None:
+    """An InternalError the check raises becomes a PostconditionError of the sequence (by its name) whose
+    condition is the finding without its 'amplite bug: ' prefix, chained to the finding's cause."""
+    from amplite.passes.base import PostconditionError
+
+    cause = ValueError("why")
+    finding = InternalError("amplite bug: node mm reads a float32 value")
+    finding.__cause__ = cause
+    with pytest.raises(PostconditionError) as info:
+        PassManager([_Noop()], name="precision", postcondition=_Check(finding))(_traced())
+    assert (info.value.pass_name, info.value.condition) == ("precision", "node mm reads a float32 value")
+    assert info.value.__cause__ is cause
+
+
+def test_contract_errors_survive_pickling_with_their_kind() -> None:
+    """Batch workers send errors back pickled: the type, the pass and the condition come through."""
+    import pickle
+
+    from amplite.passes.base import PostconditionError, PreconditionError
+
+    for err in (PreconditionError("a", "x is unplanned"), PostconditionError("b", "y is cast twice")):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and (back.pass_name, back.condition) == (err.pass_name, err.condition)
+        assert str(back) == str(err)
+
+
+class _NoEnsures:
+    name = "half"
+
+    def __call__(self, gm: torch.fx.GraphModule) -> PassResult:
+        return PassResult(gm, False)
+
+    def requires(self, gm: torch.fx.GraphModule) -> None:
+        return None
+
+
+def _nameless(gm: torch.fx.GraphModule) -> PassResult:
+    return PassResult(gm, False)
+
+
+def test_a_pass_or_check_without_a_contract_is_refused_by_name() -> None:
+    """A pass with requires but no ensures, a plain function (named by its repr) and a postcondition check
+    without a contract are refused when the manager is built."""
+    with pytest.raises(TypeError) as refused:
+        PassManager([_NoEnsures()])
+    assert str(refused.value) == "pass 'half' declares no requires/ensures: derive it from PassBase"
+    with pytest.raises(TypeError) as info:
+        PassManager([_Noop(), _nameless])
+    assert str(info.value).startswith(f"pass {_nameless!r} declares no requires/ensures")
+    with pytest.raises(TypeError, match="'half'"):
+        PassManager([_Noop()], postcondition=_NoEnsures())
+
+
+def test_require_planned_refuses_an_unplanned_node_and_ignores_the_output() -> None:
+    """The passes after the plan need every node but the output to have a planned dtype (amplite's own casts
+    are planned by construction)."""
+    from amplite.passes.base import PreconditionError
+    from amplite.passes.graph_utils import make_cast
+    from amplite.passes.meta import OUT_DTYPE_KEY
+
+    gm = _traced()
+    relu = next(n for n in gm.graph.nodes if n.target is torch.relu)
+    with gm.graph.inserting_after(relu):
+        make_cast(gm.graph, relu, torch.float16)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta[OUT_DTYPE_KEY] = torch.float32
+    with pytest.raises(PreconditionError) as info:
+        _Noop().require_planned(gm)
+    assert info.value.condition == "node relu has no planned dtype: annotate_precision must run first"
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is not torch.ops.aten._to_copy.default:
+            node.meta[OUT_DTYPE_KEY] = torch.float32
+    assert _Noop().require_planned(gm) is None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -162,3 +165,107 @@ def test_range_percentile_out_of_range_is_a_config_error() -> None:
 
     with pytest.raises(ConfigError, match="percentile"):
         amplite.convert(_Outlier().eval(), (torch.randn(2, 100),), range_percentile=100.0)
+
+
+# --- RangeGuard on hand-built graphs: which node is flagged, and why ---------------------------------------
+
+_aten = torch.ops.aten
+
+
+def _guard_graph(build: Callable[..., Any], **buffers: torch.Tensor) -> torch.fx.GraphModule:
+    """A graph module over placeholder ``x`` (2x3, FP32) and ``buffers``; ``build(g, x)`` returns the output."""
+    root = nn.Module()
+    root.add_module("sub", nn.Linear(1, 1))
+    for name, value in buffers.items():
+        root.register_buffer(name, value)
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.zeros(2, 3)
+    g.output(build(g, x))
+    return torch.fx.GraphModule(root, g)
+
+
+def _op(g: torch.fx.Graph, target: Any, args: tuple, val: Any = None, **kwargs: Any) -> torch.fx.Node:
+    node = g.call_function(target, args, kwargs)
+    node.meta["val"] = val
+    return node
+
+
+def test_small_integer_powers_are_cleared_low_and_counted_other_ops_are_not() -> None:
+    """x**2 and x**3.0 may follow a bf16 input (each counted); a multiply by 2 is no power, and a power whose
+    exponent is a keyword (export records it positionally) is left to the op table."""
+    from amplite.passes.meta import RANGE_LOW_KEY
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node) -> tuple:
+        pow_ = _aten.pow.Tensor_Scalar
+        return (_op(g, pow_, (x, 2)), _op(g, pow_, (x, 3.0)), _op(g, _aten.mul.Tensor, (x, 2)),
+                _op(g, pow_, (x,), exponent=2))  # fmt: skip
+
+    gm = _guard_graph(build)
+    result = RangeGuard({}, RangeRules(), torch.bfloat16)(gm)
+    cleared = [RANGE_LOW_KEY in n.meta for n in gm.graph.nodes if n.op == "call_function"]
+    assert cleared == [True, True, False, False] and result.counters["low_ok:small-integer-pow"] == 2
+
+
+def test_a_weight_above_fp16_max_keeps_its_reader_fp32_past_other_constants() -> None:
+    """The weight rule reads every get_attr: an integer buffer and a submodule read by the graph are no float
+    weights to judge, and the matmul reading the huge weight after them is flagged with the weight's name."""
+    from amplite.passes.meta import RANGE_KEY
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node) -> torch.fx.Node:
+        idx, sub, big = (g.get_attr(t) for t in ("idx", "sub", "big"))
+        idx.meta["val"], big.meta["val"] = torch.zeros(3, dtype=torch.int64), torch.zeros(3, 3)
+        return (_op(g, _aten.mm.default, (x, big), torch.zeros(2, 3)), idx, sub)
+
+    gm = _guard_graph(build, idx=torch.arange(3), big=torch.full((3, 3), 1e5))
+    result = RangeGuard({}, RangeRules(), torch.float16)(gm)
+    mm = next(n for n in gm.graph.nodes if n.target is _aten.mm.default)
+    assert mm.meta[RANGE_KEY] == "range:weight-overflow big |w|=1e+05"
+    assert result.counters["kept_fp32:range:weight-overflow"] == 1
+
+
+def test_the_flush_to_zero_share_counts_values_below_the_smallest_subnormal_only() -> None:
+    """2^-24 is fp16's smallest subnormal: stored exactly, it does not flush; half of it does."""
+    from amplite.passes.range_guard import weight_reason
+
+    assert weight_reason(torch.full((8,), 2.0**-24), RangeRules()) is None
+    assert weight_reason(torch.full((8,), 2.0**-25), RangeRules()) == "range:weight-underflow 100.0% flush to zero"
+
+
+def test_reduction_depth_reads_the_softmax_dim_given_positionally_or_by_keyword() -> None:
+    """A softmax over 8192 elements stays FP32 whether its dim is an argument or a keyword (it is not the last
+    dim here); one over 3 does not; a reduction whose recorded value is missing is not judged."""
+    from amplite.passes.meta import RANGE_KEY
+
+    long = torch.zeros(2, 8192, 3)
+
+    def build(g: torch.fx.Graph, x: torch.fx.Node) -> tuple:
+        y = _op(g, _aten.expand.default, (x, [2, 8192, 3]), long)
+        return (
+            _op(g, _aten._softmax.default, (y, 1, False), long),
+            _op(g, _aten.softmax.int, (y,), long, dim=1),
+            _op(g, _aten.softmax.int, (y,), long, dim=2),
+            _op(g, _aten.cumsum.default, (y, -2), long),
+            _op(g, _aten.sum.default, (y,)),  # no recorded value
+            _op(g, _aten.var_mean.correction, (y, [1]), (torch.zeros(2, 3), torch.zeros(2, 3))),
+            _op(g, _aten.select.int, (y, 1, 0), torch.zeros(2, 3)),  # fewer elements, but no reduction
+        )
+
+    gm = _guard_graph(build)
+    RangeGuard({}, RangeRules(), torch.bfloat16)(gm)
+    deep = "range:reduction-depth 8192>4096"
+    flags = [n.meta.get(RANGE_KEY) for n in gm.graph.nodes if n.op == "call_function"]
+    # expand, the three softmaxes, cumsum, sum, var_mean (its first output's size), select
+    assert flags == [None, deep, deep, None, deep, None, deep, None]
+
+
+@pytest.mark.parametrize(("limit", "flag"), [(5, "range:reduction-depth 6>5"), (6, None)])
+def test_a_full_reduction_is_as_deep_as_its_input_and_flagged_only_beyond_the_limit(
+    limit: int, flag: str | None
+) -> None:
+    """sum(x) over 6 elements is 6 deep: kept FP32 with a limit of 5, not with a limit of 6."""
+    from amplite.passes.meta import RANGE_KEY
+
+    gm = _guard_graph(lambda g, x: _op(g, _aten.sum.default, (x,), torch.zeros(())))
+    RangeGuard({}, RangeRules(max_reduction_depth=limit), torch.bfloat16)(gm)
+    assert next(n for n in gm.graph.nodes if n.op == "call_function").meta.get(RANGE_KEY) == flag

@@ -277,8 +277,8 @@ class RangeGuard(PassBase):
             return None
         try:
             if op_tables.op_name(node.target) in op_tables.FP32_OPS["softmax"] or "cum" in str(node.target):
-                dim = node.args[1] if len(node.args) > 1 else -1
-                depth = int(src.shape[dim])
+                dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")  # required: one or the other
+                depth = int(src.shape[dim])  # an unknown dim (None) raises TypeError: not judged
             else:
                 depth = int(src.numel()) // max(1, int(out.numel()))
         except (TypeError, RuntimeError, IndexError):
