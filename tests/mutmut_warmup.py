@@ -4,6 +4,8 @@ mutmut forks one process per mutant from a server process that has collected the
 
 * Warm-up: the first ``torch.export`` in a process costs about a second of one-time set-up; doing it once
   in the server (``pytest_configure`` runs there during collection) saves that second in every mutant run.
+  It also sets ``AMPLITE_TEST_PREWARM=1``: test modules whose models are costly to export (e.g.
+  ``test_fusion_decisions.py``) then export them at import, in the server, instead of on first use.
   Only torch is called here, never amplite: a result cached from the unmutated code would hide mutants.
 * Order: mutmut's fork server passes a mutant's tests in set order; they are run here fastest first (the
   durations of mutmut's stats run, ``mutmut-stats.json``), so that ``-x`` stops a killed mutant early.
@@ -28,6 +30,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if _warm:
         return
     _warm = True
+    os.environ["AMPLITE_TEST_PREWARM"] = "1"  # test modules with costly fixtures build them at import (fork server)
     import torch
     from torch import nn
 

@@ -1,7 +1,8 @@
-"""X"""
+"""FuseContractions' decisions on small exported graphs: what it fuses, where a chain stops and why."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 
 import pytest
@@ -350,20 +351,24 @@ def test_a_bias_add_without_a_fake_value_is_not_absorbed() -> None:
     assert aten.add.Tensor in {n.target for n in gm.graph.nodes}
 
 
-# Export every model once at import (shapes only matter to export; each test draws its own values).
-for _kind, _ in _STOPS:
-    _module(_AfterMatmul(_kind), _kind, (_h(4, 6), _h(5, 6), _h(4, 5)))
+def _export_all() -> None:
+    """Export every model of this file once (shapes only matter to export; each test draws its own values)."""
+    for _kind, _ in _STOPS:
+        _module(_AfterMatmul(_kind), _kind, (_h(4, 6), _h(5, 6), _h(4, 5)))
+
+    for _kind, _sa, _sb, *_ in _PLANS:
+        _module(_Fn(_kind), _kind, (torch.randn(_sa), torch.randn(_sb)))
+
+    for _kind, *_ in _TAILS:
+        _module(_Tail(_kind), _kind, (torch.randn(4, 6), torch.randn(5, 6), torch.randn(4, 5)))
+
+    _module(_Outer(), "", (torch.randn(6, 4), torch.randn(5, 6), torch.randn(4, 5)))
+
+    _module(_Fn2(), "", (torch.randn(6, 4), _h(6, 5)))
 
 
-for _kind, _sa, _sb, *_ in _PLANS:
-    _module(_Fn(_kind), _kind, (torch.randn(_sa), torch.randn(_sb)))
-
-
-for _kind, *_ in _TAILS:
-    _module(_Tail(_kind), _kind, (torch.randn(4, 6), torch.randn(5, 6), torch.randn(4, 5)))
-
-
-_module(_Outer(), "", (torch.randn(6, 4), torch.randn(5, 6), torch.randn(4, 5)))
-
-
-_module(_Fn2(), "", (torch.randn(6, 4), _h(6, 5)))
+# Under mutmut (tests/mutmut_warmup.py sets AMPLITE_TEST_PREWARM) every model is exported here, at import, in the
+# fork server, so that each mutant's tests cost milliseconds within the per-mutant budget; under `make test` each
+# is exported on first use by the xdist worker that runs its tests (the other worker does not pay for it).
+if os.environ.get("AMPLITE_TEST_PREWARM"):
+    _export_all()
