@@ -61,9 +61,13 @@ def _has_dtype_argument(node: torch.fx.Node) -> bool:
     return any(isinstance(a, torch.dtype) for a in pytree.tree_leaves((node.args, node.kwargs)))
 
 
-def _widest(dtypes: list[torch.dtype]) -> torch.dtype:
-    out = dtypes[0]
-    for dt in dtypes[1:]:
+def _promoted(operands: list[tuple[torch.dtype, int]]) -> torch.dtype | None:
+    """The dtype type promotion gives float operands given as ``(dtype, ndim)``: 0-dim ones count only when no
+    dimensioned one does (``x_f16 * scale_f32_0dim`` is float16); None without a float operand."""
+    floats = [(dt, nd) for dt, nd in operands if dt.is_floating_point]
+    pool = [dt for dt, nd in floats if nd] or [dt for dt, _ in floats]
+    out = pool[0] if pool else None
+    for dt in pool[1:]:
         out = torch.promote_types(out, dt)
     return out
 
@@ -245,9 +249,7 @@ class AnnotatePrecision(PassBase):
         elif mode == "fp32":
             compute = torch.float32
         else:
-            dimensioned = [out_dtype[a] for a in inputs if out_dtype[a].is_floating_point and fake_value(a).dim()]
-            pool = dimensioned or float_in
-            compute = _widest(pool) if pool else None
+            compute = _promoted([(out_dtype[a], fake_value(a).dim()) for a in inputs])
         node.meta[PRECISION_KEY] = PrecisionAnnotation(mode=mode, dtype=compute, reason=reason, rule=source.value)
         counters[f"nodes:{mode}"] += 1
         if compute is not None:
@@ -264,14 +266,11 @@ def _predict_out(node: torch.fx.Node, val: Any, compute: torch.dtype | None) -> 
 
     A float output that had the op's original input dtype takes the compute dtype; outputs of another
     dtype (integer results, an explicit ``dtype=`` argument, a norm's FP32 statistics) keep theirs. The
-    original input dtype is the one type promotion gives: 0-dim operands count only without dimensioned
-    ones (``x_f16 * scale_f32_0dim`` is float16, and takes the compute dtype once its operands are cast).
+    original input dtype is the promoted one (:func:`_promoted`, as the plan's own compute dtype).
     """
     if compute is None or _has_dtype_argument(node):
         return dtypes_of(val)
-    floats = [v for v in map(fake_value, tensor_inputs(node)) if v.dtype.is_floating_point]
-    originals = [v.dtype for v in floats if v.dim()] or [v.dtype for v in floats]
-    original_in = _widest(originals) if originals else None
+    original_in = _promoted([(v.dtype, v.dim()) for v in map(fake_value, tensor_inputs(node))])
 
     def one(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
