@@ -213,10 +213,12 @@ def ranks(tmp_path_factory: pytest.TempPathFactory):
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
-def test_fsdp2_losses_equal_one_process_on_the_concatenated_batch(ranks):
+def _one_process(level: str) -> tuple[nn.Module, object, torch.Tensor, list[float]]:
+    """The reference: one process trains the same model on the concatenated batches at ``level``; returns the
+    model, the net, the first batch and the losses."""
     xs, ys = _data()
     model = _Model()
-    net, opt = amplite.prepare_training(model, torch.optim.SGD(model.parameters(), lr=0.2), xs[0], level="O1")
+    net, opt = amplite.prepare_training(model, torch.optim.SGD(model.parameters(), lr=0.2), xs[0], level=level)
     ref = []
     for k in range(STEPS):
         loss = F.cross_entropy(net(xs[k]), ys[k])
@@ -224,6 +226,11 @@ def test_fsdp2_losses_equal_one_process_on_the_concatenated_batch(ranks):
         opt.step()
         opt.zero_grad()
         ref.append(loss.item())
+    return model, net, xs[0], ref
+
+
+def test_fsdp2_losses_equal_one_process_on_the_concatenated_batch(ranks):
+    model, net, x0, ref = _one_process("O1")
     a, b = ranks
     assert a["losses"] == b["losses"]
     assert a["losses"][0] == pytest.approx(ref[0], rel=1e-6)  # the same weights, the same plan
@@ -235,7 +242,7 @@ def test_fsdp2_losses_equal_one_process_on_the_concatenated_batch(ranks):
         torch.testing.assert_close(a["full"][name], p.detach(), rtol=0, atol=2e-3)
     net.eval()
     with torch.no_grad():
-        torch.testing.assert_close(a["eval"], net(xs[0]), rtol=0.02, atol=0.02)  # bf16 logits, weights within 2e-3
+        torch.testing.assert_close(a["eval"], net(x0), rtol=0.02, atol=0.02)  # bf16 logits, weights within 2e-3
 
 
 def test_fsdp2_masters_are_sharded_gathered_per_block_and_the_plan_applies(ranks):
@@ -259,16 +266,7 @@ def test_fsdp2_unsupported_combinations_name_the_supported_order(ranks):
 
 
 def test_fsdp2_o2_trains_as_one_process_with_copies_only_inside_the_gathered_window(ranks):
-    xs, ys = _data()
-    model = _Model()
-    net, opt = amplite.prepare_training(model, torch.optim.SGD(model.parameters(), lr=0.2), xs[0], level="O2")
-    ref = []
-    for k in range(STEPS):
-        loss = F.cross_entropy(net(xs[k]), ys[k])
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        ref.append(loss.item())
+    model, _, _, ref = _one_process("O2")
     a, b = ranks[0]["o2"], ranks[1]["o2"]
     assert a["losses"] == b["losses"]
     assert a["losses"][0] == pytest.approx(ref[0], rel=1e-6)
