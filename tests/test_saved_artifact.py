@@ -59,6 +59,14 @@ def test_dynamic_batch_and_dim_survive_save_in_a_fresh_process(cli, model_files,
     result.save(tmp_path / "t.pt2")
     mlp, mlp_in = make("mlp")
     amplite.convert(mlp, mlp_in, dynamic_batch=True, precision="bf16", level="O2").save(tmp_path / "m.pt2")
+    # an fp16 input times a 0-dim FP32 buffer is float16 (type promotion): planned as such, it converts to bf16
+    # (it once failed the precision sequence's postcondition at O2/O3); its saved file runs on another batch
+    half = _HalfTimesScalar().eval()
+    result = amplite.convert(half, ((torch.randn(4, 8).half(),), {}), precision="bf16", level="O2", dynamic_batch=True)
+    assert result.passed, result.report.outputs
+    result.save(tmp_path / "h.pt2")
+    x7 = torch.randn(7, 8).half()
+    torch.save(x7, tmp_path / "x7.pt")
     out = run_fresh(f"""
         import torch
         t = torch.export.load({str(tmp_path / "t.pt2")!r}).module()
@@ -67,8 +75,24 @@ def test_dynamic_batch_and_dim_survive_save_in_a_fresh_process(cli, model_files,
         print(tuple(m(torch.randn(7, 32)).shape))
         c = torch.export.load({str(tmp_path / "c.pt2")!r}).module()
         print(tuple(c(torch.randn(7, 32)).shape))
+        h = torch.export.load({str(tmp_path / "h.pt2")!r}).module()
+        torch.save(h(torch.load({str(tmp_path / "x7.pt")!r})), {str(tmp_path / "h7.pt")!r})
     """)
     assert out.split() == ["(5,", "10)", "(7,", "10)", "(7,", "10)"]
+    got, want = torch.load(tmp_path / "h7.pt"), half(x7)
+    assert got.shape == (7, 8) and got.dtype == torch.float16  # the model's output dtype, on a batch of 7
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02)  # bf16 compute, fp16 output
+
+
+class _HalfTimesScalar(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.lin = torch.nn.Linear(8, 8).half()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x * self.scale)
 
 
 def test_dynamic_dim_errors_name_the_problem() -> None:
