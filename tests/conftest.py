@@ -29,6 +29,27 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ
     torch.set_num_threads(1)
 
 
+#: The test modules whose ``_worker`` runs as one rank of a 2-process gloo group (:func:`start_ranks`).
+RANK_WORKER_MODULES = ("tests.test_training_ddp", "tests.test_training_fsdp", "tests.test_integration_ddp",
+                       "tests.test_integration_fsdp")  # fmt: skip
+
+
+def start_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int = 2) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` processes, joined; a rank's exception fails the caller.
+
+    The ranks are forked from ``multiprocessing``'s fork server, a fresh interpreter that has imported
+    :data:`RANK_WORKER_MODULES` (torch, amplite, Lightning, transformers) once per xdist worker and run
+    nothing else, so each rank starts as clean as under ``spawn``. ``spawn`` re-imported all of it in every
+    rank: 4-6 CPU s each, about 35 CPU s over the suite's four 2-process groups on a 2-core machine.
+    """
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(list(RANK_WORKER_MODULES))  # read when the server starts
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """One intra-op thread for a module of tiny-model tests (two threads on a shared 2-core machine mostly wait

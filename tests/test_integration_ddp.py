@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -25,7 +24,7 @@ import amplite  # noqa: E402
 from amplite.errors import ConfigError  # noqa: E402
 from amplite.integrations.lightning import AmplitePrecision  # noqa: E402
 from amplite.integrations.transformers import AmpliteTrainer  # noqa: E402
-from tests.conftest import once_per_run  # noqa: E402
+from tests.conftest import once_per_run, start_ranks  # noqa: E402
 
 B, STEPS, WORLD = 4, 6, 2  # per-rank batch, optimizer steps; the global batch is WORLD * B
 HF_B, HF_STEPS, SEQ, VOCAB = 2, 4, 16, 64
@@ -125,7 +124,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 def ranks(tmp_path_factory: pytest.TempPathFactory):
     """Two gloo processes run both integrations (one process start-up for the module)."""
     def spawn(out: Path) -> str:
-        mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+        start_ranks(_worker, (_free_port(), str(out)), WORLD)
         return str(out)
 
     # once per test run: under xdist a module fixture would spawn the two processes on each worker

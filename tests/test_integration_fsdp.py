@@ -12,7 +12,6 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -21,6 +20,7 @@ fsdp = pytest.importorskip("torch.distributed.fsdp")  # a torch built without di
 
 import amplite  # noqa: E402
 from amplite.integrations.lightning import AmplitePrecision  # noqa: E402
+from tests.conftest import start_ranks  # noqa: E402
 
 B, STEPS, WORLD = 4, 4, 2  # per-rank batch, optimizer steps; the global batch is WORLD * B
 
@@ -118,7 +118,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("lightning_fsdp")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    start_ranks(_worker, (_free_port(), str(out)), WORLD)
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 

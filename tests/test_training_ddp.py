@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from tests.conftest import once_per_run
+from tests.conftest import once_per_run, start_ranks
 
 
 def _free_port() -> int:
@@ -58,7 +57,7 @@ LEVELS = ("O1", "O2")
 def ddp_out(tmp_path_factory: pytest.TempPathFactory):
     """Two gloo processes train every level in turn (one process start-up for all levels)."""
     def spawn(out: Path) -> str:
-        mp.spawn(_worker, args=(2, _free_port(), str(out), LEVELS), nprocs=2, join=True)
+        start_ranks(_worker, (2, _free_port(), str(out), LEVELS))
         return str(out)
 
     # once per test run: under xdist a module fixture would spawn the two processes on each worker

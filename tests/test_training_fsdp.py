@@ -16,14 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import amplite
 from amplite.errors import ConfigError
-from tests.conftest import once_per_run
+from tests.conftest import once_per_run, start_ranks
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")  # a torch built without distributed has no FSDP2
 
@@ -205,7 +204,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(_worker, args=(port, str(out)), nprocs=WORLD, join=True)
+        start_ranks(_worker, (port, str(out)), WORLD)
         return str(out)
 
     # once per test run: under xdist a module fixture would spawn the two processes on each worker
