@@ -16,6 +16,7 @@ from amplite import op_tables
 from amplite.checkpoint import StreamedConversion
 from amplite.checkpoint.source import LogitsOnly, open_checkpoint
 from amplite.errors import AmpliteError
+from tests import fresh
 from tests.conftest import Cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,8 +47,7 @@ def _ids(seed: int) -> torch.Tensor:
 def _run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """``python -m amplite`` in a fresh interpreter: kept for the one end-to-end ``convert DIR`` below (the
     module's outputs come from the command as a user runs it); refusals run in-process (``cli``)."""
-    return subprocess.run([sys.executable, "-m", "amplite", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=600)  # fmt: skip
+    return fresh.run([sys.executable, "-m", "amplite", *args], cwd=cwd, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +123,8 @@ def test_saved_pt2_runs_in_a_fresh_process_on_other_inputs(ckpt: Path, converted
         "out = ep.module()(torch.load(sys.argv[2]))\n"
         "torch.save(out, sys.argv[3])\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script, str(pt2), str(tmp_path / "ids.pt"), str(tmp_path / "o.pt")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
+    proc = fresh.run([sys.executable, "-c", script, str(pt2), str(tmp_path / "ids.pt"), str(tmp_path / "o.pt")],
+                     cwd=ROOT, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     got = torch.load(tmp_path / "o.pt")
     ref = transformers.LlamaForCausalLM.from_pretrained(ckpt).eval()

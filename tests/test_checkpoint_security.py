@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from amplite.errors import AmpliteError
 from amplite.save import convert_to_files
 from bench.checkpoint_archs import make_checkpoint
+from tests import fresh
 from tests.conftest import Cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,13 +61,8 @@ def _refused(src: Path, out: Path, match: str, monkeypatch: pytest.MonkeyPatch |
 def _cli(*args: str, limit_gb: float | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """``python -m amplite`` in a fresh process: for the refusals under a memory limit (RLIMIT_DATA applies to a
     whole process, which must not be the test runner)."""
-    def limit() -> None:
-        if limit_gb is not None:
-            size = int(limit_gb * 2**30)
-            resource.setrlimit(resource.RLIMIT_DATA, (size, size))
-
-    return subprocess.run([sys.executable, "-m", "amplite", *args], capture_output=True, text=True, cwd=ROOT,
-                          stdin=subprocess.DEVNULL, timeout=timeout, preexec_fn=limit)  # fmt: skip
+    limits = {} if limit_gb is None else {resource.RLIMIT_DATA: int(limit_gb * 2**30)}
+    return fresh.run([sys.executable, "-m", "amplite", *args], cwd=ROOT, timeout=timeout, rlimits=limits)
 
 
 def test_auto_map_is_refused_without_a_prompt(ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

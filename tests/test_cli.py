@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import fresh
 from tests.models.broken import DataDependent
 
 
@@ -142,13 +142,7 @@ def test_python_dash_m_matches_the_script(fresh_cli_convert: dict, tmp_path: Pat
     res = fresh_cli_convert  # `AMPLITE_LEVEL=O2 python -m amplite convert mlp.pt2` (conftest: one run, two tests)
     assert res["returncode"] == 0, res["stderr"]
     assert res["written"] and "wrote" in res["stdout"]
-    res = subprocess.run(
-        [sys.executable, "-m", "amplite", "convert", str(tmp_path / "none.pt2")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    res = fresh.run([sys.executable, "-m", "amplite", "convert", str(tmp_path / "none.pt2")], env=env, timeout=300)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
 
 

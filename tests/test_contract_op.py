@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 import types
@@ -22,6 +21,7 @@ from amplite.ops.contract import (
     reference_contract,
 )
 from amplite.ops.gemm_lowering import gemm_contract
+from tests import fresh
 
 CONTRACT = torch.ops.amplite.contract.default
 #: One rounding of the result to the dtype (the inputs are exact in it and the reference is fp64).
@@ -327,9 +327,9 @@ def test_save_load_needs_import(tmp_path):
     torch.export.save(ep, tmp_path / "m.pt2")
     torch.save((a, b), tmp_path / "ab.pt")
     expected = float(UsesContract()(a, b).double().sum())
-    done = subprocess.run(  # one fresh process: the load without amplite, then with amplite.ops imported
+    done = fresh.run(  # one fresh process: the load without amplite, then with amplite.ops imported
         [sys.executable, "-c", textwrap.dedent(LOAD), str(tmp_path / "m.pt2"), str(tmp_path / "ab.pt")],
-        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
+        timeout=120, cwd=Path(__file__).resolve().parents[1],
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     missing, ok = done.stdout.strip().splitlines()[-2:]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ import torch
 
 import amplite
 from fixtures.zoo import make
+from tests import fresh
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -155,8 +155,7 @@ def test_packages_match_the_pt2_in_a_fresh_process(mlp_cli: tuple[Any, Path], bu
     jobs = [[str(mlp_cli[1] / "mlp.bf16.aoti.pt2"), str(mlp_cli[1] / "mlp.bf16.pt2"), "mlp"]]
     jobs.append([str(builds["fused"]["pkg"]), str(builds["fused"]["pt2"]), str(builds["dir"] / "inputs.pt")])
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", FRESH, json.dumps(jobs)], capture_output=True, text=True,
-                          env=env, timeout=300)  # fmt: skip
+    proc = fresh.run([sys.executable, "-c", FRESH, json.dumps(jobs)], env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(got) == {j[0] for j in jobs}

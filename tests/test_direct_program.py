@@ -13,7 +13,6 @@ the same graph signature (kinds and targets), bit-identical outputs on inputs th
 from __future__ import annotations
 
 import operator
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -28,6 +27,7 @@ from amplite.converter.pipeline import lower_inputs, run_pipeline
 from amplite.converter.tracing import export_model
 from amplite.spec import ConvertSpec
 from fixtures.zoo import TEST_FIXTURES, make
+from tests import fresh
 
 #: Each fixture at O1 (static) and O2 (dynamic batch), the two precisions swapped from one fixture to the
 #: next (building the program is dtype-agnostic; both dtypes still meet both levels); the stateful model,
@@ -182,8 +182,8 @@ def test_direct_programs_load_and_run_in_a_fresh_process(built: dict) -> None:
         expected = c["path"].with_suffix(".expected.pt")
         torch.save(_run(c["again"].converted, c["inputs"]), expected)
         argv += [str(c["path"]), str(c["path"].with_suffix(".inputs.pt")), str(expected)]
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(_LOADER), *argv], capture_output=True,
-                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    done = fresh.run([sys.executable, "-c", textwrap.dedent(_LOADER), *argv], timeout=300,
+                     cwd=Path(__file__).resolve().parents[1])  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("ok ") == len(built)
 

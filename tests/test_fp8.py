@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import math
 import operator
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from amplite.errors import ConfigError
 from amplite.ops.fp8_linear import reference, scaled_mm_2d
 from amplite.ops.fp8_numerics import E4M3_MAX, FP8_DTYPE, quantize_dynamic_per_token, quantize_weight
 from bench.bench_fp8 import per_tensor_dynamic
+from tests import fresh
 
 ROOT = Path(__file__).resolve().parents[1]
 FP8_OP = "amplite.fp8_linear.default"
@@ -149,7 +149,7 @@ def test_pt2_loads_in_a_fresh_process_on_another_batch_and_is_smaller(tmp_path: 
     code = ("import sys, torch, amplite; p = torch.export.load(sys.argv[1]); "
             "torch.save(p.module()(torch.load(sys.argv[2])), sys.argv[3])")  # fmt: skip
     args = [sys.executable, "-c", code, tmp_path / "m.fp8.pt2", tmp_path / "x.pt", tmp_path / "y.pt"]
-    done = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    done = fresh.run(args, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr
     y = torch.load(tmp_path / "y.pt")
     assert y.shape == (9, 7, 64)

@@ -20,6 +20,7 @@ import amplite
 from amplite.checkpoint import checkpoint_to_files
 from amplite.checkpoint.check import check_checkpoint
 from amplite.errors import ConfigError
+from tests import fresh
 from tests.conftest import write_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,8 +46,8 @@ def calib(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "amplite", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    return fresh.run([sys.executable, "-m", "amplite", *args], cwd=ROOT, timeout=600,
+                     env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -24,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # The same attention block as the static tests: shapes are read at run time, so batch/seq stay symbolic.
+from tests import fresh  # noqa: E402
 from tests.test_fuse_contractions import Attention  # noqa: E402
 
 
@@ -101,10 +101,8 @@ def test_convert_dynamic_batch_fuses_and_saved_file_runs_other_batch(tmp_path):
         torch.save(out, sys.argv[3])
         print(n)
     """)
-    run = subprocess.run(
-        [sys.executable, "-c", script, str(path), str(tmp_path / "x5.pt"), str(tmp_path / "y5.pt")],
-        capture_output=True, text=True, timeout=180, cwd=ROOT,
-    )  # fmt: skip
+    run = fresh.run([sys.executable, "-c", script, str(path), str(tmp_path / "x5.pt"), str(tmp_path / "y5.pt")],
+                    timeout=180, cwd=ROOT)  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert int(run.stdout.strip().splitlines()[-1]) == 3  # q·kᵀ, attn·v, out-proj survived save/load
     got = torch.load(tmp_path / "y5.pt")

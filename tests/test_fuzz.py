@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests import fuzz
+from tests import fresh, fuzz
 from tests.conftest import once_per_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,8 +39,7 @@ def _fuzz_all(_folder: Path) -> dict[str, dict]:
     """Every target's short run, one after the other in ONE fresh process (each under fuzz.main's memory limit
     and its own seeded generator: the verdicts equal separate runs'), instead of one Python start-up each."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(CASES)], capture_output=True, text=True, cwd=ROOT,
-                         env=env, timeout=600)  # fmt: skip
+    res = fresh.run([sys.executable, "-c", _DRIVER, json.dumps(CASES)], cwd=ROOT, env=env, timeout=600)
     if res.returncode != 0 or "@@RESULTS@@" not in res.stdout:  # every target's test fails with the output
         return {t: {"rc": res.returncode, "stdout": res.stdout[-3000:] + res.stderr[-3000:]} for t in CASES}
     return json.loads(res.stdout.split("@@RESULTS@@", 1)[1])

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
+
+from tests import fresh
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,8 +60,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def fresh_imports() -> dict:
-    done = subprocess.run([sys.executable, "-c", FRESH, json.dumps(MISSING)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)  # fmt: skip
+    done = fresh.run([sys.executable, "-c", FRESH, json.dumps(MISSING)], cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from amplite.llm.convert import DYNAMIC_DIMS  # noqa: E402
 from amplite.llm.generate import Runner, greedy  # noqa: E402
 from amplite.llm.step import LMStep, amplite_attention  # noqa: E402
 from amplite.verify.criteria import parse_criterion, parse_tolerance  # noqa: E402
+from tests import fresh  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 256
@@ -128,8 +128,7 @@ def test_saved_step_program_generates_identically_in_a_fresh_process(fp16: llm.L
         "out = llm.generate(prog, p['ids'], 32, attention_mask=p['mask'])\n"
         f"torch.save(out, {str(tmp_path / 'out.pt')!r}); print(prog.cache_dtype, prog.shape)\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    run = fresh.run([sys.executable, "-c", code], cwd=ROOT, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-2000:]
     assert "torch.float16" in run.stdout and "layers=2" in run.stdout
     assert torch.equal(torch.load(tmp_path / "out.pt"), expected)

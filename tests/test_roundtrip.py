@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 import amplite
 from amplite.verify.compare import DEFAULT_TOLERANCES, compare
 from fixtures.zoo import TEST_FIXTURES, make
+from tests import fresh
 from tests.conftest import once_per_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,8 +146,7 @@ def _convert_and_run(selected: dict[str, list], tmp: Path) -> dict[str, Any]:
     spec = tmp / "jobs.json"
     spec.write_text(json.dumps(jobs))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_RUNNER), str(spec)],
-                          capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    proc = fresh.run([sys.executable, "-c", textwrap.dedent(_RUNNER), str(spec)], timeout=600, env=env)
     errors = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {}
     for job in jobs:
         entry = {"file": Path(job["path"]).name, "returncode": proc.returncode, "stderr": proc.stderr[-3000:],

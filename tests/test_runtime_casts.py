@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from torch import nn
 
 import amplite
 from amplite.passes.graph_utils import cast_dtype
+from tests import fresh
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,8 +114,8 @@ def test_saved_file_matches_in_a_fresh_process(tmp_path: Path) -> None:
         "torch.save(m(x), sys.argv[3])"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", code, str(path), str(tmp_path / "x.pt"), str(tmp_path / "y.pt")],
-                          capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    proc = fresh.run([sys.executable, "-c", code, str(path), str(tmp_path / "x.pt"), str(tmp_path / "y.pt")],
+                     timeout=300, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = torch.load(tmp_path / "y.pt")
     with torch.no_grad():

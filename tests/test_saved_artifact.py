@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -19,6 +18,7 @@ import amplite
 from amplite.converter.graph_stats import graph_stats
 from amplite.errors import ConfigError, EmitError
 from fixtures.zoo import make
+from tests import fresh
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,8 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_fresh(code: str, timeout: int = 240) -> str:
     """Run ``code`` in a new Python process (nothing of this process's state); return its stdout."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)  # fmt: skip
+    proc = fresh.run([sys.executable, "-c", textwrap.dedent(code)], timeout=timeout, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 

@@ -27,6 +27,7 @@ from amplite.errors import LoadError
 from amplite.reading.op_allowlist import refusal
 from amplite.reading.pt2 import load_program
 from amplite.reading.sym_expr import SymExprError, parse_sym_expr
+from tests import fresh
 from tests.test_security import P, Small, W, json_edit, rebuild
 
 pytestmark = pytest.mark.filterwarnings("ignore:Duplicate name")
@@ -45,15 +46,10 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run_cli(*args: object, cwd: Path, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
     """``amplite ARGS`` in a fresh process under a memory limit; returns the result and its wall time."""
 
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (LIMIT, LIMIT))
-
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     start = time.monotonic()
-    res = subprocess.run(
-        [sys.executable, "-m", "amplite", *map(str, args)],
-        capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout, preexec_fn=limit,
-    )  # fmt: skip
+    res = fresh.run([sys.executable, "-m", "amplite", *map(str, args)], env=env, cwd=cwd, timeout=timeout,
+                    rlimits={resource.RLIMIT_AS: LIMIT})  # fmt: skip
     return res, time.monotonic() - start
 
 
@@ -65,13 +61,10 @@ def run_cli_many(calls: dict[str, list[object]], cwd: Path, timeout: float = 240
     """
     from tests.test_security_io import _DRIVER
 
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (LIMIT, LIMIT))
-
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # as run_cli's
     argv = json.dumps([[str(a) for a in call] for call in calls.values()])
-    proc = subprocess.run([sys.executable, "-c", _DRIVER, argv], capture_output=True, text=True, env=env, cwd=cwd,
-                          timeout=timeout, preexec_fn=limit)  # fmt: skip
+    proc = fresh.run([sys.executable, "-c", _DRIVER, argv], env=env, cwd=cwd, timeout=timeout,
+                     rlimits={resource.RLIMIT_AS: LIMIT})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.split("@@RESULTS@@", 1)[1])
     return {**dict(zip(calls, results, strict=True)), "@startup": {"err": proc.stderr}}

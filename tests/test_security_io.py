@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests import fresh
+
 ROOT = Path(__file__).resolve().parents[1]
 MEMORY_LIMIT = 3 << 30
 
@@ -58,16 +60,16 @@ def _env() -> dict[str, str]:
 def run_many(calls: list[list[object]], cwd: Path, timeout: float = 240) -> list[dict]:
     """Run several ``amplite`` CLI calls in one fresh, memory-limited interpreter."""
     argv = json.dumps([[str(a) for a in call] for call in calls])
-    proc = subprocess.run([sys.executable, "-c", _DRIVER, argv], capture_output=True, text=True, env=_env(),
-                          cwd=cwd, timeout=timeout, preexec_fn=_limit)  # fmt: skip
+    proc = fresh.run([sys.executable, "-c", _DRIVER, argv], env=_env(), cwd=cwd, timeout=timeout,
+                     rlimits={resource.RLIMIT_AS: MEMORY_LIMIT})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.split("@@RESULTS@@", 1)[1])
 
 
 def run_one(args: list[object], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     """One ``python -m amplite`` process (for runs that could kill the interpreter)."""
-    return subprocess.run([sys.executable, "-m", "amplite", *map(str, args)], capture_output=True, text=True,
-                          env=_env(), cwd=cwd, timeout=timeout, preexec_fn=_limit)  # fmt: skip
+    return fresh.run([sys.executable, "-m", "amplite", *map(str, args)], env=_env(), cwd=cwd, timeout=timeout,
+                     rlimits={resource.RLIMIT_AS: MEMORY_LIMIT})  # fmt: skip
 
 
 def assert_refused(res: dict, *needles: str, max_seconds: float = 20.0) -> None:
