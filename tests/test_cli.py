@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -65,8 +66,14 @@ def test_bad_files(cli, model_files, tmp_path: Path, out_dir: Path) -> None:
     o = ["-o", out_dir / "m.pt2"]
     assert_clean_error(cli("convert", tmp_path / "missing.pt2", *o), out_dir, "does not exist")
     assert_clean_error(cli("convert", tmp_path, *o), out_dir, "is a directory")
-    (tmp_path / "rand.pt2").write_bytes(os.urandom(4096))
+    noise = random.Random(0).randbytes(4096)
+    (tmp_path / "rand.pt2").write_bytes(noise)
     assert_clean_error(cli("convert", tmp_path / "rand.pt2", *o), out_dir, "not a model file")
+    # noise after a pickle's first byte (1 file in 256 of random bytes), then after a whole protocol header: not
+    # "contains pickled Python objects, pass --trust-pickle" (what the weights-only reader's error said)
+    for head, why in ((b"\x80\xb7", "not a model file amplite can read"), (b"\x80\x02", "a damaged pickle")):
+        (tmp_path / "noise.pt").write_bytes(head + noise)
+        assert_clean_error(cli("convert", tmp_path / "noise.pt", *o), out_dir, why)
     data = model_files("mlp")["pt2"].read_bytes()
     (tmp_path / "trunc.pt2").write_bytes(data[: len(data) // 3])
     assert_clean_error(cli("convert", tmp_path / "trunc.pt2", *o), out_dir, "truncated or corrupt zip")

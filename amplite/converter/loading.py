@@ -26,6 +26,7 @@ from amplite.describe import summarize_exception
 from amplite.errors import InputSpecError, LoadError
 from amplite.paths import not_a_file
 from amplite.reading.archive import check_zip
+from amplite.reading.pickles import PROTOCOLS, pickle_problem
 from amplite.reading.pt2 import import_user_modules, load_program
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -74,7 +75,7 @@ def detect_format(path: Path) -> str:
             return "torchscript"
         if "data.pkl" in names:
             return "torch_zip"
-    elif head[:1] == b"\x80":
+    elif head[:1] == b"\x80" and head[1:2] and head[1] in PROTOCOLS:
         return "pickle"
     raise LoadError(
         f"{str(path)!r} is not a model file amplite can read",
@@ -111,7 +112,7 @@ def load_model(
     import_user_modules(import_modules)
     if fmt == "torchscript":
         return _load_torchscript(p)
-    obj = _safe_load(p, trust_pickle)
+    obj = _safe_load(p, trust_pickle, bare_pickle=fmt == "pickle")
     if isinstance(obj, nn.Module):
         return LoadedModel("pickle", module=obj.eval(), path=str(p))
     state = _find_state_dict(obj)
@@ -136,10 +137,16 @@ def load_model(
     return LoadedModel("state_dict", module=model.eval(), path=str(p))
 
 
-def _safe_load(p: Path, trust_pickle: bool) -> Any:
+def _safe_load(p: Path, trust_pickle: bool, bare_pickle: bool) -> Any:
     try:
         return torch.load(p, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
+        # the weights-only reader says the same of a damaged file as of pickled classes: tell them apart
+        if bare_pickle and (damage := pickle_problem(p)) is not None:
+            raise LoadError(
+                f"{str(p)!r} is not a model file amplite can read: a damaged pickle ({damage})",
+                "pass a torch.export .pt2, a TorchScript archive, or a torch.save state dict/module",
+            ) from None
         if not trust_pickle:
             raise LoadError(
                 f"{str(p)!r} contains pickled Python objects ({_unsupported_global(exc)}); unpickling "

@@ -6,6 +6,7 @@ the strings torch would evaluate; ``sym_expr`` parses symbolic size expressions 
 ``pt2_checks`` validates the program JSON (weights against their metadata, symbols); ``op_allowlist`` the
 operators a program calls; ``pt2`` loads the checked archive without torch.export.load's unpickling paths
 (``--import``); ``input_files`` reads example-input files (tensors, ``.npz``, ``.safetensors``) with
-``weights_only=True``. Layer: below the converter, which orchestrates loading and tracing; imports only
+``weights_only=True``; ``pickles`` tells a damaged pickle from one of classes without unpickling it.
+Layer: below the converter, which orchestrates loading and tracing; imports only
 ``errors`` and ``describe``.
 """
