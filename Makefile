@@ -19,9 +19,11 @@ demo: install
 	$(VENV)/bin/amplite convert build/fixtures/transformer.pt2 --precision fp16 \
 		-o build/demo/transformer.fp16.pt2 --report build/demo/report.json
 
+# The suite starts ~60 interpreters or forked children that import amplite: let them share its bytecode
+# (__pycache__ is git-ignored) where the environment says not to write it (PYTHONDONTWRITEBYTECODE=1 here).
 test: install
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q -n 2 tests
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n 2 tests
 
 lint: install
 	$(VENV)/bin/ruff check .
