@@ -17,6 +17,7 @@ real processes too (to compare).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -131,7 +132,19 @@ class _Server:
             cls.proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         cwd=ROOT)  # fmt: skip
             cls.buf = b""
+            atexit.register(cls.close, cls.proc)
         return cls.proc
+
+    @staticmethod
+    def close(proc: subprocess.Popen[bytes]) -> None:
+        """At exit: end the server (EOF on its stdin) and reap it, so that no process outlives the tests."""
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
     @classmethod
     def read(cls, deadline: float | None) -> dict[str, Any] | None:
