@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from amplite.migrate._cst import matches_prefix
-from amplite.migrate._safety import nesting_problem, quiet, read_source
+from amplite.migrate._safety import checked_tree, read_source
 from amplite.migrate._scan import AMP_PREFIXES
 
 
@@ -27,12 +27,10 @@ def reexported_names(files: Sequence[Path]) -> dict[Path, dict[str, str]]:
     imported: dict[str, dict[str, str]] = {}  # module's last name -> {name: where}
     for path in files:
         try:
-            source = read_source(path)
-            if nesting_problem(source) is not None:
-                continue
-            with quiet():
-                tree = ast.parse(source)
-        except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
+            problem, tree = checked_tree(read_source(path))  # the one parse (and check) of this file's scan
+        except (OSError, ValueError):
+            continue
+        if problem is not None or tree is None:  # too deep, or does not parse
             continue
         aliases: dict[str, str] = {}
         for node in ast.walk(tree):
@@ -47,7 +45,7 @@ def reexported_names(files: Sequence[Path]) -> dict[Path, dict[str, str]]:
                 for alias in node.names:
                     if not matches_prefix(alias.name, ("torch", "apex")):
                         aliases[alias.asname or alias.name] = alias.name
-        for node in ast.walk(tree):
+        for node in ast.walk(tree) if aliases else ():  # `alias.name` reads only matter for an `import alias`
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
                 module = aliases[node.value.id].rsplit(".", 1)[-1]
                 imported.setdefault(module, {}).setdefault(node.attr, f"{path}:{node.lineno}")

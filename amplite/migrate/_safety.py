@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import hashlib
 import multiprocessing
 import os
 import stat
@@ -121,25 +122,47 @@ def precheck(source: str | bytes) -> tuple[str, str] | None:
 
     CPython's own parser reads it first (``PyCF_ONLY_AST``: parse only, bounded in C, never crashes).
     """
+    return checked_tree(source, need_tree=False)[0]
+
+
+#: precheck's verdicts by the source's SHA-256: one run checks each file once, in the re-export scan; the
+#: migration (in this process, or a child forked after the scan) reads the verdict back.
+_VERDICTS: dict[bytes, tuple[str, str] | None] = {}
+
+
+def checked_tree(source: str | bytes, need_tree: bool = True) -> tuple[tuple[str, str] | None, ast.Module | None]:
+    """:func:`precheck`'s verdict and, when it is None, the AST CPython built (None with ``need_tree=False``
+    for a source checked before: the verdict is read back, nothing is parsed)."""
+    raw = source.encode("utf-8", "surrogatepass") if isinstance(source, str) else source
+    key = hashlib.sha256(raw).digest() + (b"s" if isinstance(source, str) else b"b")
+    if key in _VERDICTS:
+        if _VERDICTS[key] is not None or not need_tree:
+            return _VERDICTS[key], None
+        with quiet():  # checked before (a file with the same text): parsed again, not walked again
+            return None, compile(source, "<source>", "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
     try:
         with quiet():
             tree = compile(source, "<source>", "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
     except (RecursionError, MemoryError):
-        return "deep", f"it nests too deeply for CPython's parser (more than {MAX_NESTING} levels are refused)"
+        verdict = "deep", f"it nests too deeply for CPython's parser (more than {MAX_NESTING} levels are refused)"
+        return _VERDICTS.setdefault(key, verdict), None
     except SyntaxError as exc:
         if "too many nested" in str(exc.msg) or "too complex" in str(exc.msg):
-            return "deep", f"line {exc.lineno}: {exc.msg} (more than {MAX_NESTING} levels are refused)"
-        return "syntax", f"line {exc.lineno}: {exc.msg}"
+            verdict = "deep", f"line {exc.lineno}: {exc.msg} (more than {MAX_NESTING} levels are refused)"
+        else:
+            verdict = "syntax", f"line {exc.lineno}: {exc.msg}"
+        return _VERDICTS.setdefault(key, verdict), None
     except ValueError as exc:  # null bytes, undecodable source
-        return "syntax", str(exc)
+        return _VERDICTS.setdefault(key, ("syntax", str(exc))), None
     stack = [(tree, 1)]
     while stack:
         node, depth = stack.pop()
         if depth > MAX_NESTING:
             where = f"line {node.lineno}: " if getattr(node, "lineno", None) else ""
-            return "deep", f"{where}expressions nest more than {MAX_NESTING} levels"
+            return _VERDICTS.setdefault(key, ("deep", f"{where}expressions nest more than {MAX_NESTING} levels")), None
         stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
-    return None
+    _VERDICTS[key] = None
+    return None, tree
 
 
 def run_in_pool(fn: Callable[[T], R], tasks: list[T], workers: int) -> list[R | None]:
