@@ -53,9 +53,13 @@ def exit_code(exc):
 def child(req):
     os.setsid()
     os.close(proto_in); os.close(proto_out)
-    os.dup2(os.open(req["stdin"] or os.devnull, os.O_RDONLY), 0)
-    for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+    os.close(null)
+    for fd, path, flags in ((0, req["stdin"] or os.devnull, os.O_RDONLY),
+                            (1, req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                            (2, req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+        opened = os.open(path, flags, 0o600)
+        os.dup2(opened, fd)
+        os.close(opened)  # the child holds 0, 1 and 2 only, as a new interpreter does
     sys.stdin = open(0, closefd=False)
     sys.stdout = open(1, "w", closefd=False)
     sys.stderr = open(2, "w", closefd=False, errors="backslashreplace")

@@ -26,7 +26,7 @@ from amplite.describe import summarize_exception
 from amplite.errors import InputSpecError, LoadError
 from amplite.paths import not_a_file
 from amplite.reading.archive import check_zip
-from amplite.reading.pickles import PROTOCOLS, pickle_problem
+from amplite.reading.pickles import pickle_problem, starts_like_pickle
 from amplite.reading.pt2 import import_user_modules, load_program
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -75,7 +75,7 @@ def detect_format(path: Path) -> str:
             return "torchscript"
         if "data.pkl" in names:
             return "torch_zip"
-    elif head[:1] == b"\x80" and head[1:2] and head[1] in PROTOCOLS:
+    elif starts_like_pickle(head):
         return "pickle"
     raise LoadError(
         f"{str(path)!r} is not a model file amplite can read",

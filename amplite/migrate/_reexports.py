@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from amplite.migrate._cst import matches_prefix
-from amplite.migrate._safety import checked_tree, read_source
+from amplite.migrate._safety import checked_tree, clear_verdicts, read_source
 from amplite.migrate._scan import AMP_PREFIXES
 
 
@@ -25,6 +25,7 @@ def reexported_names(files: Sequence[Path]) -> dict[Path, dict[str, str]]:
     which may keep an import too many, never one too few. Files that do not parse are ignored here.
     """
     imported: dict[str, dict[str, str]] = {}  # module's last name -> {name: where}
+    clear_verdicts()  # a new run: its files' checks are made here, once
     for path in files:
         try:
             problem, tree = checked_tree(read_source(path))  # the one parse (and check) of this file's scan

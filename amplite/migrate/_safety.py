@@ -125,43 +125,48 @@ def precheck(source: str | bytes) -> tuple[str, str] | None:
     return checked_tree(source, need_tree=False)[0]
 
 
-#: precheck's verdicts by the source's SHA-256: one run checks each file once, in the re-export scan; the
-#: migration (in this process, or a child forked after the scan) reads the verdict back.
+#: precheck's verdicts by the source's SHA-256, for one run (:func:`clear_verdicts` starts a run): the
+#: re-export scan checks each file once; the migration (in this process, or a child forked after the scan)
+#: reads the verdict back instead of checking the same text again.
 _VERDICTS: dict[bytes, tuple[str, str] | None] = {}
+
+
+def clear_verdicts() -> None:
+    """Forget the verdicts of an earlier run (they stay bounded by one run's files)."""
+    _VERDICTS.clear()
 
 
 def checked_tree(source: str | bytes, need_tree: bool = True) -> tuple[tuple[str, str] | None, ast.Module | None]:
     """:func:`precheck`'s verdict and, when it is None, the AST CPython built (None with ``need_tree=False``
-    for a source checked before: the verdict is read back, nothing is parsed)."""
+    for a source checked before in this run: the verdict is read back, nothing is parsed)."""
     raw = source.encode("utf-8", "surrogatepass") if isinstance(source, str) else source
     key = hashlib.sha256(raw).digest() + (b"s" if isinstance(source, str) else b"b")
-    if key in _VERDICTS:
-        if _VERDICTS[key] is not None or not need_tree:
-            return _VERDICTS[key], None
-        with quiet():  # checked before (a file with the same text): parsed again, not walked again
-            return None, compile(source, "<source>", "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
+    if key in _VERDICTS and (_VERDICTS[key] is not None or not need_tree):
+        return _VERDICTS[key], None
+    verdict, tree = _check(source)
+    _VERDICTS[key] = verdict
+    return verdict, tree
+
+
+def _check(source: str | bytes) -> tuple[tuple[str, str] | None, ast.Module | None]:
     try:
         with quiet():
             tree = compile(source, "<source>", "exec", ast.PyCF_ONLY_AST, dont_inherit=True)
     except (RecursionError, MemoryError):
-        verdict = "deep", f"it nests too deeply for CPython's parser (more than {MAX_NESTING} levels are refused)"
-        return _VERDICTS.setdefault(key, verdict), None
+        return ("deep", f"it nests too deeply for CPython's parser (more than {MAX_NESTING} levels are refused)"), None
     except SyntaxError as exc:
         if "too many nested" in str(exc.msg) or "too complex" in str(exc.msg):
-            verdict = "deep", f"line {exc.lineno}: {exc.msg} (more than {MAX_NESTING} levels are refused)"
-        else:
-            verdict = "syntax", f"line {exc.lineno}: {exc.msg}"
-        return _VERDICTS.setdefault(key, verdict), None
+            return ("deep", f"line {exc.lineno}: {exc.msg} (more than {MAX_NESTING} levels are refused)"), None
+        return ("syntax", f"line {exc.lineno}: {exc.msg}"), None
     except ValueError as exc:  # null bytes, undecodable source
-        return _VERDICTS.setdefault(key, ("syntax", str(exc))), None
+        return ("syntax", str(exc)), None
     stack = [(tree, 1)]
     while stack:
         node, depth = stack.pop()
         if depth > MAX_NESTING:
             where = f"line {node.lineno}: " if getattr(node, "lineno", None) else ""
-            return _VERDICTS.setdefault(key, ("deep", f"{where}expressions nest more than {MAX_NESTING} levels")), None
+            return ("deep", f"{where}expressions nest more than {MAX_NESTING} levels"), None
         stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
-    _VERDICTS[key] = None
     return None, tree
 
 

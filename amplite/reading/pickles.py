@@ -19,6 +19,11 @@ PROTOCOLS = range(2, 6)
 LIMIT = 1 << 20
 
 
+def starts_like_pickle(head: bytes) -> bool:
+    """Whether ``head`` (the file's first bytes) is a pickle's PROTO opcode with a protocol ``torch.save`` writes."""
+    return len(head) >= 2 and head[0] == 0x80 and head[1] in PROTOCOLS
+
+
 def pickle_problem(path: Path, limit: int = LIMIT) -> str | None:
     """Why ``path`` is not a well-formed pickle (its first one, up to ``limit`` bytes), or None.
 
@@ -28,16 +33,15 @@ def pickle_problem(path: Path, limit: int = LIMIT) -> str | None:
     """
     with path.open("rb") as f:
         data = f.read(limit)
-    head = data[:2]
-    if len(head) < 2 or head[0] != 0x80 or head[1] not in PROTOCOLS:
-        return f"it does not start with a pickle protocol header (starts {head.hex() or 'empty'})"
+    if not starts_like_pickle(data):
+        return f"it does not start with a pickle protocol header (starts {data[:2].hex() or 'empty'})"
     stream = io.BytesIO(data)
     try:
         for opcode, _arg, _pos in pickletools.genops(stream):
             if opcode.name == "STOP":
                 return None
     except ValueError as exc:
-        if len(data) == limit and stream.tell() >= limit - 16:  # ran out of what was read, not of the file
+        if len(data) == limit and stream.tell() == limit:  # ran out of what was read, not of the file
             return None
         return " ".join(str(exc).split())[:120]
     return None
